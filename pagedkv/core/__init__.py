@@ -1,0 +1,1 @@
+"""Control plane: block pool, hashing, managers, scheduler. Pure Python + numpy, no torch."""

@@ -1,0 +1,49 @@
+"""Typed errors. User input is validated at the boundary and rejected with one of these.
+
+Each error says what went wrong and what to do about it. Internal invariants that
+can only break through a bug in pagedkv raise ``InvariantError``.
+"""
+
+
+class PagedKVError(Exception):
+    """Base class of every error pagedkv raises on purpose."""
+
+
+class ConfigError(PagedKVError, ValueError):
+    """A configuration value is out of range or inconsistent with another one."""
+
+
+class InvalidRequestError(PagedKVError, ValueError):
+    """A request cannot be accepted (too long, empty, bad token ids, bad parameters)."""
+
+
+class NoFreeBlocksError(PagedKVError, ValueError):
+    """The block pool has fewer free blocks than asked for.
+
+    Subclasses ``ValueError`` because vLLM raises ``ValueError`` in the same place.
+    """
+
+
+class BlockStateError(PagedKVError, RuntimeError):
+    """A block operation is illegal in the block's current state (double free,
+    removing an unlinked block from the free queue, touching the null block ...)."""
+
+
+class UnknownRequestError(PagedKVError, KeyError):
+    """A request id is not known to the component that was asked about it."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else "unknown request"
+
+
+class InvariantError(PagedKVError, AssertionError):
+    """An index-layer invariant is broken (raised by the sanitizer and by internal checks).
+
+    ``rule`` names the broken rule; ``details`` carries the request/row/slot involved.
+    """
+
+    def __init__(self, rule: str, message: str, **details):
+        self.rule = rule
+        self.details = details
+        extra = ", ".join(f"{k}={v!r}" for k, v in details.items())
+        super().__init__(f"[{rule}] {message}" + (f" ({extra})" if extra else ""))

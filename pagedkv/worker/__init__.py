@@ -1,0 +1,1 @@
+"""Data plane: persistent batch, block tables, attention metadata (torch, CPU or CUDA)."""

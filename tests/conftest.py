@@ -1,0 +1,43 @@
+"""Test configuration.
+
+Without a CUDA GPU, Triton kernels run through the Triton interpreter: TRITON_INTERPRET=1
+must be set before any kernel module is imported, so it is set here, at collection start.
+With a GPU, kernels run natively (set PAGEDKV_FORCE_INTERPRET=1 to interpret anyway).
+"""
+
+import os
+import sys
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA or os.environ.get("PAGEDKV_FORCE_INTERPRET") == "1":
+    os.environ["TRITON_INTERPRET"] = "1"
+    assert "pagedkv.kernels" not in sys.modules or not any(
+        m.startswith("pagedkv.kernels.") for m in sys.modules
+    ), "a kernel module was imported before TRITON_INTERPRET was set"
+
+import pytest  # noqa: E402
+
+# Conformance vectors (traces + vLLM 0.33.0's recorded answers), copied from shared/vectors.
+VECTORS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vectors")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def kernel_device() -> str:
+    """Where kernel tests run: the GPU natively, else the CPU through the interpreter."""
+    return "cuda" if HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
+
+@pytest.fixture(scope="session")
+def vectors_dir() -> str:
+    return VECTORS
