@@ -47,3 +47,26 @@ class InvariantError(PagedKVError, AssertionError):
         self.details = details
         extra = ", ".join(f"{k}={v!r}" for k, v in details.items())
         super().__init__(f"[{rule}] {message}" + (f" ({extra})" if extra else ""))
+
+
+class BlockTableError(PagedKVError, ValueError):
+    """A block-table or persistent-batch row operation is out of range: a row index outside
+    ``[0, max_num_reqs)``, more block ids than the table width, a negative block id, or a
+    full batch. The table is left unchanged; raise ``max_model_len`` / ``max_num_reqs`` or
+    send fewer blocks."""
+
+
+class ModelOutputError(PagedKVError, ValueError):
+    """A model runner output does not match the scheduler output it answers (a request
+    missing from it, tokens sampled for a partial-prefill chunk, ...)."""
+
+
+class UnsupportedArchitectureError(ConfigError):
+    """A checkpoint's ``architectures`` names a model family pagedkv does not implement.
+    The message lists the supported architectures."""
+
+
+class CheckpointError(PagedKVError, ValueError):
+    """A checkpoint directory is incomplete or malformed: missing or unexpected tensors, a
+    tensor of the wrong shape, an unreadable safetensors file or index, a missing tokenizer.
+    The message names the files and tensors involved."""

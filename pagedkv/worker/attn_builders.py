@@ -1,0 +1,224 @@
+"""Attention metadata builders: CommonAttentionMetadata -> what one backend's kernels read.
+
+Three page-index formats (design doc, "page index"):
+
+* :class:`FlashAttentionMetadataBuilder`: the block table itself plus its strides. The table
+  handed in is a view of the shared multi-group buffer, so its row stride is the buffer's
+  total width, not the group's width; kernels must use ``block_table_stride``.
+* :class:`FlashInferMetadataBuilder`: paged-KV CSR (``indptr``, ``indices``,
+  ``last_page_len``) built on the device by ``build_page_indices`` into persistent buffers
+  (reference sec. 15); a padded request (``seq_len = 0``) has 0 pages and ``last_page_len 0``.
+* :class:`MambaMetadataBuilder`: per-request state indices from the block table (sec. 14):
+  mode ``none``/``all`` -> the table as is; ``align`` -> ``table[r, start : start+1+spec]`` with
+  ``start = max((seq_len - 1) // B, 0)``.
+
+Deliberate differences: Mamba "align" columns are clamped to the table width (vLLM's gather
+would fail out of range); FlashInfer does not support ``update_block_table`` (its CSR depends on
+the table's contents), so each group builds its own CSR into its own persistent buffers.
+
+A builder receives the spec with the *kernel* block size (see
+:class:`pagedkv.worker.metadata.AttentionGroup`). Builders whose metadata depends on the block
+table only through the table and the slot mapping set ``supports_update_block_table`` and
+implement ``update_block_table(prev, block_table, slot_mapping)``, which the per-group loop uses
+to reuse metadata across groups with the same spec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar, Sequence
+
+import torch
+
+from pagedkv.core.spec import KVCacheSpec, MambaCacheMode, MambaSpec
+from pagedkv.errors import ConfigError
+from pagedkv.kernels.page_indices import build_page_indices
+from pagedkv.worker.metadata import CommonAttentionMetadata
+
+
+class AttentionMetadataBuilder:
+    """Base builder. One instance per attention group (it may own persistent buffers)."""
+
+    supports_update_block_table: ClassVar[bool] = False
+    # Rows with at most this many scheduled tokens count as decodes (None: no reordering).
+    reorder_batch_threshold: ClassVar[int | None] = None
+
+    def __init__(
+        self,
+        kv_cache_spec: KVCacheSpec,
+        layer_names: Sequence[str],
+        device: torch.device | str,
+        max_num_reqs: int,
+        max_num_pages_per_req: int,
+    ) -> None:
+        self.kv_cache_spec = kv_cache_spec
+        self.layer_names = tuple(layer_names)
+        self.device = torch.device(device)
+        self.max_num_reqs = max_num_reqs
+        self.max_num_pages_per_req = max_num_pages_per_req
+
+    def build(self, common: CommonAttentionMetadata, for_cudagraph_capture: bool = False) -> Any:
+        raise ConfigError(f"{type(self).__name__} does not implement build(); subclass it")
+
+    def update_block_table(self, metadata: Any, block_table: torch.Tensor, slot_mapping: torch.Tensor) -> Any:
+        raise ConfigError(
+            f"{type(self).__name__} cannot reuse metadata across groups "
+            "(supports_update_block_table is False)"
+        )
+
+
+@dataclass
+class FlashAttentionMetadata:
+    num_actual_tokens: int
+    max_query_len: int
+    query_start_loc: torch.Tensor
+    max_seq_len: int
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor  # [num_reqs, width] int32, strided view
+    block_table_stride: tuple[int, int]  # (row, column) strides in elements
+    slot_mapping: torch.Tensor  # [num_actual_tokens] int64
+    page_size: int  # kernel block size
+    causal: bool = True
+
+
+class FlashAttentionMetadataBuilder(AttentionMetadataBuilder):
+    supports_update_block_table = True
+
+    def build(self, common: CommonAttentionMetadata, for_cudagraph_capture: bool = False) -> FlashAttentionMetadata:
+        bt = common.block_table_tensor
+        return FlashAttentionMetadata(
+            num_actual_tokens=common.num_actual_tokens,
+            max_query_len=common.max_query_len,
+            query_start_loc=common.query_start_loc,
+            max_seq_len=common.max_seq_len,
+            seq_lens=common.seq_lens,
+            block_table=bt,
+            block_table_stride=(bt.stride(0), bt.stride(1)),
+            slot_mapping=common.slot_mapping,
+            page_size=self.kv_cache_spec.block_size,
+            causal=common.causal,
+        )
+
+    def update_block_table(self, metadata: FlashAttentionMetadata, block_table: torch.Tensor, slot_mapping: torch.Tensor) -> FlashAttentionMetadata:
+        """Shallow copy with the block table and slot mapping replaced."""
+        return dataclasses.replace(
+            metadata,
+            block_table=block_table,
+            block_table_stride=(block_table.stride(0), block_table.stride(1)),
+            slot_mapping=slot_mapping,
+        )
+
+
+@dataclass
+class FlashInferMetadata:
+    num_actual_tokens: int
+    num_reqs: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    paged_kv_indptr: torch.Tensor  # [num_reqs + 1] int32
+    paged_kv_indices: torch.Tensor  # [max pages] int32; valid prefix indptr[num_reqs]
+    paged_kv_last_page_len: torch.Tensor  # [num_reqs] int32
+    slot_mapping: torch.Tensor
+    page_size: int
+    max_query_len: int
+    max_seq_len: int
+
+
+class FlashInferMetadataBuilder(AttentionMetadataBuilder):
+    """CSR over the (kernel) block table. ``seq_len`` is the DCP-local length under DCP."""
+
+    reorder_batch_threshold = 1
+
+    def __init__(self, kv_cache_spec, layer_names, device, max_num_reqs, max_num_pages_per_req) -> None:
+        super().__init__(kv_cache_spec, layer_names, device, max_num_reqs, max_num_pages_per_req)
+        dev = self.device
+        self.paged_kv_indptr = torch.zeros(max_num_reqs + 1, dtype=torch.int32, device=dev)
+        self.paged_kv_indices = torch.zeros(max_num_reqs * max_num_pages_per_req, dtype=torch.int32, device=dev)
+        self.paged_kv_last_page_len = torch.zeros(max_num_reqs, dtype=torch.int32, device=dev)
+
+    def build(self, common: CommonAttentionMetadata, for_cudagraph_capture: bool = False) -> FlashInferMetadata:
+        seq_lens = common.dcp_local_seq_lens if common.dcp_local_seq_lens is not None else common.seq_lens
+        n = common.num_reqs
+        build_page_indices(
+            common.block_table_tensor,
+            seq_lens,
+            self.kv_cache_spec.block_size,
+            common.num_actual_reqs,
+            n,
+            self.paged_kv_indptr,
+            self.paged_kv_indices,
+            self.paged_kv_last_page_len,
+        )
+        return FlashInferMetadata(
+            num_actual_tokens=common.num_actual_tokens,
+            num_reqs=n,
+            query_start_loc=common.query_start_loc,
+            seq_lens=seq_lens,
+            paged_kv_indptr=self.paged_kv_indptr[: n + 1],
+            paged_kv_indices=self.paged_kv_indices,
+            paged_kv_last_page_len=self.paged_kv_last_page_len[:n],
+            slot_mapping=common.slot_mapping,
+            page_size=self.kv_cache_spec.block_size,
+            max_query_len=common.max_query_len,
+            max_seq_len=common.max_seq_len,
+        )
+
+
+def mamba_state_indices(block_table: torch.Tensor, seq_lens: torch.Tensor, spec: MambaSpec) -> torch.Tensor:
+    """State indices per request (sec. 14).
+
+    ``none``/``all``: the table as is. ``align``: columns ``[start, start + 1 + spec_blocks)``
+    with ``start = max((seq_len - 1) // B, 0)`` (the block holding the last token; a padded
+    request with ``seq_len 0`` reads column 0, i.e. the null block).
+    """
+    if spec.mamba_cache_mode != MambaCacheMode.ALIGN:
+        return block_table
+    start = torch.clamp((seq_lens.to(torch.int64) - 1) // spec.block_size, min=0)
+    offs = torch.arange(1 + spec.num_speculative_blocks, device=block_table.device, dtype=torch.int64)
+    cols = (start[:, None] + offs[None, :]).clamp(max=block_table.shape[1] - 1)
+    return torch.gather(block_table, 1, cols)
+
+
+@dataclass
+class MambaMetadata:
+    num_reqs: int
+    num_actual_tokens: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    state_indices: torch.Tensor  # [num_reqs, 1 + spec_blocks] (align) or the table (none/all)
+    has_initial_state: torch.Tensor  # [num_reqs] bool: num_computed > 0
+    block_table: torch.Tensor
+
+
+class MambaMetadataBuilder(AttentionMetadataBuilder):
+    supports_update_block_table = True
+    reorder_batch_threshold = 1
+
+    def __init__(self, kv_cache_spec, layer_names, device, max_num_reqs, max_num_pages_per_req) -> None:
+        if not isinstance(kv_cache_spec, MambaSpec):
+            raise ConfigError(f"MambaMetadataBuilder needs a MambaSpec, got {type(kv_cache_spec).__name__}")
+        super().__init__(kv_cache_spec, layer_names, device, max_num_reqs, max_num_pages_per_req)
+
+    def build(self, common: CommonAttentionMetadata, for_cudagraph_capture: bool = False) -> MambaMetadata:
+        if common.num_computed_tokens_cpu is not None:
+            has_init = (common.num_computed_tokens_cpu > 0).to(self.device)
+        else:
+            has_init = torch.zeros(common.num_reqs, dtype=torch.bool, device=self.device)
+        return MambaMetadata(
+            num_reqs=common.num_reqs,
+            num_actual_tokens=common.num_actual_tokens,
+            query_start_loc=common.query_start_loc,
+            seq_lens=common.seq_lens,
+            state_indices=mamba_state_indices(common.block_table_tensor, common.seq_lens, self.kv_cache_spec),
+            has_initial_state=has_init,
+            block_table=common.block_table_tensor,
+        )
+
+    def update_block_table(self, metadata: MambaMetadata, block_table: torch.Tensor, slot_mapping: torch.Tensor) -> MambaMetadata:
+        """Recompute the state indices from the other group's table."""
+        return dataclasses.replace(
+            metadata,
+            block_table=block_table,
+            state_indices=mamba_state_indices(block_table, metadata.seq_lens, self.kv_cache_spec),
+        )
