@@ -72,3 +72,73 @@ class SchedulerOutput:
     @classmethod
     def make_empty(cls) -> "SchedulerOutput":
         return cls([], CachedRequestData(), {}, 0)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the worker reports back for one ``SchedulerOutput``.
+
+    ``sampled_token_ids[req_id_to_index[id]]`` are the tokens sampled for request ``id``:
+    one token for a normal step, up to ``1 + drafts`` with speculative decoding, and ``[]``
+    for a partial-prefill chunk (it samples nothing).
+    """
+
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    sampled_token_ids: list[list[int]]
+
+    @classmethod
+    def from_sampled(cls, sampled: dict[str, list[int]]) -> "ModelRunnerOutput":
+        """Build from ``{req_id: sampled tokens}`` (dict order = row order)."""
+        ids = list(sampled)
+        return cls(ids, {rid: i for i, rid in enumerate(ids)}, list(sampled.values()))
+
+
+class EngineCoreOutput:
+    """One request's result of a step: the tokens it gained and, if it finished, why."""
+
+    __slots__ = ("req_id", "new_token_ids", "finish_reason", "stop_reason")
+
+    def __init__(self, req_id: str, new_token_ids: list[int], finish_reason: Any = None,
+                 stop_reason: int | str | None = None) -> None:
+        self.req_id = req_id
+        self.new_token_ids = new_token_ids
+        self.finish_reason = finish_reason  # FinishReason or None while running
+        self.stop_reason = stop_reason
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def __repr__(self) -> str:
+        return (f"EngineCoreOutput({self.req_id!r}, new={self.new_token_ids}, "
+                f"finish={self.finish_reason})")
+
+
+@dataclass
+class SchedulerStats:
+    """Scheduler state after a step's ``update_from_output``.
+
+    ``prefix_cache_stats`` covers the prefix-cache lookups since the previous stats (the
+    KV-cache manager's ``make_prefix_cache_stats()``); ``num_preempted_reqs`` counts the
+    preemptions of the step that produced the output.
+    """
+
+    step: int
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_preempted_reqs: int
+    num_preemptions_total: int
+    prefix_cache_stats: Any = None
+
+
+@dataclass
+class EngineCoreOutputs:
+    """Result of ``Scheduler.update_from_output``: per-request outputs (scheduling order),
+    the ids that finished in this update, and the stats (None when stats are off)."""
+
+    outputs: list[EngineCoreOutput]
+    finished_req_ids: list[str]
+    scheduler_stats: SchedulerStats | None = None

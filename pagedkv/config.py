@@ -1,0 +1,165 @@
+"""Frozen, validated configuration dataclasses.
+
+Every value is checked when the object is built; a bad value raises ``ConfigError`` with a
+message that says which field is wrong and what to use instead. Objects are frozen: derive
+a changed copy with ``dataclasses.replace`` (which validates again).
+
+The engine adds more configs (model, parallelism, ...) beside these; each one validates
+itself in ``__post_init__`` and cross-config checks live in the object that combines them.
+
+Pure Python (control plane): no torch import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pagedkv.errors import ConfigError
+
+# "blake2b" is pagedkv's fast builtin alternative (not in vLLM).
+HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor", "blake2b")
+SCHEDULER_POLICIES = ("fcfs", "priority")
+MAMBA_CACHE_MODES = ("none", "align", "all")
+
+
+def _check_int(name: str, value, *, minimum: int, hint: str = "") -> None:
+    # bool is an int subclass; reject it explicitly so True is not read as 1.
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        more = f"; {hint}" if hint else ""
+        raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}{more}")
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """KV-cache pool settings.
+
+    ``block_size``: tokens per KV block (the manager block size of a single-group model).
+    ``num_gpu_blocks``: pool size including the null block 0; ``None`` means "profile the
+    device memory" (the engine fills it in). ``prefix_match_unit``: optional override of
+    the prefix-cache hash granularity for hybrid models (must divide every prefix-cacheable
+    group's block size). ``mamba_block_size``: optional Mamba block size (else derived).
+    """
+
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    gpu_memory_utilization: float = 0.9
+    cache_dtype: str = "auto"
+    prefix_match_unit: int | None = None
+    mamba_cache_mode: str = "none"
+    mamba_block_size: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("CacheConfig.block_size", self.block_size, minimum=1,
+                   hint="use a power of two such as 16")
+        if self.num_gpu_blocks is not None:
+            _check_int("CacheConfig.num_gpu_blocks", self.num_gpu_blocks, minimum=2,
+                       hint="block 0 is the null block, so at least 2 are needed; "
+                            "or pass None to size the pool from device memory")
+        _check_bool("CacheConfig.enable_prefix_caching", self.enable_prefix_caching)
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ConfigError(
+                f"CacheConfig.prefix_caching_hash_algo must be one of {HASH_ALGOS}, "
+                f"got {self.prefix_caching_hash_algo!r}"
+            )
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
+            raise ConfigError(
+                f"CacheConfig.gpu_memory_utilization must be a float in (0, 1], got {u!r}"
+            )
+        if not isinstance(self.cache_dtype, str) or not self.cache_dtype:
+            raise ConfigError(
+                f"CacheConfig.cache_dtype must be 'auto' or a dtype name such as 'bfloat16', "
+                f"got {self.cache_dtype!r}"
+            )
+        if self.prefix_match_unit is not None:
+            _check_int("CacheConfig.prefix_match_unit", self.prefix_match_unit, minimum=1,
+                       hint="or None to use the gcd of the groups' block sizes")
+        if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
+            raise ConfigError(
+                f"CacheConfig.mamba_cache_mode must be one of {MAMBA_CACHE_MODES}, "
+                f"got {self.mamba_cache_mode!r}"
+            )
+        if self.mamba_block_size is not None:
+            _check_int("CacheConfig.mamba_block_size", self.mamba_block_size, minimum=1,
+                       hint="or None to derive it from block_size / max_model_len")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Scheduler limits and policies (defaults = vLLM 0.33.0's).
+
+    ``max_num_batched_tokens``: input tokens per step. ``max_num_scheduled_tokens``: the
+    token budget per step (defaults to ``max_num_batched_tokens``). ``max_model_len``:
+    longest sequence (prompt + outputs). ``long_prefill_token_threshold``: when > 0, a
+    prefill gets at most this many tokens per step while other requests exist.
+    ``scheduler_reserve_full_isl``: admit a waiting request only if its whole current
+    sequence fits in the pool. ``watermark``: fraction of the pool kept free when admitting.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 8192
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    policy: Literal["fcfs", "priority"] = "fcfs"
+    num_lookahead_tokens: int = 0
+    scheduler_reserve_full_isl: bool = True
+    watermark: float = 0.0
+    max_num_scheduled_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("SchedulerConfig.max_num_seqs", self.max_num_seqs, minimum=1)
+        _check_int("SchedulerConfig.max_num_batched_tokens", self.max_num_batched_tokens,
+                   minimum=1)
+        _check_int("SchedulerConfig.max_model_len", self.max_model_len, minimum=2,
+                   hint="a sequence needs room for at least one prompt and one output token")
+        _check_bool("SchedulerConfig.enable_chunked_prefill", self.enable_chunked_prefill)
+        _check_int("SchedulerConfig.long_prefill_token_threshold",
+                   self.long_prefill_token_threshold, minimum=0, hint="0 disables the cap")
+        if self.policy not in SCHEDULER_POLICIES:
+            raise ConfigError(
+                f"SchedulerConfig.policy must be one of {SCHEDULER_POLICIES}, got {self.policy!r}"
+            )
+        _check_int("SchedulerConfig.num_lookahead_tokens", self.num_lookahead_tokens, minimum=0)
+        _check_bool("SchedulerConfig.scheduler_reserve_full_isl", self.scheduler_reserve_full_isl)
+        w = self.watermark
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w < 1.0:
+            raise ConfigError(f"SchedulerConfig.watermark must be a float in [0, 1), got {w!r}")
+        if self.max_num_scheduled_tokens is not None:
+            _check_int("SchedulerConfig.max_num_scheduled_tokens", self.max_num_scheduled_tokens,
+                       minimum=1, hint="or None to use max_num_batched_tokens")
+            if self.max_num_scheduled_tokens > self.max_num_batched_tokens:
+                raise ConfigError(
+                    f"SchedulerConfig.max_num_scheduled_tokens ({self.max_num_scheduled_tokens}) "
+                    f"must not exceed max_num_batched_tokens ({self.max_num_batched_tokens}); "
+                    "lower it or raise max_num_batched_tokens"
+                )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(
+                f"SchedulerConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                f">= max_num_seqs ({self.max_num_seqs}): every running request needs at least "
+                "one token per step; raise max_num_batched_tokens or lower max_num_seqs"
+            )
+        if not self.enable_chunked_prefill and self.token_budget < self.max_model_len:
+            raise ConfigError(
+                f"with chunked prefill disabled, the per-step token budget "
+                f"(max_num_scheduled_tokens or max_num_batched_tokens: {self.token_budget}) "
+                f"must be >= max_model_len ({self.max_model_len}) so that every prompt fits in "
+                "one step; raise max_num_batched_tokens, lower max_model_len or enable chunked "
+                "prefill"
+            )
+
+    @property
+    def token_budget(self) -> int:
+        """Tokens the scheduler may schedule per step."""
+        if self.max_num_scheduled_tokens is None:
+            return self.max_num_batched_tokens
+        return self.max_num_scheduled_tokens
