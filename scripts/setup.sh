@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Creates .venv (if missing) and installs pagedkv with its test dependencies.
+# CPU machines get torch 2.13.0 (the CPU build; a plain `pip install torch` would pull a
+# multi-GB CUDA build). Idempotent: a second run only checks what is installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+VPY=.venv/bin/python
+if ! "$VPY" -c "import torch, triton, numpy, pytest, hypothesis, xdist, transformers, tokenizers, safetensors" 2>/dev/null; then
+  "$VPY" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    "$VPY" -m pip install -q "torch>=2.4" "triton>=3.6,<3.9"
+  else
+    "$VPY" -m pip install -q torch==2.13.0 triton==3.6.0
+  fi
+  "$VPY" -m pip install -q numpy "pytest>=8" "hypothesis>=6.100" "pytest-xdist>=3.5" \
+    "transformers>=4.57" tokenizers safetensors
+fi
+"$VPY" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
+  || "$VPY" -m pip install -q --no-deps -e .
