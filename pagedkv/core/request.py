@@ -10,6 +10,7 @@ Pure Python (control plane).
 from __future__ import annotations
 
 import enum
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -83,11 +84,15 @@ class Request:
     mm_features: list = field(default_factory=list)  # objects with identifier/offset/length
     skip_reading_prefix_cache: bool = False
     block_hasher: BlockHasher | None = None
+    # Optional prompt embeddings (rows = prompt positions): numpy array or torch tensor.
+    # Their bytes enter the block hashes as ("prompt_embeds", sha256 digest) extra keys.
+    prompt_embeds: Any = None
 
     def __post_init__(self) -> None:
+        # Plain Python ints (numpy ints would pickle to other bytes in block hashes).
+        self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
         if not self.prompt_token_ids:
             raise InvalidRequestError(f"request {self.request_id!r} has an empty prompt")
-        self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
         self.status = RequestStatus.WAITING
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -130,8 +135,12 @@ class Request:
 
     # ----- mutation ----------------------------------------------------------------------
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
-        if isinstance(token_ids, int):
+        if type(token_ids) is int:
             token_ids = (token_ids,)
+        elif isinstance(token_ids, numbers.Integral):  # e.g. a numpy integer scalar
+            token_ids = (int(token_ids),)
+        else:  # plain ints only: numpy ints would hash to other bytes
+            token_ids = [int(t) for t in token_ids]
         self._output_token_ids.extend(token_ids)
         self._all_token_ids.extend(token_ids)
         self.update_block_hashes()

@@ -415,7 +415,7 @@ class Scheduler:
                 request = waiting.peek()
                 looked_up = request.num_computed_tokens == 0
                 if looked_up:
-                    hit_blocks, n_local = self._lookup_prefix_cache(request)
+                    hit_blocks, n_local = manager.get_computed_blocks(request, record_stats=False)
                     num_computed = n_local
                 else:
                     hit_blocks, n_local = empty_blocks, 0
@@ -448,7 +448,7 @@ class Scheduler:
                     continue
                 waiting.pop()
                 if looked_up:
-                    self._record_prefix_cache_stats(request, n_local)
+                    manager.record_prefix_cache_lookup(request, n_local)
                 running.append(request)
                 rid = request.request_id
                 if request.status == _WAITING:
@@ -493,30 +493,6 @@ class Scheduler:
         self._step_preempted = len(preempted)
         self._update_after_schedule(output)
         return output
-
-    def _lookup_prefix_cache(self, request: Request) -> tuple[Any, int]:
-        """``get_computed_blocks`` without counting the lookup in the prefix-cache stats.
-
-        vLLM 0.33.0 counts a request's lookup (requests / queries / hits) only when the
-        request is admitted: the recorded logs show no query for a head-of-line blocked
-        request, however many steps it is retried. The manager counts every call, so the
-        count is suspended here and made by ``_record_prefix_cache_stats`` on admission.
-        """
-        manager = self.kv_cache_manager
-        stats = manager.prefix_cache_stats
-        if stats is None:
-            return manager.get_computed_blocks(request)
-        manager.prefix_cache_stats = None
-        try:
-            return manager.get_computed_blocks(request)
-        finally:
-            manager.prefix_cache_stats = stats
-
-    def _record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
-        manager = self.kv_cache_manager
-        stats = manager.prefix_cache_stats
-        if stats is not None and manager.enable_caching and not request.skip_reading_prefix_cache:
-            stats.record(request.num_tokens, num_hits, request.num_preemptions > 0)
 
     def _preempt_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

@@ -1,0 +1,225 @@
+"""Block hashing: expected values computed here directly with hashlib + pickle."""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from pagedkv.core import hashing
+from pagedkv.core.hashing import (
+    HASH_FUNCTIONS,
+    BlockHashListWithBlockSize,
+    generate_block_hash_extra_keys,
+    get_block_hash,
+    get_group_id,
+    get_hash_fn,
+    get_request_block_hasher,
+    hash_block_tokens,
+    init_none_hash,
+    make_block_hash_with_group_id,
+    sha256,
+)
+from pagedkv.core.request import Request
+from pagedkv.errors import ConfigError
+
+
+def _sha(obj) -> bytes:
+    return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+@dataclass
+class Lora:
+    lora_name: str
+    lora_path: str
+
+
+@dataclass
+class Pos:
+    offset: int
+    length: int
+
+
+@dataclass
+class MM:
+    identifier: str
+    mm_position: Pos
+
+
+@pytest.fixture
+def fixed_seed(monkeypatch):
+    """NONE_HASH from the fixed seed string; restored afterwards."""
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    init_none_hash(sha256)
+    yield _sha("vllm-none-hash")
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    init_none_hash(sha256)
+
+
+def test_sha256_is_sha256_of_highest_protocol_pickle():
+    obj = (b"x", (1, 2, 3), None)
+    assert sha256(obj) == _sha(obj)
+    assert len(sha256(obj)) == 32
+    assert get_hash_fn("sha256") is sha256
+
+
+def test_none_hash_fixed_seed(fixed_seed):
+    assert hashing.get_none_hash(sha256) == fixed_seed == _sha("vllm-none-hash")
+
+
+def test_none_hash_from_pythonhashseed(monkeypatch, fixed_seed):
+    monkeypatch.setenv("PYTHONHASHSEED", "123")
+    assert init_none_hash(sha256) == _sha("123")
+    assert hash_block_tokens(sha256, None, [1, 2]) == _sha((_sha("123"), (1, 2), None))
+
+
+def test_hash_block_tokens_chain(fixed_seed):
+    h0 = hash_block_tokens(sha256, None, [1, 2, 3, 4])
+    assert h0 == _sha((fixed_seed, (1, 2, 3, 4), None))
+    h1 = hash_block_tokens(sha256, h0, [5, 6, 7, 8], (("cache_salt", "s"),))
+    assert h1 == _sha((h0, (5, 6, 7, 8), (("cache_salt", "s"),)))
+
+
+def test_block_hash_with_group_id():
+    h = _sha("a")
+    key = make_block_hash_with_group_id(h, 3)
+    assert key == h + b"\x00\x00\x00\x03"
+    assert get_block_hash(key) == h and get_group_id(key) == 3
+    assert make_block_hash_with_group_id(h, 258)[-4:] == (258).to_bytes(4, "big")
+
+
+def test_coarser_group_uses_last_fine_hash():
+    fine = [bytes([i]) for i in range(7)]
+    view = BlockHashListWithBlockSize(fine, 4, 8)
+    assert len(view) == 3
+    assert list(view) == [fine[1], fine[3], fine[5]]
+    assert view[-1] == fine[5]
+    with pytest.raises(IndexError):
+        view[3]
+    with pytest.raises(ConfigError):
+        BlockHashListWithBlockSize(fine, 4, 6)
+
+
+def test_verified_extra_keys_example(fixed_seed):
+    """Sec 3: block size 4, LoRA "L"/"/p", image at offset 2 length 5, salt "s1"."""
+    req = Request(
+        "r", list(range(100, 112)), lora_request=Lora("L", "/p"), cache_salt="s1",
+        mm_features=[MM("img0", Pos(2, 5))],
+    )
+    k0, idx = generate_block_hash_extra_keys(req, 0, 4, 0)
+    assert k0 == (("lora", "L", "/p"), ("mm", "img0", 2), ("cache_salt", "s1"))
+    assert idx == 0  # the image continues into the next block
+    k1, idx = generate_block_hash_extra_keys(req, 4, 8, idx)
+    assert k1 == (("lora", "L", "/p"), ("mm", "img0", -2))
+    assert idx == 1
+    k2, _ = generate_block_hash_extra_keys(req, 8, 12, idx)
+    assert k2 == (("lora", "L", "/p"),)
+
+    # The request's block hashes are the chain over these keys.
+    req2 = Request(
+        "r2", list(range(100, 112)), lora_request=Lora("L", "/p"), cache_salt="s1",
+        mm_features=[MM("img0", Pos(2, 5))], block_hasher=get_request_block_hasher(4, sha256),
+    )
+    e0 = _sha((fixed_seed, (100, 101, 102, 103), k0))
+    e1 = _sha((e0, (104, 105, 106, 107), k1))
+    e2 = _sha((e1, (108, 109, 110, 111), k2))
+    assert req2.block_hashes == [e0, e1, e2]
+
+
+def test_no_extra_keys_is_none():
+    req = Request("r", [1, 2, 3, 4])
+    assert generate_block_hash_extra_keys(req, 0, 4) == (None, 0)
+
+
+def test_salt_only_on_first_block(fixed_seed):
+    hasher = get_request_block_hasher(2, sha256)
+    req = Request("r", [1, 2, 3, 4], cache_salt="abc", block_hasher=hasher)
+    e0 = _sha((fixed_seed, (1, 2), (("cache_salt", "abc"),)))
+    e1 = _sha((e0, (3, 4), None))
+    assert req.block_hashes == [e0, e1]
+
+
+def test_prompt_embeds_key(fixed_seed):
+    emb = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
+    req = Request("r", list(range(8)), prompt_embeds=emb)
+    keys, _ = generate_block_hash_extra_keys(req, 4, 8)
+    assert keys == (("prompt_embeds", hashlib.sha256(emb[4:8].tobytes()).digest()),)
+
+
+def test_incremental_hasher_matches_full_hash(fixed_seed):
+    hasher = get_request_block_hasher(4, sha256)
+    req = Request("r", list(range(10)), block_hasher=hasher)
+    assert len(req.block_hashes) == 2
+    req.append_output_token_ids(10)
+    assert len(req.block_hashes) == 2  # 11 tokens: the third chunk is not full yet
+    req.append_output_token_ids([11, 12, 13, 14, 15, 16])
+    assert len(req.block_hashes) == 4
+    parent, expected = fixed_seed, []
+    for i in range(4):
+        parent = _sha((parent, tuple(range(4 * i, 4 * i + 4)), None))
+        expected.append(parent)
+    assert req.block_hashes == expected
+    # Hashes are only ever appended: the earlier entries are the same objects.
+    assert hasher(req) == []
+
+
+def test_incremental_mm_block_completed_by_outputs(fixed_seed):
+    """A block finished by generated tokens looks at the last mm item only (vLLM's walk)."""
+    hasher = get_request_block_hasher(4, sha256)
+    req = Request("r", [1, 2, 3, 4, 5, 6], mm_features=[MM("a", Pos(4, 1)), MM("b", Pos(5, 1))],
+                  block_hasher=hasher)
+    assert len(req.block_hashes) == 1
+    req.append_output_token_ids([7, 8])
+    assert len(req.block_hashes) == 2
+    expected = _sha((req.block_hashes[0], (5, 6, 7, 8), (("mm", "b", 1),)))
+    assert req.block_hashes[1] == expected
+
+
+def test_numpy_tokens_become_python_ints(fixed_seed):
+    hasher = get_request_block_hasher(2, sha256)
+    req = Request("r", np.array([1, 2], dtype=np.int64), block_hasher=hasher)
+    assert req.block_hashes == [_sha((fixed_seed, (1, 2), None))]
+
+
+def test_registry_and_unknown_algo():
+    assert "blake2b" in HASH_FUNCTIONS
+    b = get_hash_fn("blake2b")
+    assert b((1, 2)) == hashlib.blake2b(
+        pickle.dumps((1, 2), protocol=pickle.HIGHEST_PROTOCOL), digest_size=16
+    ).digest()
+    with pytest.raises(ConfigError):
+        get_hash_fn("md5")
+
+
+@pytest.mark.skipif("xxhash" not in HASH_FUNCTIONS, reason="xxhash module not installed")
+def test_xxhash_variant():
+    import xxhash
+
+    fn = get_hash_fn("xxhash")
+    assert fn((1,)) == xxhash.xxh3_128_digest(pickle.dumps((1,), protocol=pickle.HIGHEST_PROTOCOL))
+
+
+@pytest.mark.skipif("sha256_cbor" not in HASH_FUNCTIONS, reason="cbor2 not installed")
+def test_sha256_cbor_variant():
+    import cbor2
+
+    fn = get_hash_fn("sha256_cbor")
+    assert fn([1, 2]) == hashlib.sha256(cbor2.dumps([1, 2], canonical=True)).digest()
+
+
+def test_bad_hash_block_size():
+    with pytest.raises(ConfigError):
+        get_request_block_hasher(0, sha256)
+
+
+def test_numpy_output_tokens_hash_like_python_ints(fixed_seed):
+    hasher = get_request_block_hasher(2, sha256)
+    a = Request("a", [1], block_hasher=hasher)
+    a.append_output_token_ids(np.int64(2))
+    a.append_output_token_ids(np.array([3, 4], dtype=np.int32))
+    b = Request("b", [1, 2, 3, 4], block_hasher=hasher)
+    assert a.block_hashes == b.block_hashes and len(a.block_hashes) == 2
+    assert all(type(t) is int for t in a.all_token_ids)
