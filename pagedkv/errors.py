@@ -70,3 +70,9 @@ class CheckpointError(PagedKVError, ValueError):
     """A checkpoint directory is incomplete or malformed: missing or unexpected tensors, a
     tensor of the wrong shape, an unreadable safetensors file or index, a missing tokenizer.
     The message names the files and tensors involved."""
+
+
+class SamplingError(PagedKVError, ValueError):
+    """The sampler or the detokenizer was driven inconsistently: logits whose shape, dtype or
+    device do not match the batch's ``SamplingMetadata``, or tokens fed to a detokenizer whose
+    request already finished. Rebuild the metadata for the current batch composition."""

@@ -1,0 +1,101 @@
+"""Plain torch reference attention over a paged KV cache (CPU and GPU).
+
+Slow and simple on purpose: one loop over requests, each gathering its context from the block
+table and attending in float32. Serves mixed batches (prefill, chunked prefill with context
+already cached, decode). The reference the Triton backends are tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedkv.attention.backend import AttentionBackend, AttentionMetadataLike
+from pagedkv.attention.kv_write import WRITERS, write_kv
+from pagedkv.errors import ConfigError, InvariantError
+
+
+def _as_list(x) -> list[int]:
+    return [int(v) for v in (x.tolist() if hasattr(x, "tolist") else x)]
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadataLike,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of ``q [T, H, D]`` over each request's paged context (read only).
+
+    Rows past ``metadata.num_actual_tokens`` are zero.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise InvariantError("attention-gqa", "query heads are not a multiple of KV heads",
+                             num_heads=num_heads, num_kv_heads=num_kv_heads)
+    group = num_heads // num_kv_heads
+    n = int(metadata.num_reqs)
+    qsl = _as_list(metadata.query_start_loc_cpu)[: n + 1]
+    seq_lens = _as_list(metadata.seq_lens_cpu)[:n]
+    table = metadata.block_table_tensor
+    if n and qsl[n] > num_tokens:
+        raise InvariantError("attention-token-count", "query_start_loc ends past the query rows",
+                             end=qsl[n], rows=num_tokens)
+    out = torch.zeros_like(q)
+    for r in range(n):
+        start, end = qsl[r], qsl[r + 1]
+        q_len, seq_len = end - start, seq_lens[r]
+        if q_len == 0:
+            continue
+        if q_len < 0 or seq_len < q_len:
+            raise InvariantError("attention-lengths", "need 0 <= query_len <= seq_len",
+                                 request=r, query_len=q_len, seq_len=seq_len)
+        num_blocks = -(-seq_len // block_size)
+        if num_blocks > table.shape[1]:
+            raise InvariantError("attention-table-width", "sequence needs more blocks than the table has",
+                                 request=r, blocks=num_blocks, width=table.shape[1])
+        blocks = table[r, :num_blocks].to(torch.int64)
+        k = kv_cache[0][blocks].reshape(num_blocks * block_size, num_kv_heads, head_dim)[:seq_len]
+        v = kv_cache[1][blocks].reshape(num_blocks * block_size, num_kv_heads, head_dim)[:seq_len]
+        qr = q[start:end].reshape(q_len, num_kv_heads, group, head_dim).to(torch.float32)
+        scores = torch.einsum("qhgd,khd->hgqk", qr, k.to(torch.float32)) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        visible = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # [q_len, seq_len]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        o = torch.einsum("hgqk,khd->qhgd", probs, v.to(torch.float32))
+        out[start:end] = o.reshape(q_len, num_heads, head_dim).to(q.dtype)
+    return out
+
+
+class TorchRefBackend(AttentionBackend):
+    """KV write (the index layer's writer, see ``write_kv``) + ``paged_attention_ref``.
+
+    ``writer``: "auto" (Triton kernel for CUDA caches, its torch twin for CPU caches),
+    "kernel" or "ref".
+    """
+
+    name = "torch_ref"
+
+    def __init__(self, writer: str = "auto"):
+        if writer not in WRITERS:
+            raise ConfigError(f"unknown KV writer {writer!r}; use one of {', '.join(WRITERS)}")
+        self.writer = writer
+
+    def forward(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadataLike,
+        scale: float,
+    ) -> torch.Tensor:
+        n = int(metadata.num_actual_tokens)
+        write_kv(k, v, kv_cache, metadata.slot_mapping[:n], writer=self.writer)
+        return paged_attention_ref(q, kv_cache, metadata, scale)
+
+
+__all__ = ["TorchRefBackend", "paged_attention_ref"]

@@ -1,0 +1,689 @@
+"""Model architecture config: what pagedkv needs to know about a checkpoint's ``config.json``.
+
+``ModelArchConfig.from_dict`` parses and validates a Hugging Face ``config.json`` of one of the
+supported decoder-only families (Llama, Qwen2, Qwen3, Mistral) into one frozen dataclass. The
+family decides the defaults of absent keys (as transformers does) and the structural flags of the
+generic decoder (q/k/v bias, o_proj bias, q/k RMSNorm).
+
+``shape_config(name)`` returns the config of a well-known model shape (``"qwen3-0.6b"``,
+``"llama-3.2-1b"`` ...) for benchmarks with random weights.
+
+No torch import: the engine's control plane may read these values.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedkv.errors import ConfigError, UnsupportedArchitectureError
+
+# --------------------------------------------------------------------------------------------
+# Families
+
+
+@dataclass(frozen=True)
+class _Family:
+    name: str
+    # Defaults transformers' config classes use when config.json lacks the key.
+    max_position_embeddings: int
+    bos_token_id: int | None
+    eos_token_id: int | None
+    head_dim: int | None  # None: hidden_size // num_attention_heads
+    # Which projections carry a bias: "attention_bias" (read the key), True or False.
+    qkv_bias: str | bool
+    o_bias: str | bool
+    mlp_bias: str | bool
+    qk_norm: bool
+    # How a sliding window is switched on: "mistral" (sliding_window alone), "qwen"
+    # (use_sliding_window + max_window_layers / layer_types), None (never).
+    sliding: str | None
+
+
+FAMILIES: dict[str, _Family] = {
+    "LlamaForCausalLM": _Family(
+        name="llama",
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        head_dim=None,
+        qkv_bias="attention_bias",
+        o_bias="attention_bias",
+        mlp_bias="mlp_bias",
+        qk_norm=False,
+        sliding=None,
+    ),
+    "MistralForCausalLM": _Family(
+        name="mistral",
+        max_position_embeddings=4096 * 32,
+        bos_token_id=1,
+        eos_token_id=2,
+        head_dim=None,
+        qkv_bias=False,
+        o_bias=False,
+        mlp_bias=False,
+        qk_norm=False,
+        sliding="mistral",
+    ),
+    "Qwen2ForCausalLM": _Family(
+        name="qwen2",
+        max_position_embeddings=32768,
+        bos_token_id=None,
+        eos_token_id=None,
+        head_dim=None,
+        qkv_bias=True,
+        o_bias=False,
+        mlp_bias=False,
+        qk_norm=False,
+        sliding="qwen",
+    ),
+    "Qwen3ForCausalLM": _Family(
+        name="qwen3",
+        max_position_embeddings=32768,
+        bos_token_id=None,
+        eos_token_id=None,
+        head_dim=128,
+        qkv_bias="attention_bias",
+        o_bias="attention_bias",
+        mlp_bias=False,
+        qk_norm=True,
+        sliding="qwen",
+    ),
+}
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(FAMILIES)
+
+# --------------------------------------------------------------------------------------------
+# RoPE
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+_DTYPE_ALIASES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+}
+
+
+def normalize_dtype_name(name: Any, *, what: str = "dtype") -> str:
+    """Map ``"bf16"``, ``"torch.bfloat16"``, ``"half"`` ... to ``"bfloat16"``/``"float16"``/``"float32"``."""
+    if not isinstance(name, str):
+        name = str(name)
+    key = name.strip().lower().removeprefix("torch.")
+    try:
+        return _DTYPE_ALIASES[key]
+    except KeyError:
+        raise ConfigError(
+            f"{what} {name!r} is not supported; use one of float32, bfloat16, float16 "
+            f"(aliases fp32, bf16, fp16, half)"
+        ) from None
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters, in transformers 5.x's ``rope_parameters`` vocabulary.
+
+    ``rope_type``: default | linear | dynamic | llama3 | yarn. ``factor`` is the scaling factor
+    (1.0 for default). The other fields only matter for the types that read them.
+    """
+
+    rope_type: str = "default"
+    rope_theta: float = 10000.0
+    factor: float = 1.0
+    # llama3
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    # llama3 and yarn: pretraining context length
+    original_max_position_embeddings: int | None = None
+    # yarn
+    attention_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+
+def _parse_rope(d: dict, max_position_embeddings: int) -> RopeConfig:
+    """Read RoPE parameters from both layouts: 5.x ``rope_parameters`` and 4.x ``rope_theta`` +
+    ``rope_scaling`` (with ``type`` or ``rope_type``). ``rope_scaling`` wins when both are set, as
+    in transformers."""
+    params = d.get("rope_scaling") or d.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise ConfigError(
+            f"config.json: rope_parameters/rope_scaling must be an object, got {params!r}"
+        )
+    params = dict(params)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(
+            f"config.json: rope type {rope_type!r} is not supported; supported rope types: "
+            f"{', '.join(ROPE_TYPES)}"
+        )
+    theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
+        raise ConfigError(f"config.json: rope_theta must be a positive number, got {theta!r}")
+    partial = params.get("partial_rotary_factor", d.get("partial_rotary_factor"))
+    if partial is not None and float(partial) != 1.0:
+        raise ConfigError(
+            f"config.json: partial_rotary_factor={partial!r} is not supported by these families "
+            f"(rotary embedding covers the whole head); remove it or set it to 1.0"
+        )
+
+    def num(key: str, *, required: bool = False, positive: bool = True) -> float | None:
+        v = params.get(key)
+        if v is None:
+            if required:
+                raise ConfigError(
+                    f"config.json: rope type {rope_type!r} needs {key!r} in rope_parameters"
+                )
+            return None
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or (positive and v <= 0):
+            raise ConfigError(
+                f"config.json: rope_parameters[{key!r}] must be a positive number, got {v!r}"
+            )
+        return float(v)
+
+    original = params.get("original_max_position_embeddings")
+    if original is None and rope_type in ("llama3", "yarn"):
+        original = d.get("original_max_position_embeddings", max_position_embeddings)
+    if original is not None:
+        if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
+            raise ConfigError(
+                "config.json: original_max_position_embeddings must be a positive integer, "
+                f"got {original!r}"
+            )
+
+    if rope_type == "default":
+        return RopeConfig(rope_theta=float(theta))
+    if rope_type in ("linear", "dynamic"):
+        return RopeConfig(rope_type=rope_type, rope_theta=float(theta), factor=num("factor", required=True))
+    if rope_type == "llama3":
+        low = num("low_freq_factor", required=True)
+        high = num("high_freq_factor", required=True)
+        if high <= low:
+            raise ConfigError(
+                f"config.json: llama3 rope needs high_freq_factor > low_freq_factor, got "
+                f"high={high} low={low}"
+            )
+        return RopeConfig(
+            rope_type="llama3",
+            rope_theta=float(theta),
+            factor=num("factor", required=True),
+            low_freq_factor=low,
+            high_freq_factor=high,
+            original_max_position_embeddings=original,
+        )
+    # yarn
+    factor = num("factor")
+    if factor is None:
+        factor = max_position_embeddings / original
+    truncate = params.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ConfigError(f"config.json: rope_parameters['truncate'] must be a bool, got {truncate!r}")
+    return RopeConfig(
+        rope_type="yarn",
+        rope_theta=float(theta),
+        factor=factor,
+        original_max_position_embeddings=original,
+        attention_factor=num("attention_factor"),
+        beta_fast=num("beta_fast"),
+        beta_slow=num("beta_slow"),
+        mscale=num("mscale", positive=False),
+        mscale_all_dim=num("mscale_all_dim", positive=False),
+        truncate=truncate,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The config
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    """Validated architecture of one supported checkpoint (see ``from_dict``)."""
+
+    architecture: str
+    family: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    dtype: str  # checkpoint dtype: float32 | bfloat16 | float16
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int | None = None
+    hidden_act: str = "silu"
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    # ---- derived sizes
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The first eos id (``eos_token_ids`` has all of them)."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def kv_cache_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Bytes of K and V, all layers, for one token."""
+        return 2 * self.num_hidden_layers * self.kv_size * dtype_bytes
+
+    def num_parameters(self) -> int:
+        """Parameter count (tied embeddings counted once)."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.qkv_bias:
+            attn += self.q_size + 2 * self.kv_size
+        if self.o_bias:
+            attn += h
+        mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
+        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        per_layer = attn + mlp + norms
+        emb = v * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * per_layer + emb + h
+
+    # ---- parsing
+    @classmethod
+    def from_json_file(cls, path: str | os.PathLike, *, max_model_len: int | None = None) -> "ModelArchConfig":
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise ConfigError(f"config.json not found at {path}; point pagedkv at a checkpoint directory")
+        try:
+            with open(path, encoding="utf-8") as f:
+                d = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"{path} must hold a JSON object, got {type(d).__name__}")
+        return cls.from_dict(d, max_model_len=max_model_len, source=path)
+
+    @classmethod
+    def from_dict(
+        cls, d: dict, *, max_model_len: int | None = None, source: str = "config.json"
+    ) -> "ModelArchConfig":
+        """Parse and validate a Hugging Face ``config.json`` dict.
+
+        ``max_model_len`` (optional) is the longest sequence the engine will run; a sliding
+        window shorter than it (or, without it, shorter than ``max_position_embeddings``) is
+        rejected, because only full attention is supported.
+        """
+        if not isinstance(d, dict):
+            raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
+        arch = _pick_architecture(d, source)
+        fam = FAMILIES[arch]
+
+        def req_int(key: str) -> int:
+            if key not in d or d[key] is None:
+                raise ConfigError(f"{source}: required field {key!r} is missing ({arch})")
+            return _pos_int(d[key], key, source)
+
+        hidden = req_int("hidden_size")
+        layers = req_int("num_hidden_layers")
+        heads = req_int("num_attention_heads")
+        inter = req_int("intermediate_size")
+        vocab = req_int("vocab_size")
+        kv_heads = d.get("num_key_value_heads")
+        kv_heads = heads if kv_heads is None else _pos_int(kv_heads, "num_key_value_heads", source)
+        if heads % kv_heads:
+            raise ConfigError(
+                f"{source}: num_attention_heads ({heads}) must be a multiple of "
+                f"num_key_value_heads ({kv_heads})"
+            )
+        head_dim = d.get("head_dim")
+        if head_dim is None:
+            head_dim = fam.head_dim
+        if head_dim is None:
+            if hidden % heads:
+                raise ConfigError(
+                    f"{source}: head_dim is absent and hidden_size ({hidden}) is not a multiple of "
+                    f"num_attention_heads ({heads}); add head_dim to config.json"
+                )
+            head_dim = hidden // heads
+        head_dim = _pos_int(head_dim, "head_dim", source)
+        if head_dim % 2:
+            raise ConfigError(f"{source}: head_dim must be even for rotary embeddings, got {head_dim}")
+
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"{source}: hidden_act {act!r} is not supported; these families use 'silu'")
+        eps = d.get("rms_norm_eps", 1e-6)
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps <= 0:
+            raise ConfigError(f"{source}: rms_norm_eps must be a positive number, got {eps!r}")
+
+        max_pos = d.get("max_position_embeddings")
+        max_pos = fam.max_position_embeddings if max_pos is None else _pos_int(
+            max_pos, "max_position_embeddings", source
+        )
+        rope = _parse_rope(d, max_pos)
+        _check_sliding_window(d, fam, arch, layers, max_model_len or max_pos, source)
+
+        def flag(spec: str | bool) -> bool:
+            if isinstance(spec, bool):
+                return spec
+            v = d.get(spec, False)
+            if not isinstance(v, bool):
+                raise ConfigError(f"{source}: {spec} must be true or false, got {v!r}")
+            return v
+
+        tie = d.get("tie_word_embeddings", False)
+        if not isinstance(tie, bool):
+            raise ConfigError(f"{source}: tie_word_embeddings must be true or false, got {tie!r}")
+
+        dtype_raw = d.get("dtype", d.get("torch_dtype"))
+        dtype = "float32" if dtype_raw is None else normalize_dtype_name(dtype_raw, what=f"{source}: dtype")
+
+        bos = d["bos_token_id"] if "bos_token_id" in d else fam.bos_token_id
+        eos = d["eos_token_id"] if "eos_token_id" in d else fam.eos_token_id
+        bos = _opt_token(bos, "bos_token_id", vocab, source)
+        if eos is None:
+            eos_ids: tuple[int, ...] = ()
+        elif isinstance(eos, list):
+            eos_ids = tuple(_opt_token(e, "eos_token_id", vocab, source) for e in eos)
+        else:
+            eos_ids = (_opt_token(eos, "eos_token_id", vocab, source),)
+        pad = _opt_token(d.get("pad_token_id"), "pad_token_id", vocab, source)
+
+        return cls(
+            architecture=arch,
+            family=fam.name,
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=inter,
+            vocab_size=vocab,
+            rms_norm_eps=float(eps),
+            max_position_embeddings=max_pos,
+            rope=rope,
+            tie_word_embeddings=tie,
+            qkv_bias=flag(fam.qkv_bias),
+            o_bias=flag(fam.o_bias),
+            mlp_bias=flag(fam.mlp_bias),
+            qk_norm=fam.qk_norm,
+            dtype=dtype,
+            bos_token_id=bos,
+            eos_token_ids=eos_ids,
+            pad_token_id=pad,
+            hidden_act=act,
+            raw=dict(d),
+        )
+
+
+def load_model_config(model_dir: str | os.PathLike, *, max_model_len: int | None = None) -> ModelArchConfig:
+    """Parse ``<model_dir>/config.json``."""
+    model_dir = os.fspath(model_dir)
+    if not os.path.isdir(model_dir):
+        raise ConfigError(f"model directory {model_dir!r} does not exist")
+    return ModelArchConfig.from_json_file(os.path.join(model_dir, "config.json"), max_model_len=max_model_len)
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def _pick_architecture(d: dict, source: str) -> str:
+    archs = d.get("architectures")
+    if not archs:
+        raise ConfigError(
+            f"{source}: field 'architectures' is missing or empty; expected one of "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if isinstance(archs, str):
+        archs = [archs]
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ConfigError(f"{source}: 'architectures' must be a list of names, got {archs!r}")
+    for a in archs:
+        if a in FAMILIES:
+            return a
+    raise UnsupportedArchitectureError(
+        f"{source}: architecture {', '.join(archs)} is not supported; supported architectures: "
+        f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _pos_int(v: Any, key: str, source: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ConfigError(f"{source}: {key} must be a positive integer, got {v!r}")
+    return v
+
+
+def _opt_token(v: Any, key: str, vocab: int, source: str) -> int | None:
+    """A special-token id: null or a non-negative int. An id >= vocab_size is accepted (some
+    checkpoints name tokenizer-only ids); the model can then never produce it."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ConfigError(f"{source}: {key} must be a non-negative token id or null, got {v!r}")
+    return v
+
+
+def _check_sliding_window(d: dict, fam: _Family, arch: str, layers: int, max_len: int, source: str) -> None:
+    """Only full attention is supported: reject a sliding window that could cut the context."""
+    window = d.get("sliding_window")
+    if fam.sliding is None or window is None:
+        return
+    if fam.sliding == "qwen":
+        if not d.get("use_sliding_window", False):
+            return
+        layer_types = d.get("layer_types")
+        if layer_types is None:
+            first = d.get("max_window_layers", 28)
+            sliding_layers = [i for i in range(layers) if i >= first]
+        else:
+            sliding_layers = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
+        if not sliding_layers:
+            return
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ConfigError(f"{source}: sliding_window must be null or a positive integer, got {window!r}")
+    if window < max_len:
+        raise ConfigError(
+            f"{source}: {arch} uses a sliding window of {window} tokens, shorter than the maximum "
+            f"length {max_len}; pagedkv supports full attention only. Use a checkpoint without a "
+            f"sliding window, or cap max_model_len at {window}"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Named shapes (benchmarks with random weights)
+
+SHAPES: dict[str, dict] = {
+    "qwen3-0.6b": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "hidden_size": 1024,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 3072,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 40960,
+        "attention_bias": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "dtype": "bfloat16",
+    },
+    "qwen3-1.7b": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "hidden_size": 2048,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 6144,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 40960,
+        "attention_bias": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "dtype": "bfloat16",
+    },
+    "qwen3-8b": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "hidden_size": 4096,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 12288,
+        "vocab_size": 151936,
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 40960,
+        "attention_bias": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "dtype": "bfloat16",
+    },
+    "qwen2.5-0.5b": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "hidden_size": 896,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "intermediate_size": 4864,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 32768,
+        "use_sliding_window": False,
+        "sliding_window": 32768,
+        "max_window_layers": 24,
+        "bos_token_id": 151643,
+        "eos_token_id": 151643,
+        "dtype": "bfloat16",
+    },
+    "llama-3.2-1b": {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 2048,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "intermediate_size": 8192,
+        "vocab_size": 128256,
+        "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "max_position_embeddings": 131072,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "dtype": "bfloat16",
+    },
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 14336,
+        "vocab_size": 128256,
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "max_position_embeddings": 131072,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "dtype": "bfloat16",
+    },
+    "mistral-7b-v0.3": {
+        "architectures": ["MistralForCausalLM"],
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 14336,
+        "vocab_size": 32768,
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 32768,
+        "sliding_window": None,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "dtype": "bfloat16",
+    },
+}
+
+
+def shape_config_dict(name: str) -> dict:
+    """A copy of the ``config.json`` dict of a named shape."""
+    key = name.strip().lower()
+    if key not in SHAPES:
+        raise ConfigError(f"unknown model shape {name!r}; known shapes: {', '.join(sorted(SHAPES))}")
+    return json.loads(json.dumps(SHAPES[key]))
+
+
+def shape_config(name: str, *, dtype: str | None = None) -> ModelArchConfig:
+    """The architecture of a well-known model (``"qwen3-0.6b"``, ``"llama-3.2-1b"``,
+    ``"qwen2.5-0.5b"`` ...), for benchmarks with random weights."""
+    d = shape_config_dict(name)
+    if dtype is not None:
+        d["dtype"] = normalize_dtype_name(dtype)
+    return ModelArchConfig.from_dict(d, source=f"shape {name!r}")
+
+
+__all__ = [
+    "FAMILIES",
+    "ModelArchConfig",
+    "ROPE_TYPES",
+    "RopeConfig",
+    "SHAPES",
+    "SUPPORTED_ARCHITECTURES",
+    "load_model_config",
+    "normalize_dtype_name",
+    "shape_config",
+    "shape_config_dict",
+]

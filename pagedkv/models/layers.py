@@ -1,0 +1,118 @@
+"""Building blocks of the decoder: RMSNorm, linear layers, the fused QKV projection and the
+SiLU-gated MLP.
+
+Parameters are created uninitialized (``torch.empty``): weights come from a checkpoint or from
+``DecoderForCausalLM.init_random_weights``. Forward functions are plain tensor code without
+data-dependent Python control flow, so ``torch.compile`` can be applied to them.
+
+Fused projections keep one weight per GEMM (``qkv_proj`` = q|k|v rows, ``gate_up_proj`` =
+gate|up rows); ``shards`` names the row range each Hugging Face tensor fills.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / rms(x)``; the statistics in float32, the product in ``x``'s dtype."""
+    dtype = x.dtype
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dimension."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, *, dtype=None, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Linear(nn.Module):
+    """``y = x W^T (+ b)`` with ``W: [out_features, in_features]``."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype=None, device=None):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False
+        )
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
+    """Several projections of the same input stacked into one weight (one GEMM).
+
+    ``shards``: name -> (first row, number of rows).
+    """
+
+    def __init__(self, in_features: int, sizes: dict[str, int], *, bias: bool, dtype=None, device=None):
+        super().__init__(in_features, sum(sizes.values()), bias=bias, dtype=dtype, device=device)
+        self.shards: dict[str, tuple[int, int]] = {}
+        start = 0
+        for name, n in sizes.items():
+            self.shards[name] = (start, n)
+            start += n
+        self.split_sizes = list(sizes.values())
+
+
+class QKVProjection(MergedLinear):
+    """q, k, v projections fused; returns ``q [T, H, D]``, ``k [T, Hkv, D]``, ``v [T, Hkv, D]``."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
+                 bias: bool, dtype=None, device=None):
+        super().__init__(
+            hidden_size,
+            {"q": num_heads * head_dim, "k": num_kv_heads * head_dim, "v": num_kv_heads * head_dim},
+            bias=bias, dtype=dtype, device=device,
+        )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv = F.linear(x, self.weight, self.bias)
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
+        t = x.shape[0]
+        return (
+            q.reshape(t, self.num_heads, self.head_dim),
+            k.reshape(t, self.num_kv_heads, self.head_dim),
+            v.reshape(t, self.num_kv_heads, self.head_dim),
+        )
+
+
+class GatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool, dtype=None, device=None):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(
+            hidden_size, {"gate": intermediate_size, "up": intermediate_size},
+            bias=bias, dtype=dtype, device=device,
+        )
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+__all__ = ["GatedMLP", "Linear", "MergedLinear", "QKVProjection", "RMSNorm", "rms_norm", "silu_and_mul"]

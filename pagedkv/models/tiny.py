@@ -1,0 +1,310 @@
+"""Small deterministic checkpoints of each supported family, built offline.
+
+``build_tiny_checkpoint("qwen3")`` writes (once) a Hugging Face checkpoint directory into a
+cache directory and returns its path: ``config.json`` and safetensors weights written by
+transformers' own model class (``save_pretrained``; sharded with ``max_shard_size``), plus a
+byte-level BPE tokenizer trained with ``tokenizers`` on a small built-in corpus
+(``tokenizer.json`` + ``tokenizer_config.json`` with bos/eos/pad).
+
+Weights are drawn from one seeded generator in parameter-name order (matrices ~ N(0, init_std);
+norm weights 1 + N(0, 0.1); biases N(0, 0.1)), so they do not depend on transformers' init
+code, and norms and biases are not trivially 1 and 0 (a loader that drops them is caught).
+
+Idempotent: a directory is keyed by a hash of its spec and reused when its marker file exists;
+it is built in a temporary directory and renamed into place, so concurrent builders are safe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field, replace
+
+from pagedkv.errors import ConfigError, InvariantError
+
+FORMAT_VERSION = 1
+MARKER = "pagedkv_tiny.json"
+
+FAMILY_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+
+CORPUS = """\
+The scheduler decides which requests run in the next step and how many tokens each may compute.
+Every request owns a list of blocks; a block holds the keys and values of sixteen tokens.
+The block table maps a request row and a logical block to a physical block in the pool.
+A slot is a block id times the block size plus the offset of the token inside its block.
+Padding slots are minus one and the writer skips them; the null block is never written.
+When the pool runs out of free blocks, the scheduler preempts the newest running request.
+Prefix caching hashes full blocks so that a new prompt can reuse the blocks of an old one.
+Chunked prefill splits a long prompt over several steps so that decode requests keep moving.
+The quick brown fox jumps over the lazy dog while the model writes one token at a time.
+Numbers such as 1, 2, 3, 16, 32, 128 and 4096 appear in shapes, sizes and budgets.
+Attention reads the context of each request through its block table, one page at a time.
+Greedy decoding picks the most likely token; sampling draws from the softened distribution.
+A small model with random weights still produces deterministic tokens for a fixed seed.
+Hello world! How are you today? The weather is fine, and the tests are green again.
+Keys, values, queries and heads: grouped-query attention shares one key head among several.
+Rotary embeddings turn positions into angles; scaling stretches them for longer contexts.
+"""
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    family: str
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    intermediate_size: int = 128
+    vocab_size: int = 512
+    max_position_embeddings: int = 256
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    rope_scaling: dict | None = field(default=None, hash=False)
+    tie_word_embeddings: bool | None = None  # None: family default (qwen tied, llama/mistral not)
+    attention_bias: bool = False  # llama and qwen3 only (qwen2 always has q/k/v bias)
+    mlp_bias: bool = False  # llama only
+    dtype: str = "float32"
+    max_shard_size: str | int | None = None
+    seed: int = 0
+    init_std: float = 0.1
+
+    def validate(self) -> None:
+        if self.family not in FAMILY_ARCHITECTURES:
+            raise ConfigError(
+                f"unknown tiny family {self.family!r}; choose one of {', '.join(FAMILY_ARCHITECTURES)}"
+            )
+        if self.vocab_size < 300:
+            raise ConfigError(
+                f"tiny vocab_size must be >= 300 (256 byte tokens + specials + merges), got {self.vocab_size}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError("tiny num_heads must be a multiple of num_kv_heads")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"tiny dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.attention_bias and self.family not in ("llama", "qwen3"):
+            raise ConfigError("attention_bias is a llama/qwen3 option")
+        if self.mlp_bias and self.family != "llama":
+            raise ConfigError("mlp_bias is a llama option")
+
+    @property
+    def tied(self) -> bool:
+        if self.tie_word_embeddings is not None:
+            return self.tie_word_embeddings
+        return self.family in ("qwen2", "qwen3")
+
+    def key(self) -> str:
+        d = asdict(self)
+        d["format"] = FORMAT_VERSION
+        blob = json.dumps(d, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def default_cache_dir() -> str:
+    root = os.environ.get("PAGEDKV_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedkv")
+    return os.path.join(root, "tiny")
+
+
+def hf_config_dict(spec: TinySpec) -> dict:
+    """Keyword arguments of the family's transformers config class."""
+    rope = {"rope_type": "default", "rope_theta": float(spec.rope_theta)}
+    if spec.rope_scaling:
+        rope = {"rope_theta": float(spec.rope_theta), **spec.rope_scaling}
+        rope.setdefault("rope_type", "default")
+    d = dict(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        rms_norm_eps=spec.rms_norm_eps,
+        initializer_range=spec.init_std,
+        tie_word_embeddings=spec.tied,
+        rope_parameters=rope,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+    )
+    if spec.family == "llama":
+        d.update(attention_bias=spec.attention_bias, mlp_bias=spec.mlp_bias)
+    elif spec.family == "qwen3":
+        d.update(attention_bias=spec.attention_bias, use_sliding_window=False)
+    elif spec.family == "qwen2":
+        d.update(use_sliding_window=False)
+    elif spec.family == "mistral":
+        d.update(sliding_window=None)
+    return d
+
+
+def train_tokenizer(vocab_size: int, *, add_bos: bool):
+    """A byte-level BPE tokenizer trained on ``CORPUS`` (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS.splitlines(), trainer=trainer)
+    if add_bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS_ID)]
+        )
+    else:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    for i, t in enumerate(SPECIAL_TOKENS):
+        if tok.token_to_id(t) != i:
+            raise InvariantError("tiny-tokenizer", "special token got an unexpected id",
+                                 token=t, expected=i, got=tok.token_to_id(t))
+    return tok
+
+
+def _fill_weights(model, spec: TinySpec) -> None:
+    import torch
+
+    family_salt = sorted(FAMILY_ARCHITECTURES).index(spec.family)
+    gen = torch.Generator().manual_seed(spec.seed * 1000 + family_salt)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if p.dim() >= 2:
+                vals = torch.randn(p.shape, generator=gen) * spec.init_std
+            elif name.endswith("bias"):
+                vals = torch.randn(p.shape, generator=gen) * 0.1
+            else:  # norm weights
+                vals = 1.0 + torch.randn(p.shape, generator=gen) * 0.1
+            p.copy_(vals.to(p.dtype))
+
+
+def _build(spec: TinySpec, out_dir: str) -> None:
+    import torch
+    import transformers
+
+    arch = FAMILY_ARCHITECTURES[spec.family]
+    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    model_cls = getattr(transformers, arch)
+    config = config_cls(**hf_config_dict(spec))
+    model = model_cls(config)
+    _fill_weights(model, spec)
+    model = model.to(getattr(torch, spec.dtype))
+    kwargs = {} if spec.max_shard_size is None else {"max_shard_size": spec.max_shard_size}
+    model.save_pretrained(out_dir, **kwargs)
+
+    tok = train_tokenizer(spec.vocab_size, add_bos=spec.family in ("llama", "mistral"))
+    if tok.get_vocab_size() > spec.vocab_size:
+        raise ConfigError(f"trained tokenizer has {tok.get_vocab_size()} tokens > vocab_size {spec.vocab_size}")
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": SPECIAL_TOKENS[BOS_ID],
+                "eos_token": SPECIAL_TOKENS[EOS_ID],
+                "pad_token": SPECIAL_TOKENS[PAD_ID],
+                "model_max_length": spec.max_position_embeddings,
+                "clean_up_tokenization_spaces": False,
+            },
+            f,
+            indent=2,
+        )
+    with open(os.path.join(out_dir, MARKER), "w", encoding="utf-8") as f:
+        json.dump({**asdict(spec), "format": FORMAT_VERSION, "transformers": transformers.__version__},
+                  f, indent=2, default=str)
+
+
+def build_tiny_checkpoint(family: str, cache_dir: str | os.PathLike | None = None, **options) -> str:
+    """Path of the tiny checkpoint of ``family`` with ``options`` (``TinySpec`` fields),
+    building it into ``cache_dir`` (default ``$PAGEDKV_CACHE_DIR/tiny`` or
+    ``~/.cache/pagedkv/tiny``) unless it is there already."""
+    try:
+        spec = TinySpec(family=family, **options)
+    except TypeError as e:
+        raise ConfigError(f"bad tiny checkpoint option: {e}; options are the TinySpec fields") from None
+    spec.validate()
+    cache_dir = os.fspath(cache_dir) if cache_dir is not None else default_cache_dir()
+    os.makedirs(cache_dir, exist_ok=True)
+    target = os.path.join(cache_dir, f"{family}-{spec.key()}")
+    if os.path.isfile(os.path.join(target, MARKER)):
+        return target
+    tmp = tempfile.mkdtemp(prefix=f".{family}-building-", dir=cache_dir)
+    try:
+        _build(spec, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not os.path.isfile(os.path.join(target, MARKER)):
+                shutil.rmtree(target, ignore_errors=True)
+                os.rename(tmp, target)
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def shape_spec_options(name: str, **overrides) -> tuple[str, dict]:
+    """``(family, TinySpec options)`` reproducing a named shape of ``pagedkv.models.config``
+    (``"qwen3-0.6b"`` ...) with random weights (std 0.02), for full-size parity runs::
+
+        family, opts = shape_spec_options("qwen3-0.6b", dtype="bfloat16")
+        path = build_tiny_checkpoint(family, cache_dir, **opts)
+    """
+    from pagedkv.models.config import shape_config, shape_config_dict
+
+    cfg = shape_config(name)
+    raw = shape_config_dict(name)
+    family = next(f for f, a in FAMILY_ARCHITECTURES.items() if a == cfg.architecture)
+    rope = raw.get("rope_scaling") or None
+    opts = dict(
+        num_layers=cfg.num_hidden_layers,
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        intermediate_size=cfg.intermediate_size,
+        vocab_size=cfg.vocab_size,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_theta=cfg.rope.rope_theta,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_scaling=dict(rope) if rope else None,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        dtype=cfg.dtype,
+        init_std=0.02,
+    )
+    opts.update(overrides)
+    return family, opts
+
+
+def tiny_spec(family: str, **options) -> TinySpec:
+    spec = replace(TinySpec(family=family), **options)
+    spec.validate()
+    return spec
+
+
+__all__ = [
+    "CORPUS",
+    "FAMILY_ARCHITECTURES",
+    "TinySpec",
+    "build_tiny_checkpoint",
+    "default_cache_dir",
+    "hf_config_dict",
+    "shape_spec_options",
+    "tiny_spec",
+    "train_tokenizer",
+]
