@@ -1,0 +1,163 @@
+"""Helpers shared by the kernel modules: dispatch (Triton or reference), argument checks, the
+launch geometry of the per-request token kernels and their shared padding writer.
+
+Nothing here launches a kernel. The checks read only host-side tensor metadata (shape, dtype,
+device, strides), never tensor values, so a launcher stays free of host syncs and can be captured
+in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from pagedkv.errors import ConfigError
+
+PAD_SLOT_ID = -1
+INDEX_DTYPES = (torch.int32, torch.int64)
+KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def use_triton(kernel, *tensors: torch.Tensor) -> bool:
+    """True when ``kernel`` should run: the tensors live on CUDA, or the kernel was decorated
+    under ``TRITON_INTERPRET=1`` (the Triton interpreter then runs it on CPU tensors).
+
+    Otherwise (CPU tensors, compiled Triton) the caller uses the plain torch reference.
+    Deciding on the kernel object rather than on the environment at call time keeps the two in
+    agreement: ``triton.jit`` reads ``TRITON_INTERPRET`` once, when the module is imported.
+    """
+    if tensors and tensors[0].device.type == "cuda":
+        return True
+    return isinstance(kernel, InterpretedFunction)
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_tensor(
+    fn: str,
+    name: str,
+    t: torch.Tensor,
+    *,
+    dtypes: tuple[torch.dtype, ...],
+    ndim: int,
+    contiguous_last: bool = False,
+) -> None:
+    """Validate a tensor argument's type, dtype and rank (metadata only; a fast path first,
+    because launchers run every step and their host time counts)."""
+    try:
+        if t.dtype in dtypes and t.dim() == ndim and (
+            not contiguous_last or t.stride(-1) == 1 or t.shape[-1] <= 1
+        ):
+            return
+    except (AttributeError, TypeError, IndexError):
+        pass
+    if not isinstance(t, torch.Tensor):
+        raise ConfigError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ConfigError(f"{fn}: {name} must have dtype in ({names}), got {t.dtype}")
+    if t.dim() != ndim:
+        raise ConfigError(f"{fn}: {name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    raise ConfigError(
+        f"{fn}: {name} must be contiguous in its last dimension (stride {t.stride()}); "
+        "pass .contiguous() or a view of a row-major buffer"
+    )
+
+
+def check_int(fn: str, name: str, value, *, lo: int | None = None, hi: int | None = None) -> int:
+    """Validate a host integer argument; returns it as a Python int."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ConfigError(f"{fn}: {name} must be a host int, got {type(value).__name__}")
+    value = int(value)
+    if lo is not None and value < lo:
+        raise ConfigError(f"{fn}: {name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ConfigError(f"{fn}: {name} must be <= {hi}, got {value}")
+    return value
+
+
+def check_same_device(fn: str, **tensors: torch.Tensor | None) -> None:
+    """All given tensors (None entries skipped) live on one device."""
+    first = None
+    for t in tensors.values():
+        if t is None:
+            continue
+        dev = t.get_device()
+        if first is None:
+            first = dev
+        elif dev != first:
+            listing = ", ".join(f"{k}={v.device}" for k, v in tensors.items() if v is not None)
+            raise ConfigError(f"{fn}: all tensors must be on one device, got {listing}")
+
+
+def check_cp(fn: str, cp_world_size, cp_rank, cp_interleave) -> tuple[int, int, int]:
+    cp = check_int(fn, "cp_world_size", cp_world_size, lo=1)
+    rank = check_int(fn, "cp_rank", cp_rank, lo=0, hi=cp - 1)
+    inter = check_int(fn, "cp_interleave", cp_interleave, lo=1)
+    return cp, rank, inter
+
+
+def gather_table(table: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
+                 ok: torch.Tensor) -> torch.Tensor:
+    """Reference-side bounded gather: ``table[rows, cols]`` as int64 where ``ok``, else 0.
+
+    Entries outside ``ok`` are never read, so out-of-range rows/columns (and empty tables)
+    are safe; callers turn them into -1 themselves.
+    """
+    if table.shape[0] == 0 or table.shape[1] == 0:
+        return torch.zeros(ok.shape, dtype=torch.int64, device=table.device)
+    rows = torch.broadcast_to(rows, ok.shape)
+    cols = torch.broadcast_to(cols, ok.shape)
+    return table[torch.where(ok, rows, 0), torch.where(ok, cols, 0)].to(torch.int64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-request token kernels (slot mapping, compressed slot mapping): launch geometry and the
+# shared padding writer.
+
+MAX_TOKEN_BLOCK = 1024
+PAD_BLOCK = 1024
+MAX_SPLIT = 64
+
+
+def token_launch_geometry(num_reqs: int, num_tokens: int, buffer_len: int,
+                          max_query_len: int | None) -> tuple[int, int, int, int]:
+    """``(BLOCK, num_warps, S, P)`` for a grid ``(num_reqs + P, ..., S)``, from host ints only.
+
+    ``BLOCK`` lanes per chunk: the next power of two of the longest request
+    (``max_query_len`` when the caller knows it, else ``num_tokens``, an upper bound), between
+    32 and 1024. ``S`` splits deal one request's chunks over several programs so that none walks
+    more than two chunks (1 unless a request exceeds 2048 tokens). ``P`` padding programs, each
+    with ``S`` workers, store at most ~4 PAD_BLOCK chunks of -1 each.
+    """
+    longest = num_tokens if max_query_len is None else min(max_query_len, num_tokens)
+    block = max(32, min(MAX_TOKEN_BLOCK, next_pow2(max(longest, 1))))
+    num_warps = max(1, min(4, block // 256))
+    splits = max(1, min(MAX_SPLIT, cdiv(longest, 2 * block)))
+    pad_programs = max(1, cdiv(buffer_len, 4 * PAD_BLOCK * splits))
+    return block, num_warps, splits, pad_programs
+
+
+@triton.jit
+def fill_pad_tail(out_ptr, qsl_ptr, num_reqs, num_tokens, length, r, s, num_row_programs,
+                  num_splits, PAD: tl.constexpr):
+    """Padding program ``num_reqs <= r < num_row_programs``: store -1 into
+    ``out[min(qsl[num_reqs], num_tokens):length]``; the ``(num_row_programs - num_reqs) *
+    num_splits`` workers take chunks round robin."""
+    worker = (r - num_reqs) * num_splits + s
+    step = (num_row_programs - num_reqs) * num_splits * PAD
+    t0 = tl.minimum(tl.load(qsl_ptr + num_reqs), num_tokens) + worker * PAD
+    lanes = tl.arange(0, PAD)
+    while t0 < length:
+        t = t0 + lanes
+        tl.store(out_ptr + t, tl.full([PAD], -1, tl.int64), mask=t < length)
+        t0 += step

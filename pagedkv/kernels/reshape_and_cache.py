@@ -1,0 +1,220 @@
+"""The KV writer: scatter each token's K (and V) into the paged cache at its slot.
+
+``key_cache[slot // bs, slot % bs] = key[t]`` (same for V) for every ``t < T`` with
+``T = slot_mapping.numel()``, where ``bs`` is read from the cache's shape. Consequences:
+  * a kernel-block view ``[num_blocks * ratio, kernel_block_size, H, D]`` of the same memory
+    gives the identical result (dense layouts: ``b*B + off == (b*ratio + off//kbs)*kbs +
+    off%kbs``);
+  * a compressed MLA cache ``[num_blocks, storage_block_size, 1, D]`` works with the compressed
+    slot mapping (slots count states, not tokens).
+
+Rules (DESIGN.md): the token count comes from the slot mapping, never from K/V (which may be
+padded longer); ``slot < 0`` (PAD) is skipped, so padded tokens and the null block are never
+written. Values are cast to the cache dtype on store (bf16 / fp16 / fp32; round to nearest even
+on the GPU). All index * stride products are int64; any tensor strides are accepted.
+
+Deliberate, documented choice: a slot ``>= num_blocks * block_size`` is skipped as well (vLLM
+would write out of bounds).
+Launch: grid ``(T,)``; each program copies one token's ``H x D`` (and ``H x Dv``) tile.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedkv.errors import ConfigError
+from pagedkv.kernels._common import (
+    KV_DTYPES,
+    check_same_device,
+    check_tensor,
+    next_pow2,
+    use_triton,
+)
+
+_MAX_TILE = 2048
+
+
+@triton.jit
+def _copy_token(
+    src_ptr,
+    src_s0,
+    src_s1,
+    src_s2,
+    dst_ptr,
+    dst_s0,
+    dst_s1,
+    dst_s2,
+    dst_s3,
+    t,
+    blk,
+    off,
+    ok,
+    num_heads,
+    head_dim,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    d = tl.arange(0, BLOCK_D)[None, :]
+    src_tok = src_ptr + t.to(tl.int64) * src_s0
+    dst_tok = dst_ptr + blk * dst_s0 + off * dst_s1
+    h0 = tl.full([], 0, tl.int32)
+    while h0 < num_heads:
+        h = h0 + tl.arange(0, BLOCK_H)[:, None]
+        m = ok & (h < num_heads) & (d < head_dim)
+        hh = h.to(tl.int64)
+        dd = d.to(tl.int64)
+        x = tl.load(src_tok + hh * src_s1 + dd * src_s2, mask=m)
+        tl.store(dst_tok + hh * dst_s2 + dd * dst_s3, x.to(dst_ptr.dtype.element_ty), mask=m)
+        h0 += BLOCK_H
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    slot_ptr,
+    k_ptr, k_s0, k_s1, k_s2,
+    kc_ptr, kc_s0, kc_s1, kc_s2, kc_s3,
+    v_ptr, v_s0, v_s1, v_s2,
+    vc_ptr, vc_s0, vc_s1, vc_s2, vc_s3,
+    num_slots,
+    block_size,
+    num_heads,
+    head_dim,
+    head_dim_v,
+    HAS_VALUE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_HV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    ok = (slot >= 0) & (slot < num_slots)
+    safe = tl.where(ok, slot, 0)
+    blk = safe // block_size
+    off = safe % block_size
+    _copy_token(k_ptr, k_s0, k_s1, k_s2, kc_ptr, kc_s0, kc_s1, kc_s2, kc_s3, t, blk, off, ok,
+                num_heads, head_dim, BLOCK_H, BLOCK_D)
+    if HAS_VALUE:
+        _copy_token(v_ptr, v_s0, v_s1, v_s2, vc_ptr, vc_s0, vc_s1, vc_s2, vc_s3, t, blk, off,
+                    ok, num_heads, head_dim_v, BLOCK_HV, BLOCK_DV)
+
+
+def _check(fn, key, value, key_cache, value_cache, slot_mapping):
+    check_tensor(fn, "slot_mapping", slot_mapping, dtypes=(torch.int64, torch.int32), ndim=1,
+                 contiguous_last=True)
+    check_tensor(fn, "key", key, dtypes=KV_DTYPES, ndim=3)
+    check_tensor(fn, "key_cache", key_cache, dtypes=KV_DTYPES, ndim=4)
+    num_tokens = slot_mapping.numel()
+    n_blocks, block_size, heads, dim = key_cache.shape
+    if not (key.shape[0] >= num_tokens):
+        raise ConfigError(
+            f"{fn}: key has {key.shape[0]} tokens, slot_mapping has {num_tokens}"
+        )
+    if not (tuple(key.shape[1:]) == (heads, dim)):
+        raise ConfigError(
+            f"{fn}: key [T, H, D] = {tuple(key.shape)} does not match key_cache "
+            f"[num_blocks, block_size, H, D] = {tuple(key_cache.shape)}"
+        )
+    if value is None:
+        if not (value_cache is None):
+            raise ConfigError(
+                f"{fn}: value is None (MLA latent cache) but value_cache was given"
+            )
+    else:
+        if not (value_cache is not None):
+            raise ConfigError(
+                f"{fn}: value was given but value_cache is None"
+            )
+        check_tensor(fn, "value", value, dtypes=KV_DTYPES, ndim=3)
+        check_tensor(fn, "value_cache", value_cache, dtypes=KV_DTYPES, ndim=4)
+        if not (value.shape[0] >= num_tokens):
+            raise ConfigError(
+                f"{fn}: value has {value.shape[0]} tokens, slot_mapping has {num_tokens}"
+            )
+        if not (tuple(value_cache.shape[:3]) == (n_blocks, block_size, heads)):
+            raise ConfigError(
+                f"{fn}: value_cache {tuple(value_cache.shape)} must share num_blocks, "
+                f"block_size and H with key_cache {tuple(key_cache.shape)}"
+            )
+        if not (tuple(value.shape[1:]) == tuple(value_cache.shape[2:])):
+            raise ConfigError(
+                f"{fn}: value {tuple(value.shape)} does not match value_cache "
+                f"{tuple(value_cache.shape)}"
+            )
+    check_same_device(fn, key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+                      slot_mapping=slot_mapping)
+
+
+def _tile(heads: int, dim: int) -> tuple[int, int]:
+    block_d = next_pow2(dim)
+    block_h = max(1, min(next_pow2(heads), _MAX_TILE // block_d))
+    return block_h, block_d
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor | None,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor | None,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write K (and V) of the ``T = slot_mapping.numel()`` tokens into the paged caches.
+
+    Args:
+        key: ``[>= T, H, D]``; value: ``[>= T, H, Dv]`` or None (MLA latent, K only).
+        key_cache: ``[num_blocks, block_size, H, D]``; value_cache: ``[num_blocks, block_size,
+            H, Dv]`` or None. bf16 / fp16 / fp32, any strides; block_size from the shape.
+        slot_mapping: int64 ``[T]``; ``slot < 0`` is skipped.
+    """
+    fn = "reshape_and_cache"
+    _check(fn, key, value, key_cache, value_cache, slot_mapping)
+    num_tokens = slot_mapping.numel()
+    if num_tokens == 0:
+        return
+    if not use_triton(_reshape_and_cache_kernel, key_cache):
+        _reshape_and_cache_torch(key, value, key_cache, value_cache, slot_mapping)
+        return
+    n_blocks, block_size, heads, dim = key_cache.shape
+    block_h, block_d = _tile(heads, dim)
+    has_value = value is not None
+    v, vc = (value, value_cache) if has_value else (key, key_cache)
+    block_hv, block_dv = _tile(heads, v.shape[2])
+    _reshape_and_cache_kernel[(num_tokens,)](
+        slot_mapping,
+        key, *key.stride(),
+        key_cache, *key_cache.stride(),
+        v, *v.stride(),
+        vc, *vc.stride(),
+        n_blocks * block_size, block_size, heads, dim, v.shape[2],
+        HAS_VALUE=has_value, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_HV=block_hv,
+        BLOCK_DV=block_dv, num_warps=4,
+    )
+
+
+def reshape_and_cache_ref(
+    key: torch.Tensor,
+    value: torch.Tensor | None,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor | None,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Plain torch twin of :func:`reshape_and_cache`."""
+    _check("reshape_and_cache_ref", key, value, key_cache, value_cache, slot_mapping)
+    if slot_mapping.numel() == 0:
+        return
+    _reshape_and_cache_torch(key, value, key_cache, value_cache, slot_mapping)
+
+
+def _reshape_and_cache_torch(key, value, key_cache, value_cache, slot_mapping):
+    n_blocks, block_size = key_cache.shape[:2]
+    slots = slot_mapping.to(torch.int64)
+    tok = torch.nonzero((slots >= 0) & (slots < n_blocks * block_size)).flatten()
+    if tok.numel() == 0:
+        return
+    s = slots[tok]
+    blk, off = s // block_size, s % block_size
+    key_cache[blk, off] = key[tok].to(key_cache.dtype)
+    if value is not None:
+        value_cache[blk, off] = value[tok].to(value_cache.dtype)

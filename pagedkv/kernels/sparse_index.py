@@ -1,0 +1,156 @@
+"""Sparse top-k index translation, DeepSeek V3.2 / V4 (reference sec. 17.2).
+
+Each token ``t`` of request ``req_id_per_token[t]`` selected ``K`` positions of its request
+(``topk_indices[t, k]``, request-local token indices, -1 = none). They become flat KV slots::
+
+    out[t, k] = block_table[req, idx // BS] * BS + idx % BS
+
+``idx == -1`` (any negative idx) gives -1, and so does a block index past the table width.
+A request id outside ``[0, block_table.shape[0])`` gives an all -1 row (never a neighbour's
+block). The slot is computed in int64 and cast to ``out``'s dtype on store.
+
+``block_size`` is a compile-time constant of the kernel; index math runs in int32 (int64 top-k
+indices past ``2**31 - 1`` give -1), the slot in int64.
+Launch: grid ``(T, cdiv(K, BLOCK_K))`` with ``T = topk_indices.shape[0]`` (host shape only).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedkv.errors import ConfigError
+from pagedkv.kernels._common import (
+    INDEX_DTYPES,
+    cdiv,
+    check_int,
+    check_same_device,
+    check_tensor,
+    gather_table,
+    next_pow2,
+    use_triton,
+)
+
+
+@triton.jit(
+    do_not_specialize=[
+        "bt_rows",
+        "bt_width",
+        "num_k",
+    ]
+)
+def _sparse_index_kernel(
+    req_ptr,
+    bt_ptr,
+    bt_stride_r,
+    bt_stride_c,
+    bt_rows,
+    bt_width,
+    topk_ptr,
+    topk_stride_t,
+    topk_stride_k,
+    out_ptr,
+    out_stride_t,
+    num_k,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    t = tl.program_id(0)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    in_k = k < num_k
+    req = tl.load(req_ptr + t)
+    row_ok = (req >= 0) & (req < bt_rows)
+    t64 = t.to(tl.int64)
+    idx = tl.load(topk_ptr + t64 * topk_stride_t + k.to(tl.int64) * topk_stride_k, mask=in_k,
+                  other=-1)
+    ok = in_k & row_ok & (idx >= 0) & (idx <= 2147483647)
+    idx = tl.where(ok, idx, 0).to(tl.int32)
+    col = idx // BLOCK_SIZE
+    ok = ok & (col < bt_width)
+    blk = tl.load(bt_ptr + req.to(tl.int64) * bt_stride_r + col.to(tl.int64) * bt_stride_c,
+                  mask=ok, other=0)
+    slot = tl.where(ok, blk.to(tl.int64) * BLOCK_SIZE + (idx - col * BLOCK_SIZE), -1)
+    tl.store(out_ptr + t64 * out_stride_t + k, slot.to(out_ptr.dtype.element_ty), mask=in_k)
+
+
+def _check(fn, req_id_per_token, block_table, topk_indices, block_size, out):
+    check_tensor(fn, "req_id_per_token", req_id_per_token, dtypes=INDEX_DTYPES, ndim=1,
+                 contiguous_last=True)
+    check_tensor(fn, "block_table", block_table, dtypes=INDEX_DTYPES, ndim=2)
+    check_tensor(fn, "topk_indices", topk_indices, dtypes=INDEX_DTYPES, ndim=2)
+    check_tensor(fn, "out", out, dtypes=INDEX_DTYPES, ndim=2, contiguous_last=True)
+    block_size = check_int(fn, "block_size", block_size, lo=1)
+    if not (tuple(out.shape) == tuple(topk_indices.shape)):
+        raise ConfigError(
+            f"{fn}: out must have topk_indices' shape {tuple(topk_indices.shape)}, "
+            f"got {tuple(out.shape)}"
+        )
+    if not (req_id_per_token.numel() >= topk_indices.shape[0]):
+        raise ConfigError(
+            f"{fn}: req_id_per_token needs {topk_indices.shape[0]} entries (one per token), "
+            f"has {req_id_per_token.numel()}"
+        )
+    check_same_device(fn, req_id_per_token=req_id_per_token, block_table=block_table,
+                      topk_indices=topk_indices, out=out)
+    return block_size
+
+
+def convert_req_index_to_global_index(
+    req_id_per_token: torch.Tensor,
+    block_table: torch.Tensor,
+    topk_indices: torch.Tensor,
+    block_size: int,
+    out: torch.Tensor,
+) -> None:
+    """Translate request-local top-k token indices into flat KV slots (in place into ``out``).
+
+    Args:
+        req_id_per_token: int32 ``[>= T]`` batch row of each token.
+        block_table: int32 ``[max_num_reqs, width]``.
+        topk_indices: int32 ``[T, K]`` (any strides), -1 = no selection.
+        block_size: tokens per block of ``block_table``.
+        out: int32 ``[T, K]`` (columns contiguous).
+    """
+    fn = "convert_req_index_to_global_index"
+    block_size = _check(fn, req_id_per_token, block_table, topk_indices, block_size, out)
+    num_t, num_k = topk_indices.shape
+    if num_t == 0 or num_k == 0:
+        return
+    if not use_triton(_sparse_index_kernel, block_table):
+        _sparse_index_torch(req_id_per_token, block_table, topk_indices, block_size, out)
+        return
+    block_k = min(1024, next_pow2(num_k))
+    _sparse_index_kernel[(num_t, cdiv(num_k, block_k))](
+        req_id_per_token, block_table, block_table.stride(0), block_table.stride(1),
+        block_table.shape[0], block_table.shape[1], topk_indices, topk_indices.stride(0),
+        topk_indices.stride(1), out, out.stride(0), num_k, BLOCK_SIZE=block_size,
+        BLOCK_K=block_k, num_warps=4 if block_k >= 512 else 1,
+    )
+
+
+def convert_req_index_to_global_index_ref(
+    req_id_per_token: torch.Tensor,
+    block_table: torch.Tensor,
+    topk_indices: torch.Tensor,
+    block_size: int,
+    out: torch.Tensor,
+) -> None:
+    """Plain torch twin of :func:`convert_req_index_to_global_index`."""
+    fn = "convert_req_index_to_global_index_ref"
+    block_size = _check(fn, req_id_per_token, block_table, topk_indices, block_size, out)
+    if topk_indices.numel() == 0:
+        return
+    _sparse_index_torch(req_id_per_token, block_table, topk_indices, block_size, out)
+
+
+def _sparse_index_torch(req_id_per_token, block_table, topk_indices, block_size, out):
+    num_t = topk_indices.shape[0]
+    rows, width = block_table.shape
+    req = req_id_per_token[:num_t].to(torch.int64)
+    row_ok = (req >= 0) & (req < rows)
+    idx = topk_indices.to(torch.int64)
+    col = torch.div(idx, block_size, rounding_mode="floor")
+    ok = row_ok[:, None] & (idx >= 0) & (idx <= 2**31 - 1) & (col < width)
+    blk = gather_table(block_table, req[:, None], col, ok)
+    out.copy_(torch.where(ok, blk * block_size + idx % block_size, -1).to(out.dtype))
