@@ -296,8 +296,12 @@ class MultiGroupBlockTable:
         num_tokens: int,
         query_start_loc: torch.Tensor,
         positions: torch.Tensor,
+        max_query_len: int | None = None,
     ) -> torch.Tensor:
         """Every group's slot mapping in ONE launch; returns ``int64 [G, max_num_batched_tokens]``.
+
+        ``max_query_len`` (host int, optional) only sizes the launch: 1 for a pure-decode step
+        gives narrow per-request programs; results never depend on it.
 
         ``query_start_loc`` (int32, ``>= num_reqs+1`` entries) and ``positions`` (int64,
         ``>= num_tokens`` entries) are device tensors. Entries ``[num_tokens:]``, groups with
@@ -318,6 +322,7 @@ class MultiGroupBlockTable:
             self.cp_world_size,
             self.cp_rank,
             self.cp_interleave,
+            max_query_len=max_query_len,
         )
         return self.slot_mappings
 

@@ -192,11 +192,12 @@ class InputPreparer:
         bt.fill_padding_rows(num_reqs, n_reqs_pad)
 
         # 5. All groups' slot mappings, one launch; [num_tokens:] -> -1.
+        max_query_len = int(nsched.max()) if num_reqs else 0
         slots = bt.compute_slot_mappings(
-            num_reqs, num_tokens, self.query_start_loc.gpu, self.positions.gpu
+            num_reqs, num_tokens, self.query_start_loc.gpu, self.positions.gpu,
+            max_query_len=max_query_len or None,
         )
 
-        max_query_len = int(nsched.max()) if num_reqs else 0
         if for_cudagraph_capture:
             max_seq_len = batch.max_model_len
         else:
