@@ -11,6 +11,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+from triton.runtime.interpreter import InterpretedFunction
 
 from pagedkv.errors import ConfigError
 from pagedkv.kernels._common import check_same_device, check_tensor
@@ -79,6 +80,15 @@ def check_attention_inputs(
     return AttnShape(num_heads, num_kv_heads, num_heads // num_kv_heads, head_dim, block_size)
 
 
+def interpreted(kernel) -> bool:
+    """True when ``kernel`` runs under the Triton interpreter (``TRITON_INTERPRET=1`` at import).
+
+    The kernels then loop with ``while`` instead of ``range``: the interpreter cannot iterate a
+    ``range`` over runtime scalars, and compiled code wants ``range`` (software pipelining).
+    """
+    return isinstance(kernel, InterpretedFunction)
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot`` precision: exact fp32 for fp32 caches (Triton would use tf32), native otherwise."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -97,4 +107,4 @@ def num_sms(device: torch.device) -> int:
 
 
 __all__ = ["ATTN_DTYPES", "AttnShape", "LOG2E", "check_attention_inputs", "dot_precision",
-           "num_sms"]
+           "interpreted", "num_sms"]

@@ -1,0 +1,401 @@
+"""Paged decode attention (Triton): one query token per request, over the paged KV cache.
+
+Layout (``backend.py`` conventions): ``q``/``out [T, H, D]``; ``kv_cache [2, num_blocks,
+block_size, Hkv, D]``; request ``r``'s query row is ``query_start_loc[r]`` and it attends to its
+``seq_lens[r]`` positions, position ``n`` at slot ``block_table[r, n // B] * B + n % B``.
+Only requests with exactly one query token (``query_start_loc[r+1] - query_start_loc[r] == 1``)
+are served; every other row of ``out`` is left untouched, so a mixed batch can hand its longer
+requests to the prefill kernel. A decode request must have ``seq_lens[r] >= 1``.
+
+Kernel (``_decode_kernel``), grid ``(num_reqs, Hkv, num_splits)``:
+  * GQA-packed: program ``(r, h, s)`` serves the ``G = H // Hkv`` query heads that share KV head
+    ``h`` as the rows of one ``[G_PAD, D]`` tile (``G_PAD >= 16`` for ``tl.dot``), so every K/V
+    byte is read once per request.
+  * It walks tiles of ``TILE_N`` positions: per position the block-table entry is gathered
+    (``n // B``, any block size from 1 up, power of two or not; positions ``>= seq_len`` or
+    columns past the table width are masked and never read), then ``S = Q K^T`` and
+    ``acc += P V`` with ``tl.dot``, online softmax in base 2, all accumulation in fp32.
+  * Split-KV: the context's tiles are dealt into ``num_splits`` contiguous ranges. The split
+    count launched is a host int (``choose_num_splits``: from batch x KV heads vs the device's
+    multiprocessors); inside, a request uses only ``min(num_splits, ceil(tiles / MIN_SPLIT_TILES))``
+    of them, so short contexts in a split launch do not pay for splitting. A request that ends
+    up in one split writes its normalized output directly; otherwise each split stores its
+    partial ``(max, sum, acc)`` in fp32 and ``_decode_reduce_kernel`` (grid ``(num_reqs, H)``)
+    merges them.
+
+CUDA graphs: the grid depends on host ints only (``num_reqs``, heads, the split count); lengths
+are read on the device; ``num_reqs`` and the split count are runtime arguments, not specialized
+(one compiled variant for every split count > 1, one for no split); the partial buffers are sized by
+the launched split count (allocated per call from torch's caching allocator, which a graph
+capture turns into fixed graph-pool memory). No host syncs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedkv.attention._triton_common import (
+    LOG2E,
+    check_attention_inputs,
+    dot_precision,
+    interpreted,
+    num_sms,
+)
+from pagedkv.attention.torch_ref import paged_attention_ref
+from pagedkv.errors import ConfigError
+from pagedkv.kernels._common import cdiv, next_pow2, use_triton
+
+MAX_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters of the decode kernel.
+
+    ``tile_n``: KV positions per loop iteration (power of two >= 16); ``min_split_tokens``:
+    fewest positions a split covers; ``waves``: the split count aims for ``waves * SMs``
+    programs in all (batch x KV heads x splits); ``max_splits`` caps it;
+    ``programs_per_sm``: programs resident per multiprocessor (the default, 32 x 4 warps x 5
+    stages on sm_90: 96 registers and 38 KB shared memory -> 5).
+
+    Defaults from the H200 sweep (bench/bench_attention_gpu.py --sweep, bf16, 16/8 heads,
+    head_dim 128): tile 32 x 4 warps x 5 stages was best or within 3% at every shape but
+    B256/L8192 (tile 64 x 5 stages 3% faster there, 12% slower at B64/L2048); splits of
+    32 positions took B1/L512 from 12.8 us (splits of 256) to 7.2 us.
+    """
+
+    tile_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 5
+    min_split_tokens: int = 32
+    waves: float = 2.0
+    max_splits: int = 32
+    programs_per_sm: int = 5
+
+    def __post_init__(self):
+        if self.tile_n < 16 or self.tile_n & (self.tile_n - 1):
+            raise ConfigError(f"DecodeConfig.tile_n must be a power of two >= 16, got {self.tile_n}")
+        if self.min_split_tokens < 1 or not 1 <= self.max_splits <= MAX_SPLITS:
+            raise ConfigError("DecodeConfig: need min_split_tokens >= 1 and "
+                              f"1 <= max_splits <= {MAX_SPLITS}")
+        if self.num_warps < 1 or self.num_stages < 1 or self.waves <= 0:
+            raise ConfigError("DecodeConfig: num_warps, num_stages and waves must be positive")
+
+
+INTERPRET_DECODE_CONFIG = DecodeConfig(tile_n=16, num_warps=1, num_stages=1, min_split_tokens=16)
+
+
+def default_decode_config(device: torch.device) -> DecodeConfig:
+    return DecodeConfig() if device.type == "cuda" else INTERPRET_DECODE_CONFIG
+
+
+def choose_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int | None,
+                      sms: int, config: DecodeConfig) -> int:
+    """Split count for a launch, from host ints only: enough programs for ``config.waves``
+    waves over ``sms`` multiprocessors, no more splits than ``max_seq_len`` (when known) fills
+    with ``min_split_tokens`` each, between 1 and ``config.max_splits``."""
+    programs = max(1, num_reqs * num_kv_heads)
+    target = int(config.waves * sms)
+    slots = config.programs_per_sm * sms
+    if programs < target:  # too few programs to fill the machine: split the context
+        splits = cdiv(target, programs)
+    elif programs <= slots or programs > 4 * slots:
+        splits = 1  # one resident wave, or so many waves that the last one costs little
+    else:
+        # between one and four waves of resident programs: the split count (<= 4) that
+        # leaves the least of the last wave empty
+        def loss(s: int) -> float:
+            w = programs * s / slots
+            return math.ceil(w) / w
+
+        best = min(range(1, 5), key=lambda s: (loss(s), s))
+        splits = best if loss(best) < loss(1) - 0.03 else 1
+    if max_seq_len is not None:
+        splits = min(splits, cdiv(max(int(max_seq_len), 1), config.min_split_tokens))
+    return max(1, min(config.max_splits, splits))
+
+
+@triton.jit
+def _split_range(seq_len, s, num_splits, TILE_N: tl.constexpr, SPLIT: tl.constexpr,
+                 MIN_SPLIT_TILES: tl.constexpr):
+    """Tiles ``[t0, t1)`` of split ``s``, the tiles per split and the tile count."""
+    n_tiles = tl.cdiv(seq_len, TILE_N)
+    if SPLIT:
+        used = tl.maximum(tl.minimum(tl.cdiv(n_tiles, MIN_SPLIT_TILES), num_splits), 1)
+        per = tl.maximum(tl.cdiv(n_tiles, used), 1)
+    else:
+        per = n_tiles
+    t0 = s * per
+    t1 = tl.minimum(t0 + per, n_tiles)
+    return t0, t1, per, n_tiles
+
+
+@triton.jit
+def _decode_tile(acc, l_i, m_i, q, t, seq_len, k_ptr, v_ptr, bt_row, bt_width, c_sb, c_st,
+                 head_off, d, scale_log2, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Positions ``[t * TILE_N, (t + 1) * TILE_N)`` of the online softmax."""
+    n = t * TILE_N + tl.arange(0, TILE_N)
+    col = n // BLOCK_SIZE
+    valid = (n < seq_len) & (col < bt_width)
+    blk = tl.load(bt_row + col, mask=valid, other=0).to(tl.int64)
+    tok = blk * c_sb + (n % BLOCK_SIZE).to(tl.int64) * c_st + head_off
+    if HEAD_DIM == D_PAD:
+        kv_mask = valid[:, None]
+    else:
+        kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
+    k = tl.load(k_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
+    scores = tl.where(valid[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
+def _decode_kernel(
+    q_ptr, q_s0, q_s1,
+    k_ptr, v_ptr, c_sb, c_st, c_sh,
+    bt_ptr, bt_s0, bt_width,
+    qsl_ptr, seq_ptr, num_reqs, num_splits,
+    out_ptr, o_s0, o_s1,
+    m_ptr, l_ptr, acc_ptr,
+    scale_log2,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    MIN_SPLIT_TILES: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    RANGE_LOOP: tl.constexpr,
+):
+    r = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    q_row = tl.load(qsl_ptr + r)
+    if tl.load(qsl_ptr + r + 1) - q_row != 1:
+        return
+    seq_len = tl.load(seq_ptr + r)
+    t0, t1, per, n_tiles = _split_range(seq_len, s, num_splits, TILE_N, SPLIT, MIN_SPLIT_TILES)
+    if t0 >= n_tiles:
+        return
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D_PAD)
+    head = kvh * GROUP + g
+    gd_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + q_row.to(tl.int64) * q_s0 + head[:, None] * q_s1 + d[None, :],
+                mask=gd_mask, other=0.0)
+    q = q.to(k_ptr.dtype.element_ty)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    bt_row = bt_ptr + r.to(tl.int64) * bt_s0
+    head_off = kvh.to(tl.int64) * c_sh
+    if RANGE_LOOP:  # compiled: a for-range loop, software-pipelined by Triton
+        for t in range(t0, t1):
+            acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, t, seq_len, k_ptr, v_ptr, bt_row,
+                                         bt_width, c_sb, c_st, head_off, d, scale_log2,
+                                         HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, DOT_PREC)
+    else:  # the interpreter cannot iterate range() over runtime scalars
+        t = t0
+        while t < t1:
+            acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, t, seq_len, k_ptr, v_ptr, bt_row,
+                                         bt_width, c_sb, c_st, head_off, d, scale_log2,
+                                         HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, DOT_PREC)
+            t += 1
+
+    out_rows = out_ptr + q_row.to(tl.int64) * o_s0 + head[:, None] * o_s1 + d[None, :]
+    if not SPLIT:
+        tl.store(out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=gd_mask)
+    else:
+        if per >= n_tiles:
+            # this request fits in one split: write the final output directly
+            tl.store(out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
+                     mask=gd_mask)
+        else:
+            part = (r.to(tl.int64) * NUM_HEADS + head) * num_splits + s
+            tl.store(m_ptr + part, m_i, mask=g < GROUP)
+            tl.store(l_ptr + part, l_i, mask=g < GROUP)
+            tl.store(acc_ptr + part[:, None] * D_PAD + d[None, :], acc, mask=gd_mask)
+
+
+@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
+def _decode_reduce_kernel(
+    qsl_ptr, seq_ptr, num_reqs, num_splits,
+    out_ptr, o_s0, o_s1,
+    m_ptr, l_ptr, acc_ptr,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    TILE_N: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    MIN_SPLIT_TILES: tl.constexpr,
+):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    q_row = tl.load(qsl_ptr + r)
+    if tl.load(qsl_ptr + r + 1) - q_row != 1:
+        return
+    seq_len = tl.load(seq_ptr + r)
+    t0, t1, per, n_tiles = _split_range(seq_len, 0, num_splits, TILE_N, True, MIN_SPLIT_TILES)
+    if per >= n_tiles:
+        return  # written directly by the split kernel
+    used = tl.cdiv(n_tiles, per)
+    sp = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, D_PAD)
+    sp_ok = sp < used
+    part = (r.to(tl.int64) * NUM_HEADS + h) * num_splits + sp
+    m = tl.load(m_ptr + part, mask=sp_ok, other=float("-inf"))
+    l = tl.load(l_ptr + part, mask=sp_ok, other=0.0)
+    acc = tl.load(acc_ptr + part[:, None] * D_PAD + d[None, :],
+                  mask=sp_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    w = tl.exp2(m - tl.max(m, 0))
+    w = tl.where(sp_ok, w, 0.0)
+    o = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    tl.store(out_ptr + q_row.to(tl.int64) * o_s0 + h.to(tl.int64) * o_s1 + d,
+             o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_reqs: int,
+    scale: float,
+    out: torch.Tensor,
+    *,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """Attention of each single-token request's query row over its paged context.
+
+    Args:
+        q, out: ``[T, H, D]`` (``out`` may alias nothing else; rows of other requests are left
+            as they are). kv_cache: ``[2, num_blocks, block_size, Hkv, D]``, same dtype family
+            (bf16 / fp16 / fp32; ``q`` is cast to the cache dtype for the products).
+        block_table: int32 ``[>= num_reqs, width]``; query_start_loc: int32
+            ``[>= num_reqs + 1]``; seq_lens: int32 ``[>= num_reqs]`` (all on ``q``'s device).
+        num_reqs: host int. scale: softmax scale.
+        max_seq_len: host upper bound of the batch's ``seq_lens`` (optional; caps splitting).
+        num_splits: force the split count (1 .. 64); default ``choose_num_splits``.
+        config: launch parameters; default per device.
+    Returns ``out``.
+    """
+    fn = "paged_decode_attention"
+    shape = check_attention_inputs(fn, q, kv_cache, block_table, query_start_loc, seq_lens,
+                                   out, num_reqs)
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                   or not 1 <= num_splits <= MAX_SPLITS):
+        raise ConfigError(f"{fn}: num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
+    if num_reqs == 0:
+        return out
+    if not use_triton(_decode_kernel, q):
+        return paged_decode_attention_ref(q, kv_cache, block_table, query_start_loc, seq_lens,
+                                          num_reqs, scale, out)
+    cfg = config or default_decode_config(q.device)
+    if num_splits is None:
+        num_splits = choose_num_splits(num_reqs, shape.num_kv_heads, max_seq_len,
+                                       num_sms(q.device), cfg)
+    d_pad = max(16, next_pow2(shape.head_dim))
+    group_pad = max(16, next_pow2(shape.group))
+    min_split_tiles = max(1, cdiv(cfg.min_split_tokens, cfg.tile_n))
+    if num_splits > 1:
+        parts = num_reqs * shape.num_heads * num_splits
+        m_buf = torch.empty(parts, dtype=torch.float32, device=q.device)
+        l_buf = torch.empty(parts, dtype=torch.float32, device=q.device)
+        acc_buf = torch.empty(parts, d_pad, dtype=torch.float32, device=q.device)
+    else:
+        m_buf = l_buf = acc_buf = out  # never touched: every request fits its one split
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _decode_kernel[(num_reqs, shape.num_kv_heads, num_splits)](
+        q, q.stride(0), q.stride(1),
+        k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_table, block_table.stride(0), block_table.shape[1],
+        query_start_loc, seq_lens, num_reqs, num_splits,
+        out, out.stride(0), out.stride(1),
+        m_buf, l_buf, acc_buf,
+        float(scale) * LOG2E,
+        NUM_HEADS=shape.num_heads, GROUP=shape.group, GROUP_PAD=group_pad,
+        HEAD_DIM=shape.head_dim, D_PAD=d_pad, BLOCK_SIZE=shape.block_size,
+        TILE_N=cfg.tile_n, SPLIT=num_splits > 1, MIN_SPLIT_TILES=min_split_tiles,
+        DOT_PREC=dot_precision(kv_cache.dtype), RANGE_LOOP=not interpreted(_decode_kernel),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_reqs, shape.num_heads)](
+            query_start_loc, seq_lens, num_reqs, num_splits,
+            out, out.stride(0), out.stride(1),
+            m_buf, l_buf, acc_buf,
+            NUM_HEADS=shape.num_heads, HEAD_DIM=shape.head_dim, D_PAD=d_pad,
+            TILE_N=cfg.tile_n, SPLITS_PAD=MAX_SPLITS,
+            MIN_SPLIT_TILES=min_split_tiles,
+            num_warps=4 if d_pad >= 128 else 1,
+        )
+    return out
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_reqs: int,
+    scale: float,
+    out: torch.Tensor,
+    *,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """Plain torch twin of :func:`paged_decode_attention` (``paged_attention_ref`` on the
+    single-token requests; reads lengths back to the host). The launch hints are ignored."""
+    check_attention_inputs("paged_decode_attention_ref", q, kv_cache, block_table,
+                           query_start_loc, seq_lens, out, num_reqs)
+    if num_reqs == 0:
+        return out
+    qsl = query_start_loc[: num_reqs + 1].cpu()
+    lens = seq_lens[:num_reqs].cpu()
+    rows = [int(qsl[r]) for r in range(num_reqs) if int(qsl[r + 1]) - int(qsl[r]) == 1]
+    if not rows:
+        return out
+    decode = [r for r in range(num_reqs) if int(qsl[r + 1]) - int(qsl[r]) == 1]
+    sub_qsl = torch.arange(len(decode) + 1, dtype=torch.int32)
+    meta = SimpleNamespace(
+        query_start_loc=sub_qsl, query_start_loc_cpu=sub_qsl, num_reqs=len(decode),
+        seq_lens_cpu=lens[decode], block_table_tensor=block_table[decode],
+    )
+    idx = torch.tensor(rows, dtype=torch.int64, device=q.device)
+    res = paged_attention_ref(q[idx], kv_cache, meta, scale)
+    out[idx] = res.to(out.dtype)
+    return out
+
+
+__all__ = [
+    "DecodeConfig",
+    "INTERPRET_DECODE_CONFIG",
+    "MAX_SPLITS",
+    "choose_num_splits",
+    "default_decode_config",
+    "paged_decode_attention",
+    "paged_decode_attention_ref",
+]

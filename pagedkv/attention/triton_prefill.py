@@ -1,0 +1,385 @@
+"""Paged prefill / extend attention (Triton), and the varlen flash path for fresh prefills.
+
+Layout (``backend.py`` conventions): ``q``/``out [T, H, D]``; ``kv_cache [2, num_blocks,
+block_size, Hkv, D]`` already holding every position of every request (the step's new K/V
+included: the backend writes them first); query ``i`` of request ``r`` is row
+``query_start_loc[r] + i`` at position ``ctx + i`` with ``ctx = seq_lens[r] - query_len``, and
+attends causally to positions ``<= ctx + i``, all read through ``block_table[r]``. Serves
+chunked prefill and prefix-cache hits (``ctx > 0``) and fresh prefill (``ctx == 0``) alike.
+
+Kernel (``_prefill_kernel``), grid ``(num_tokens // BLOCK_M + num_reqs, H)``, flash-attention
+style: program ``(p, h)`` takes one tile of ``BLOCK_M`` query rows of one request for query
+head ``h`` and streams that request's K/V in ``BLOCK_N`` tiles with ``tl.dot`` and an online
+softmax (base 2, fp32 accumulation). Tile ``p`` belongs to the request ``r`` with the largest
+``query_start_loc[r] // BLOCK_M + r <= p`` (a binary search on the device; request ``r``'s
+tiles fit between its bound and the next request's, so the grid depends on host ints only).
+Within a request the tiles run last-first (the longest rows start first). Key tiles wholly
+visible to all rows of the query tile run without masks; only the tiles on the causal diagonal
+and the sequence end are masked. Positions past ``seq_lens[r]`` and block-table columns past
+the table width are never read (rule 4: they map to the null block, masked).
+``skip_decode`` leaves single-token requests' rows untouched (the decode kernel serves them).
+
+``varlen_prefill_attention``: torch's ``torch.nn.attention.varlen.varlen_attn`` (flash
+attention over packed sequences, CUDA only) on the contiguous new-token K/V, for batches whose
+requests have no cached context; K/V heads are repeated to the query heads when that torch has
+no ``enable_gqa`` flag.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedkv.attention._triton_common import (
+    LOG2E,
+    check_attention_inputs,
+    dot_precision,
+    interpreted,
+)
+from pagedkv.attention.torch_ref import paged_attention_ref
+from pagedkv.errors import ConfigError
+from pagedkv.kernels._common import check_tensor, next_pow2, use_triton
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Launch parameters of the prefill kernel (``block_m``/``block_n`` powers of two >= 16).
+
+    Defaults from the H200 sweep (8 x 2048 causal, bf16, head_dim 128): 64 x 64 tiles, 4
+    warps, 4 stages, 511 us (269 TFLOP/s); 128 x 64 x 8 warps 546 us, 64 x 128 681 us.
+    """
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ConfigError(f"PrefillConfig.{name} must be a power of two >= 16, got {v}")
+        if self.num_warps < 1 or self.num_stages < 1:
+            raise ConfigError("PrefillConfig: num_warps and num_stages must be positive")
+
+
+INTERPRET_PREFILL_CONFIG = PrefillConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+
+
+def default_prefill_config(device: torch.device) -> PrefillConfig:
+    return PrefillConfig() if device.type == "cuda" else INTERPRET_PREFILL_CONFIG
+
+
+@triton.jit
+def _attend_tile(
+    acc, l_i, m_i, q, q_pos,
+    k_ptr, v_ptr, bt_row, bt_width, c_sb, c_st, head_off,
+    start, seq_len, d, scale_log2,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """One key tile ``[start, start + BLOCK_N)`` of the online softmax. ``MASKED``: apply the
+    causal mask and the sequence end (otherwise every key is visible to every row)."""
+    n = start + tl.arange(0, BLOCK_N)
+    col = n // BLOCK_SIZE
+    if MASKED:
+        valid = (n < seq_len) & (col < bt_width)
+    else:
+        valid = col < bt_width
+    blk = tl.load(bt_row + col, mask=valid, other=0).to(tl.int64)
+    tok = blk * c_sb + (n % BLOCK_SIZE).to(tl.int64) * c_st + head_off
+    if MASKED:
+        kt = tl.load(k_ptr + tok[None, :] + d[:, None],
+                     mask=valid[None, :] & (d < HEAD_DIM)[:, None], other=0.0)
+        v = tl.load(v_ptr + tok[:, None] + d[None, :],
+                    mask=valid[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    elif HEAD_DIM == D_PAD:
+        kt = tl.load(k_ptr + tok[None, :] + d[:, None])
+        v = tl.load(v_ptr + tok[:, None] + d[None, :])
+    else:
+        kt = tl.load(k_ptr + tok[None, :] + d[:, None], mask=(d < HEAD_DIM)[:, None], other=0.0)
+        v = tl.load(v_ptr + tok[:, None] + d[None, :], mask=(d < HEAD_DIM)[None, :], other=0.0)
+    qk = tl.dot(q, kt, input_precision=DOT_PREC) * scale_log2
+    if MASKED:
+        qk = tl.where((n[None, :] <= q_pos[:, None]) & valid[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit(do_not_specialize=["num_reqs"])
+def _prefill_kernel(
+    q_ptr, q_s0, q_s1,
+    k_ptr, v_ptr, c_sb, c_st, c_sh,
+    bt_ptr, bt_s0, bt_width,
+    qsl_ptr, seq_ptr, num_reqs,
+    out_ptr, o_s0, o_s1,
+    scale_log2,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SKIP_DECODE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    RANGE_LOOP: tl.constexpr,
+):
+    p = tl.program_id(0)
+    h = tl.program_id(1)
+    # request of tile p: the largest r with query_start_loc[r] // BLOCK_M + r <= p
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], 0, tl.int32) + num_reqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        take = tl.load(qsl_ptr + mid) // BLOCK_M + mid <= p
+        lo = tl.where(take, mid, lo)
+        hi = tl.where(take, hi, mid - 1)
+    r = lo
+    q_start = tl.load(qsl_ptr + r)
+    q_len = tl.load(qsl_ptr + r + 1) - q_start
+    j = p - (q_start // BLOCK_M + r)
+    n_qt = tl.cdiv(q_len, BLOCK_M)
+    if j >= n_qt:
+        return
+    if SKIP_DECODE:
+        if q_len == 1:
+            return
+    j = n_qt - 1 - j  # last tile (most keys) first
+    seq_len = tl.load(seq_ptr + r)
+    ctx = seq_len - q_len
+
+    m_idx = j * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m_idx < q_len
+    d = tl.arange(0, D_PAD)
+    rows = (q_start + m_idx).to(tl.int64)
+    md_mask = m_ok[:, None] & (d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + rows[:, None] * q_s0 + h * q_s1 + d[None, :], mask=md_mask, other=0.0)
+    q = q.to(k_ptr.dtype.element_ty)
+    q_pos = ctx + m_idx
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    bt_row = bt_ptr + r.to(tl.int64) * bt_s0
+    head_off = (h // GROUP).to(tl.int64) * c_sh
+    # keys [0, full_end) are visible to every row of the tile; [full_end, end) need the mask
+    full_end = (ctx + j * BLOCK_M + 1) // BLOCK_N * BLOCK_N
+    end = tl.minimum(seq_len, ctx + (j + 1) * BLOCK_M)
+    if RANGE_LOOP:  # compiled: for-range loops, software-pipelined by Triton
+        for start in range(0, full_end, BLOCK_N):
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row,
+                                         bt_width, c_sb, c_st, head_off, start, seq_len, d,
+                                         scale_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM, D_PAD,
+                                         False, DOT_PREC)
+        for start in range(full_end, end, BLOCK_N):
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row,
+                                         bt_width, c_sb, c_st, head_off, start, seq_len, d,
+                                         scale_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM, D_PAD,
+                                         True, DOT_PREC)
+    else:  # the interpreter cannot iterate range() over runtime scalars
+        start = full_end * 0
+        while start < full_end:
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row,
+                                         bt_width, c_sb, c_st, head_off, start, seq_len, d,
+                                         scale_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM, D_PAD,
+                                         False, DOT_PREC)
+            start += BLOCK_N
+        while start < end:
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row,
+                                         bt_width, c_sb, c_st, head_off, start, seq_len, d,
+                                         scale_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM, D_PAD,
+                                         True, DOT_PREC)
+            start += BLOCK_N
+    o = acc / l_i[:, None]
+    tl.store(out_ptr + rows[:, None] * o_s0 + h * o_s1 + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=md_mask)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_reqs: int,
+    scale: float,
+    out: torch.Tensor,
+    *,
+    num_tokens: int | None = None,
+    skip_decode: bool = False,
+    config: PrefillConfig | None = None,
+) -> torch.Tensor:
+    """Causal attention of every request's query rows over its paged context.
+
+    Args:
+        q, out: ``[T, H, D]``; rows no request owns are left as they are.
+        kv_cache: ``[2, num_blocks, block_size, Hkv, D]`` holding every position already.
+        block_table: int32 ``[>= num_reqs, width]``; query_start_loc: int32
+            ``[>= num_reqs + 1]``; seq_lens: int32 ``[>= num_reqs]``.
+        num_reqs: host int. scale: softmax scale.
+        num_tokens: host upper bound of ``query_start_loc[num_reqs]`` (default ``T``).
+        skip_decode: leave requests with exactly one query token alone.
+        config: launch parameters; default per device.
+    Returns ``out``.
+    """
+    fn = "paged_prefill_attention"
+    shape = check_attention_inputs(fn, q, kv_cache, block_table, query_start_loc, seq_lens,
+                                   out, num_reqs)
+    if num_tokens is None:
+        num_tokens = q.shape[0]
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ConfigError(f"{fn}: num_tokens must be a host int >= 0, got {num_tokens!r}")
+    if num_reqs == 0 or num_tokens == 0:
+        return out
+    if not use_triton(_prefill_kernel, q):
+        return paged_prefill_attention_ref(q, kv_cache, block_table, query_start_loc, seq_lens,
+                                           num_reqs, scale, out, skip_decode=skip_decode)
+    cfg = config or default_prefill_config(q.device)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    grid = (num_tokens // cfg.block_m + num_reqs, shape.num_heads)
+    _prefill_kernel[grid](
+        q, q.stride(0), q.stride(1),
+        k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_table, block_table.stride(0), block_table.shape[1],
+        query_start_loc, seq_lens, num_reqs,
+        out, out.stride(0), out.stride(1),
+        float(scale) * LOG2E,
+        GROUP=shape.group, HEAD_DIM=shape.head_dim,
+        D_PAD=max(16, next_pow2(shape.head_dim)), BLOCK_SIZE=shape.block_size,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SKIP_DECODE=bool(skip_decode),
+        DOT_PREC=dot_precision(kv_cache.dtype), RANGE_LOOP=not interpreted(_prefill_kernel),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_reqs: int,
+    scale: float,
+    out: torch.Tensor,
+    *,
+    num_tokens: int | None = None,
+    skip_decode: bool = False,
+    config: PrefillConfig | None = None,
+) -> torch.Tensor:
+    """Plain torch twin of :func:`paged_prefill_attention` (``paged_attention_ref`` per request;
+    reads lengths back to the host). The launch hints are ignored."""
+    check_attention_inputs("paged_prefill_attention_ref", q, kv_cache, block_table,
+                           query_start_loc, seq_lens, out, num_reqs)
+    if num_reqs == 0:
+        return out
+    qsl = [int(x) for x in query_start_loc[: num_reqs + 1].cpu()]
+    lens = seq_lens[:num_reqs].cpu()
+    keep = [r for r in range(num_reqs)
+            if qsl[r + 1] > qsl[r] and not (skip_decode and qsl[r + 1] - qsl[r] == 1)]
+    if not keep:
+        return out
+    rows = torch.cat([torch.arange(qsl[r], qsl[r + 1]) for r in keep]).to(q.device)
+    sub_qsl = torch.zeros(len(keep) + 1, dtype=torch.int32)
+    sub_qsl[1:] = torch.cumsum(torch.tensor([qsl[r + 1] - qsl[r] for r in keep]), 0)
+    meta = SimpleNamespace(query_start_loc_cpu=sub_qsl, num_reqs=len(keep),
+                           seq_lens_cpu=lens[keep], block_table_tensor=block_table[keep])
+    out[rows] = paged_attention_ref(q[rows], kv_cache, meta, scale).to(out.dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# torch's varlen flash attention (fresh prefills: no cached context)
+
+
+@functools.lru_cache(maxsize=None)
+def _varlen_fn():
+    """``(varlen_attn, has_enable_gqa)`` or ``(None, False)`` where this torch lacks it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, False
+    try:
+        params = inspect.signature(varlen_attn).parameters
+    except (TypeError, ValueError):
+        params = {}
+    return varlen_attn, "enable_gqa" in params
+
+
+def varlen_available(q: torch.Tensor) -> bool:
+    """True where ``varlen_prefill_attention`` can run: CUDA, bf16/fp16, torch has varlen."""
+    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+            and _varlen_fn()[0] is not None)
+
+
+def varlen_prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_tokens: int,
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of fresh prefills (no cached context) with torch's varlen flash kernel.
+
+    ``q [T, H, D]``, ``k``/``v [T, Hkv, D]`` (the step's new tokens), ``query_start_loc`` int32
+    ``[num_reqs + 1]``, ``num_tokens`` its last entry and ``max_query_len`` the longest request
+    (host ints). Returns ``[num_tokens, H, D]``, or writes rows ``< num_tokens`` of ``out`` and
+    returns ``out`` (rows past ``num_tokens`` are left as they are).
+    """
+    fn = "varlen_prefill_attention"
+    fn_varlen, has_gqa = _varlen_fn()
+    if fn_varlen is None or not q.is_cuda:
+        raise ConfigError(f"{fn}: needs CUDA and torch.nn.attention.varlen (torch >= 2.10)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(fn, name, t, dtypes=(torch.bfloat16, torch.float16), ndim=3,
+                     contiguous_last=True)
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    if num_heads % num_kv_heads or tuple(k.shape) != tuple(v.shape) or k.shape[2] != q.shape[2]:
+        raise ConfigError(f"{fn}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
+                          "do not fit [T, H, D] / [T, Hkv, D] with H a multiple of Hkv")
+    if isinstance(num_tokens, bool) or not 0 <= num_tokens <= min(q.shape[0], k.shape[0]):
+        raise ConfigError(f"{fn}: num_tokens {num_tokens!r} outside the {q.shape[0]} query rows")
+    n = int(num_tokens)
+    q, k, v = q[:n], k[:n], v[:n]
+    kwargs = {"scale": float(scale), "window_size": (-1, 0)}
+    if num_heads != num_kv_heads:
+        if has_gqa:
+            kwargs["enable_gqa"] = True
+        else:
+            g = num_heads // num_kv_heads
+            k = k.repeat_interleave(g, dim=1)
+            v = v.repeat_interleave(g, dim=1)
+    res = fn_varlen(q, k, v, query_start_loc, query_start_loc, int(max_query_len),
+                    int(max_query_len), **kwargs)
+    if out is None:
+        return res
+    out[:n] = res
+    return out
+
+
+__all__ = [
+    "INTERPRET_PREFILL_CONFIG",
+    "PrefillConfig",
+    "default_prefill_config",
+    "paged_prefill_attention",
+    "paged_prefill_attention_ref",
+    "varlen_available",
+    "varlen_prefill_attention",
+]

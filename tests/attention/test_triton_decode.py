@@ -1,0 +1,170 @@
+"""Paged decode kernel vs the torch reference: interpreted on CPU (tiny shapes, fp32/fp16), and
+natively on CUDA (bf16, model-sized shapes, CUDA-graph replay)."""
+
+import pytest
+import torch
+from test_triton_cases import (
+    assert_rows_close,
+    assert_rows_untouched,
+    make_case,
+    poisoned_out,
+    reference,
+    rows_of,
+)
+
+from pagedkv.attention.triton_decode import (
+    DecodeConfig,
+    choose_num_splits,
+    paged_decode_attention,
+    paged_decode_attention_ref,
+)
+from pagedkv.errors import ConfigError
+
+TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+
+def run_decode(case, **kw):
+    m = case["meta"]
+    out = poisoned_out(case)
+    paged_decode_attention(case["q"], case["cache"], m.block_table_tensor, m.query_start_loc,
+                           m.seq_lens, m.num_reqs, case["scale"], out, **kw)
+    return out
+
+
+def check(case, out):
+    ref = reference(case)
+    assert_rows_close(out, ref, rows_of(case, lambda ql: ql == 1),
+                      TOL[case["q"].dtype])
+    assert_rows_untouched(out, rows_of(case, lambda ql: ql != 1))
+
+
+# contexts crossing block boundaries (block sizes 1, 3, 16, 32), 1 .. 4 tiles of 16
+DECODES = [(0, 1), (4, 1), (15, 1), (16, 1), (31, 1), (47, 1), (63, 1)]
+
+
+@pytest.mark.parametrize("block_size,heads,num_splits", [
+    (1, (2, 2), None), (3, (4, 2), 3), (16, (8, 2), 1), (32, (4, 1), 4), (3, (4, 4), 1),
+    (16, (4, 2), 7),
+])
+def test_decode_matches_reference(kernel_device, block_size, heads, num_splits):
+    case = make_case(DECODES, block_size=block_size, num_heads=heads[0], num_kv_heads=heads[1],
+                     seed=block_size, device=kernel_device, write_new=True)
+    check(case, run_decode(case, num_splits=num_splits))
+
+
+def test_decode_fp16_split(kernel_device):
+    case = make_case([(40, 1), (2, 1), (70, 1)], block_size=16, dtype=torch.float16,
+                     device=kernel_device, write_new=True, seed=3)
+    check(case, run_decode(case, num_splits=4))
+
+
+def test_decode_skips_other_rows_in_mixed_batch(kernel_device):
+    """Prefill / chunk rows and padding rows stay as they were (poison)."""
+    case = make_case([(0, 3), (9, 1), (5, 4), (20, 1)], block_size=3, device=kernel_device,
+                     write_new=True, pad_tokens=2, padded_reqs=1, seed=4)
+    out = run_decode(case, num_splits=2)
+    check(case, out)
+    assert torch.isnan(out[-2:].cpu()).all()
+
+
+def test_decode_head_dim_not_power_of_two(kernel_device):
+    case = make_case([(18, 1), (3, 1)], block_size=5, head_dim=24, device=kernel_device,
+                     write_new=True, seed=5)
+    check(case, run_decode(case, num_splits=2))
+
+
+def test_decode_twin_agrees(kernel_device):
+    case = make_case([(11, 1), (0, 2), (33, 1)], block_size=4, device=kernel_device,
+                     write_new=True, seed=6)
+    m = case["meta"]
+    a = run_decode(case, num_splits=3)
+    b = poisoned_out(case)
+    paged_decode_attention_ref(case["q"], case["cache"], m.block_table_tensor,
+                               m.query_start_loc, m.seq_lens, m.num_reqs, case["scale"], b)
+    torch.testing.assert_close(a.nan_to_num(7.0), b.nan_to_num(7.0), atol=1e-4, rtol=1e-4)
+
+
+def test_choose_num_splits():
+    cfg = DecodeConfig(min_split_tokens=256, waves=2.0, max_splits=32)
+    assert choose_num_splits(1, 8, 8192, 132, cfg) == 32  # 264 programs wanted, 8 present
+    assert choose_num_splits(1, 8, 512, 132, cfg) == 2  # capped by 512 / 256
+    assert choose_num_splits(1, 8, None, 132, cfg) == 32
+    assert choose_num_splits(64, 8, 8192, 132, cfg) == 1  # 512 programs: one resident wave
+    assert choose_num_splits(16, 8, 8192, 132, cfg) == 3
+    assert choose_num_splits(0, 8, 8192, 132, cfg) == 32
+    # 2048 programs = 3.1 waves of 660 resident: 4 splits leave the last wave 95% full
+    assert choose_num_splits(256, 8, 8192, 132, cfg) == 4
+    assert choose_num_splits(256, 8, 512, 132, cfg) == 2  # capped: 256 positions per split
+    assert choose_num_splits(1024, 8, 8192, 132, cfg) == 1  # 12 waves: splitting gains little
+
+
+def test_decode_argument_errors():
+    case = make_case([(3, 1)], block_size=2, write_new=True)
+    m = case["meta"]
+    args = (case["q"], case["cache"], m.block_table_tensor, m.query_start_loc, m.seq_lens, 1,
+            case["scale"])
+    with pytest.raises(ConfigError, match="num_splits"):
+        paged_decode_attention(*args, poisoned_out(case), num_splits=65)
+    with pytest.raises(ConfigError, match="q's shape"):
+        paged_decode_attention(*args, case["q"][:, :2].clone())
+    with pytest.raises(ConfigError, match="multiple"):
+        paged_decode_attention(case["q"][:, :3].contiguous(), *args[1:],
+                               case["q"][:, :3].contiguous())
+    with pytest.raises(ConfigError, match="tile_n"):
+        DecodeConfig(tile_n=24)
+
+
+# ---- native GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 1, 3, 48, 256])
+def test_decode_gpu_bf16(block_size):
+    torch.manual_seed(block_size)
+    ctx = [int(x) for x in torch.randint(1, 3000, (37,))] + [8191, 1, 15, 16, 17]
+    case = make_case([(c, 1) for c in ctx], block_size=block_size, num_heads=16,
+                     num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, device="cuda",
+                     write_new=True, seed=block_size)
+    for splits in (None, 1, 8):
+        check(case, run_decode(case, num_splits=splits))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,dtype", [((8, 8), torch.float16), ((32, 8), torch.bfloat16),
+                                         ((8, 2), torch.float32)])
+def test_decode_gpu_gqa_dtypes(heads, dtype):
+    case = make_case([(c, 1) for c in (1000, 5, 2047, 300)], block_size=16,
+                     num_heads=heads[0], num_kv_heads=heads[1], head_dim=128, dtype=dtype,
+                     device="cuda", write_new=True, seed=9)
+    check(case, run_decode(case))
+
+
+@pytest.mark.gpu
+def test_decode_gpu_cuda_graph_replay():
+    """Capture with one set of lengths, replay with others written in place."""
+    case = make_case([(4000, 1), (100, 1), (2500, 1)], block_size=16, num_heads=16,
+                     num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, device="cuda",
+                     write_new=True, seed=11)
+    m = case["meta"]
+    out = torch.zeros_like(case["q"])
+
+    def call():
+        paged_decode_attention(case["q"], case["cache"], m.block_table_tensor,
+                               m.query_start_loc, m.seq_lens, m.num_reqs, case["scale"], out,
+                               max_seq_len=8192)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for lens in ([3000, 1, 2000], [17, 101, 2501]):
+        m.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        m.seq_lens_cpu.copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(case, out)

@@ -1,0 +1,141 @@
+"""Paged prefill / extend kernel vs the torch reference: interpreted on CPU (tiny shapes,
+fp32/fp16, 16 x 16 tiles so requests span several query and key tiles), natively on CUDA (bf16,
+model-sized), plus torch's varlen flash path on CUDA."""
+
+import pytest
+import torch
+from test_triton_cases import (
+    assert_rows_close,
+    assert_rows_untouched,
+    make_case,
+    poisoned_out,
+    reference,
+    rows_of,
+)
+
+from pagedkv.attention.triton_prefill import (
+    PrefillConfig,
+    paged_prefill_attention,
+    paged_prefill_attention_ref,
+    varlen_available,
+    varlen_prefill_attention,
+)
+from pagedkv.errors import ConfigError
+
+TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+# fresh prefill, chunked prefill with context, decode rows, a chunk crossing tiles, a prefix hit
+MIXED = [(0, 20), (13, 5), (4, 1), (30, 17), (0, 1), (37, 2)]
+
+
+def run_prefill(case, **kw):
+    m = case["meta"]
+    out = poisoned_out(case)
+    paged_prefill_attention(case["q"], case["cache"], m.block_table_tensor, m.query_start_loc,
+                            m.seq_lens, m.num_reqs, case["scale"], out, **kw)
+    return out
+
+
+@pytest.mark.parametrize("block_size,heads", [
+    (1, (2, 2)), (3, (4, 2)), (16, (4, 1)), (32, (4, 2)),
+])
+def test_prefill_matches_reference(kernel_device, block_size, heads):
+    case = make_case(MIXED, block_size=block_size, num_heads=heads[0], num_kv_heads=heads[1],
+                     device=kernel_device, write_new=True, pad_tokens=3, padded_reqs=1,
+                     seed=block_size)
+    out = run_prefill(case)
+    assert_rows_close(out, reference(case), rows_of(case, lambda ql: ql > 0), TOL[torch.float32])
+    assert torch.isnan(out[-3:].cpu()).all(), "padding rows are no request's"
+
+
+def test_prefill_skip_decode_leaves_decode_rows(kernel_device):
+    case = make_case(MIXED, block_size=3, device=kernel_device, write_new=True, seed=2)
+    out = run_prefill(case, skip_decode=True, num_tokens=case["meta"].num_actual_tokens)
+    assert_rows_close(out, reference(case), rows_of(case, lambda ql: ql > 1), TOL[torch.float32])
+    assert_rows_untouched(out, rows_of(case, lambda ql: ql == 1))
+
+
+def test_prefill_fp16_and_odd_head_dim(kernel_device):
+    case = make_case([(5, 18), (0, 9)], block_size=5, head_dim=24, dtype=torch.float16,
+                     device=kernel_device, write_new=True, seed=3)
+    out = run_prefill(case)
+    assert_rows_close(out, reference(case), rows_of(case, lambda ql: ql > 0), TOL[torch.float16])
+
+
+def test_prefill_wider_tiles(kernel_device):
+    """block_m 32 / block_n 16: several key tiles on the diagonal of one query tile."""
+    case = make_case([(3, 40), (17, 6)], block_size=4, device=kernel_device, write_new=True,
+                     seed=4)
+    out = run_prefill(case, config=PrefillConfig(block_m=32, block_n=16, num_warps=1,
+                                                 num_stages=1))
+    assert_rows_close(out, reference(case), rows_of(case, lambda ql: ql > 0), TOL[torch.float32])
+
+
+def test_prefill_twin_agrees(kernel_device):
+    case = make_case([(6, 7), (0, 1), (2, 3)], block_size=2, device=kernel_device,
+                     write_new=True, seed=5)
+    m = case["meta"]
+    a = run_prefill(case, skip_decode=True)
+    b = poisoned_out(case)
+    paged_prefill_attention_ref(case["q"], case["cache"], m.block_table_tensor,
+                                m.query_start_loc, m.seq_lens, m.num_reqs, case["scale"], b,
+                                skip_decode=True)
+    torch.testing.assert_close(a.nan_to_num(7.0), b.nan_to_num(7.0), atol=1e-4, rtol=1e-4)
+
+
+def test_prefill_argument_errors():
+    case = make_case([(0, 3)], block_size=2, write_new=True)
+    m = case["meta"]
+    with pytest.raises(ConfigError, match="num_tokens"):
+        paged_prefill_attention(case["q"], case["cache"], m.block_table_tensor,
+                                m.query_start_loc, m.seq_lens, 1, case["scale"],
+                                poisoned_out(case), num_tokens=-1)
+    with pytest.raises(ConfigError, match="int32"):
+        paged_prefill_attention(case["q"], case["cache"], m.block_table_tensor.long(),
+                                m.query_start_loc, m.seq_lens, 1, case["scale"],
+                                poisoned_out(case))
+    with pytest.raises(ConfigError, match="block_m"):
+        PrefillConfig(block_m=8)
+
+
+# ---- native GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 1, 48, 256])
+def test_prefill_gpu_bf16(block_size):
+    reqs = [(0, 700), (1000, 300), (5, 1), (129, 128), (0, 2048), (3000, 17), (63, 65)]
+    case = make_case(reqs, block_size=block_size, num_heads=16, num_kv_heads=8, head_dim=128,
+                     dtype=torch.bfloat16, device="cuda", write_new=True, pad_tokens=5,
+                     padded_reqs=2, seed=block_size)
+    out = run_prefill(case)
+    assert_rows_close(out, reference(case), rows_of(case, lambda ql: ql > 0),
+                      TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,dtype,head_dim", [((8, 8), torch.float16, 128),
+                                                  ((32, 4), torch.bfloat16, 64),
+                                                  ((8, 2), torch.float32, 128)])
+def test_prefill_gpu_gqa_dtypes(heads, dtype, head_dim):
+    case = make_case([(0, 300), (500, 77), (9, 1)], block_size=16, num_heads=heads[0],
+                     num_kv_heads=heads[1], head_dim=head_dim, dtype=dtype, device="cuda",
+                     write_new=True, seed=7)
+    out = run_prefill(case)
+    assert_rows_close(out, reference(case), rows_of(case, lambda ql: ql > 0), TOL[dtype])
+
+
+@pytest.mark.gpu
+def test_varlen_fresh_prefill_gpu():
+    case = make_case([(0, 300), (0, 1), (0, 1025), (0, 64)], block_size=16, num_heads=16,
+                     num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, device="cuda",
+                     write_new=True, pad_tokens=4, seed=8)
+    if not varlen_available(case["q"]):
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    m = case["meta"]
+    out = poisoned_out(case)
+    varlen_prefill_attention(case["q"], case["k"], case["v"], m.query_start_loc,
+                             m.num_actual_tokens, m.max_query_len, case["scale"], out)
+    assert_rows_close(out, reference(case), rows_of(case, lambda ql: ql > 0),
+                      TOL[torch.bfloat16])
+    assert torch.isnan(out[-4:].cpu()).all()
