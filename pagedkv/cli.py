@@ -1,4 +1,12 @@
-"""Command line: ``pagedkv trace`` (the index layer, step by step, on a synthetic workload)."""
+"""Command line.
+
+* ``pagedkv trace``: the index layer, step by step, on a synthetic workload;
+* ``pagedkv generate --model DIR --prompt TEXT``: generate with a checkpoint;
+* ``pagedkv bench``: offline throughput on workload W1 of PERF.md (or a smaller variant), model
+  from ``--model DIR`` or ``--shape qwen3-0.6b`` (random weights); prints a table, writes JSON;
+* ``pagedkv demo``: builds (once) a small checkpoint with an offline-trained tokenizer and runs a
+  batch through the engine, printing outputs and KV-cache statistics.
+"""
 
 from __future__ import annotations
 
@@ -146,6 +154,112 @@ def cmd_trace(args) -> int:
     return 0
 
 
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    g.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--num-gpu-blocks", type=int, default=None, help="KV pool size override (blocks)")
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV pool byte budget")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch_ref", "triton"])
+    g.add_argument("--seed", type=int, default=0)
+
+
+def _engine_kwargs(args) -> dict:
+    return dict(
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        num_gpu_blocks_override=args.num_gpu_blocks,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        enforce_eager=args.enforce_eager,
+        seed=args.seed,
+    )
+
+
+def cmd_generate(args) -> int:
+    from pagedkv.engine.llm import LLM
+    from pagedkv.sampling.params import SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, device=args.device,
+              attention_backend=args.attention_backend, **_engine_kwargs(args))
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        seed=args.sampling_seed, max_tokens=args.max_tokens, stop=args.stop or None,
+        stop_token_ids=args.stop_token_id or None, ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
+    )
+    prompts = args.prompt or ["Hello"]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    records = []
+    for o in outs:
+        c = o.outputs[0]
+        print(f"prompt: {o.prompt!r}")
+        print(f"output: {c.text!r}")
+        print(f"  tokens {c.token_ids}")
+        finish = f"  finish {c.finish_reason}"
+        if c.stop_reason is not None:
+            finish += f" ({c.stop_reason!r})"
+        if c.cumulative_logprob is not None:
+            finish += f", cumulative logprob {c.cumulative_logprob:.4f}"
+        print(finish)
+        records.append({"prompt": o.prompt, "prompt_token_ids": o.prompt_token_ids, "text": c.text,
+                        "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason, "cumulative_logprob": c.cumulative_logprob})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"outputs": records, "kv": llm.get_kv_stats()}, f, indent=1, default=str)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from pagedkv.engine.benchmark import environment, result_table, run_throughput, w1_workload, write_json
+    from pagedkv.engine.llm import LLM
+
+    if bool(args.model) == bool(args.shape):
+        raise ConfigError("pagedkv bench needs exactly one of --model DIR or --shape NAME (e.g. qwen3-0.6b)")
+    kw = _engine_kwargs(args)
+    if kw["max_model_len"] is None:
+        kw["max_model_len"] = 4096
+    if args.model:
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, tokenizer=False,
+                  attention_backend=args.attention_backend, **kw)
+        label = args.model
+    else:
+        llm = LLM.from_shape(args.shape, dtype=args.dtype, device=args.device,
+                             attention_backend=args.attention_backend, **kw)
+        label = f"{args.shape} (random weights)"
+    wl = w1_workload(args.num_requests, args.scale)
+    print(f"pagedkv bench: {wl.name}: {wl.num_requests} requests, {wl.prompt_tokens:,} prompt tokens, "
+          f"{wl.requested_output_tokens:,} output tokens requested; model {label}, "
+          f"{llm.engine.model.dtype}, device {llm.engine.runner.device}, "
+          f"{llm.kv_cache_sizing.describe()}", flush=True)
+    res = run_throughput(llm, wl, temperature=args.temperature, use_tqdm=not args.quiet)
+    print(result_table(res, f"pagedkv ({label})"))
+    if args.json:
+        write_json(args.json, {"result": res.as_dict(), "args": vars(args) | {"func": None},
+                               "environment": environment()})
+        print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from pagedkv.engine.demo import run_demo
+
+    run_demo(cache_dir=args.cache_dir, device=args.device, num_blocks=args.num_blocks,
+             block_size=args.block_size, max_tokens=args.max_tokens, num_prompts=args.num_prompts)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagedkv", description="pagedkv command line")
     sub = p.add_subparsers(dest="command", required=True)
@@ -172,6 +286,44 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     t.add_argument("--json", default=None, help="write the summary as JSON here")
     t.set_defaults(func=cmd_trace)
+
+    g = sub.add_parser("generate", help="generate text with a Hugging Face checkpoint directory")
+    g.add_argument("--model", required=True,
+                   help="checkpoint directory (config.json, *.safetensors, tokenizer.json)")
+    g.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    g.add_argument("--stop-token-id", type=int, action="append", help="a stop token id (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--logprobs", type=int, default=None)
+    g.add_argument("--json", default=None, help="write the outputs as JSON here")
+    _engine_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="offline throughput on workload W1 (PERF.md) or a variant")
+    b.add_argument("--model", default=None, help="checkpoint directory")
+    b.add_argument("--shape", default=None, help="named architecture with random weights, e.g. qwen3-0.6b")
+    b.add_argument("--num-requests", type=int, default=256)
+    b.add_argument("--scale", type=float, default=1.0, help="multiply prompt and output lengths")
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.add_argument("--json", default="bench_w1.json", help="write the result here ('' to skip)")
+    _engine_args(b)
+    b.set_defaults(func=cmd_bench)
+
+    d = sub.add_parser("demo", help="build a small checkpoint (once) and run a batch through the engine")
+    d.add_argument("--cache-dir", default=None, help="default $PAGEDKV_CACHE or ~/.cache/pagedkv")
+    d.add_argument("--device", default=None)
+    d.add_argument("--num-blocks", type=int, default=24, help="KV pool size (small on purpose: preemption)")
+    d.add_argument("--block-size", type=int, default=16)
+    d.add_argument("--max-tokens", type=int, default=24)
+    d.add_argument("--num-prompts", type=int, default=8)
+    d.set_defaults(func=cmd_demo)
     return p
 
 

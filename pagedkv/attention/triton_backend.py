@@ -72,6 +72,8 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     name = "triton"
+    # Grids and buffers depend only on host ints fixed at capture: safe to replay in a CUDA graph.
+    cuda_graph_capturable = True
 
     def __init__(self, *, fresh_prefill: str = "auto", decode_config: DecodeConfig | None = None,
                  prefill_config: PrefillConfig | None = None):

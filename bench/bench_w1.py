@@ -1,0 +1,206 @@
+"""Workload W1 of PERF.md: offline throughput of pagedkv (and, with --with-hf, of Hugging Face
+transformers on the same prompts), one GPU.
+
+W1: ``random.seed(0)``; 256 requests of ``randint(100, 1024)`` prompt tokens of
+``randint(0, 10000)``; then ``max_tokens = randint(100, 1024)`` each; EOS ignored; 133,966 output
+tokens. Model: the Qwen3-0.6B architecture with random bf16 weights (``--shape qwen3-0.6b``, the
+default) or a checkpoint directory (``--model DIR``); ``max_model_len`` 4096.
+
+Counts the tokens actually generated. Prints a table last and writes JSON (``--json``).
+
+References measured in the same run with ``--with-hf`` (transformers builds its own random
+weights from the same architecture; throughput does not depend on weight values):
+
+* ``generate_batch`` (continuous batching, paged attention) on the W1 prompts with one
+  ``max_new_tokens`` for all requests (``--hf-max-new-tokens``, default 256: PERF.md's reference
+  row, since ``generate_batch`` takes no per-request length);
+* with ``--hf-static``: ``generate`` on a static batch of ``--hf-static-batch`` x 512 prompt
+  tokens -> 256 new tokens (PERF.md's "easier, fixed-length" row).
+
+Usage on the H200::
+
+    python bench/bench_w1.py --json w1.json                 # pagedkv only
+    python bench/bench_w1.py --with-hf --hf-static --json w1.json
+    python bench/bench_w1.py --num-requests 32 --scale 0.25  # quick variant
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+from pagedkv.engine.benchmark import (  # noqa: E402
+    environment,
+    format_table,
+    result_table,
+    run_throughput,
+    w1_workload,
+    write_json,
+)
+from pagedkv.engine.llm import LLM  # noqa: E402
+
+
+def build_pagedkv(args) -> tuple[LLM, str]:
+    kw = dict(
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
+        enable_prefix_caching=not args.no_prefix_caching,
+        device=args.device,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+    )
+    if args.model:
+        return LLM(args.model, tokenizer=False, **kw), args.model
+    return LLM.from_shape(args.shape, **kw), f"{args.shape} (random weights)"
+
+
+def hf_model(args):
+    import transformers
+
+    dtype = torch.bfloat16 if args.dtype in ("auto", "bfloat16", "bf16") else getattr(torch, args.dtype)
+    if args.model:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            args.model, dtype=dtype, attn_implementation="sdpa").cuda().eval()
+    else:
+        from pagedkv.models.tiny import FAMILY_ARCHITECTURES, hf_config_dict, shape_spec_options, tiny_spec
+
+        family, opts = shape_spec_options(args.shape)
+        opts["dtype"] = str(dtype).removeprefix("torch.")
+        config_cls = getattr(transformers, FAMILY_ARCHITECTURES[family].replace("ForCausalLM", "Config"))
+        model_cls = getattr(transformers, FAMILY_ARCHITECTURES[family])
+        config = config_cls(**hf_config_dict(tiny_spec(family, **opts)))
+        config._attn_implementation = "sdpa"
+        with torch.device("cuda"):
+            model = model_cls(config).to(dtype).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def run_hf_generate_batch(model, prompts, max_new_tokens: int) -> dict:
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+    model.generate_batch(prompts[:4], generation_config=gc, max_new_tokens=8)  # warm-up
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = model.generate_batch(prompts, generation_config=gc)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    tokens = sum(len(r.generated_tokens) for r in out.values())
+    return {"engine": "transformers generate_batch", "requests": len(prompts),
+            "max_new_tokens": max_new_tokens, "output_tokens": tokens, "elapsed_s": dt,
+            "output_tokens_per_s": tokens / dt}
+
+
+@torch.no_grad()
+def run_hf_static(model, batch: int, prompt_len: int = 512, new_tokens: int = 256) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 10000, (batch, prompt_len), generator=gen).cuda()
+    mask = torch.ones_like(ids)
+    model.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=4, do_sample=False)  # warm-up
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         do_sample=False)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    tokens = (out.shape[1] - prompt_len) * batch
+    return {"engine": "transformers generate (static)", "requests": batch, "prompt_len": prompt_len,
+            "max_new_tokens": new_tokens, "output_tokens": tokens, "elapsed_s": dt,
+            "output_tokens_per_s": tokens / dt}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="checkpoint directory (default: --shape)")
+    p.add_argument("--shape", default="qwen3-0.6b")
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--scale", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch_ref", "triton"])
+    p.add_argument("--with-hf", action="store_true", help="also time transformers generate_batch")
+    p.add_argument("--hf-max-new-tokens", type=int, default=256)
+    p.add_argument("--hf-static", action="store_true", help="also time transformers static generate")
+    p.add_argument("--hf-static-batch", type=int, default=256)
+    p.add_argument("--progress", action="store_true")
+    p.add_argument("--json", default="bench_w1.json")
+    args = p.parse_args(argv)
+
+    wl = w1_workload(args.num_requests, args.scale)
+    record: dict = {"environment": environment(), "args": vars(args), "workload": {
+        "name": wl.name, "requests": wl.num_requests, "prompt_tokens": wl.prompt_tokens,
+        "requested_output_tokens": wl.requested_output_tokens}}
+    rows: list[tuple[str, str]] = []
+
+    llm, label = build_pagedkv(args)
+    print(f"{wl.name}: {wl.num_requests} requests, {wl.prompt_tokens:,} prompt tokens, "
+          f"{wl.requested_output_tokens:,} output tokens; pagedkv model {label}; "
+          f"{llm.kv_cache_sizing.describe()}", flush=True)
+    res = run_throughput(llm, wl, temperature=args.temperature, use_tqdm=args.progress)
+    record["pagedkv"] = res.as_dict()
+    record["pagedkv_kv"] = llm.get_kv_stats()
+    print(result_table(res, f"pagedkv ({label})"), flush=True)
+    rows.append(("pagedkv", f"{res.output_tokens_per_s:,.0f} tok/s ({res.output_tokens:,} tokens, "
+                            f"{res.elapsed_s:.1f} s)"))
+    del llm
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+    if args.with_hf or args.hf_static:
+        try:
+            model = hf_model(args)
+        except Exception as e:  # record why the reference could not run, keep our numbers
+            record["hf_error"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+            model = None
+        if model is not None and args.with_hf:
+            try:
+                prompts = [p[: args.max_model_len - args.hf_max_new_tokens] for p in wl.prompts]
+                hf = run_hf_generate_batch(model, prompts, args.hf_max_new_tokens)
+                record["hf_generate_batch"] = hf
+                rows.append((f"transformers generate_batch (-> {args.hf_max_new_tokens})",
+                             f"{hf['output_tokens_per_s']:,.0f} tok/s ({hf['output_tokens']:,} tokens)"))
+            except Exception as e:
+                record["hf_generate_batch_error"] = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+        if model is not None and args.hf_static:
+            try:
+                hf = run_hf_static(model, args.hf_static_batch)
+                record["hf_static"] = hf
+                rows.append((f"transformers generate static {args.hf_static_batch}x512->256",
+                             f"{hf['output_tokens_per_s']:,.0f} tok/s"))
+            except Exception as e:
+                record["hf_static_error"] = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+
+    if args.json:
+        write_json(args.json, record)
+    print(format_table(rows, f"\n{wl.name} output throughput"))
+    if args.json:
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

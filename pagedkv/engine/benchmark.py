@@ -1,0 +1,216 @@
+"""Workload W1 (PERF.md) and the offline-throughput measurement ``pagedkv bench`` and
+``bench/bench_w1.py`` run.
+
+W1, exactly: ``random.seed(0)``; for each of 256 requests ``randint(100, 1024)`` prompt tokens,
+each ``randint(0, 10000)`` (the length is drawn, then its tokens); then for each request
+``max_tokens = randint(100, 1024)``; EOS ignored. 133,966 output tokens in total.
+
+Variants: ``num_requests`` draws the same way for another count; ``scale`` multiplies every
+drawn prompt length and ``max_tokens`` afterwards (at least 1 each), so the random stream, and
+with it the token ids, are W1's.
+
+Throughput counts the tokens actually generated (``len(outputs[0].token_ids)`` summed), over the
+wall time of one ``generate`` call, after a short warm-up run (kernel compilation, allocator).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+from pagedkv.errors import ConfigError
+
+W1_NUM_REQUESTS = 256
+W1_LEN_RANGE = (100, 1024)
+W1_TOKEN_MAX = 10000
+W1_TOTAL_OUTPUT_TOKENS = 133_966
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def requested_output_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+    def fit_vocab(self, vocab_size: int) -> "Workload":
+        """Token ids folded into ``[0, vocab_size)`` (W1 draws ids up to 10,000; a smaller
+        vocabulary gets ``id % vocab_size``). Unchanged when they fit already."""
+        if all(t < vocab_size for p in self.prompts for t in p):
+            return self
+        prompts = [[t % vocab_size for t in p] for p in self.prompts]
+        return Workload(f"{self.name} (ids mod {vocab_size})", prompts, list(self.max_tokens))
+
+
+def w1_workload(num_requests: int = W1_NUM_REQUESTS, scale: float = 1.0, seed: int = 0) -> Workload:
+    """W1 (defaults) or a variant (see the module docstring)."""
+    if not isinstance(num_requests, int) or num_requests < 1:
+        raise ConfigError(f"num_requests must be an int >= 1, got {num_requests!r}")
+    if not scale > 0:
+        raise ConfigError(f"scale must be > 0, got {scale!r}")
+    rng = random.Random(seed)
+    lo, hi = W1_LEN_RANGE
+    prompts = [[rng.randint(0, W1_TOKEN_MAX) for _ in range(rng.randint(lo, hi))]
+               for _ in range(num_requests)]
+    max_tokens = [rng.randint(lo, hi) for _ in range(num_requests)]
+    if scale != 1.0:
+        prompts = [p[: max(1, round(len(p) * scale))] for p in prompts]
+        max_tokens = [max(1, round(m * scale)) for m in max_tokens]
+    name = "W1" if (num_requests, scale, seed) == (W1_NUM_REQUESTS, 1.0, 0) else (
+        f"W1-variant(n={num_requests}, scale={scale}, seed={seed})")
+    return Workload(name, prompts, max_tokens)
+
+
+@dataclass
+class ThroughputResult:
+    workload: str
+    num_requests: int
+    prompt_tokens: int
+    requested_output_tokens: int
+    output_tokens: int
+    elapsed_s: float
+    output_tokens_per_s: float
+    total_tokens_per_s: float
+    steps: int
+    preemptions: int
+    prefix_cache_hit_rate: float
+    peak_kv_usage: float
+    cuda_graph_steps: int
+    engine: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def run_throughput(llm, workload: Workload, *, temperature: float = 0.0, warmup: bool = True,
+                   use_tqdm: bool = False, max_model_len: int | None = None) -> ThroughputResult:
+    """Time one ``llm.generate`` over ``workload`` (ignore_eos, one max_tokens per request)."""
+    from pagedkv.sampling.params import SamplingParams
+
+    limit = max_model_len or llm.engine.max_model_len
+    workload = workload.fit_vocab(llm.engine.vocab_size)
+    prompts = [p[: limit - 1] for p in workload.prompts]
+    params = [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=m)
+              for m in workload.max_tokens]
+    engine = llm.engine
+    if warmup:
+        # other prompts than the workload's, and a prefix-cache reset after: the timed run
+        # starts with nothing cached
+        rng = random.Random(12345)
+        warm = [[rng.randrange(engine.vocab_size) for _ in range(min(64, limit - 9))] for _ in range(4)]
+        llm.generate(warm, SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=8),
+                     use_tqdm=False)
+        engine.scheduler.reset_prefix_cache()
+    before = dict(engine.kv_stats())
+    sync = _device_sync(engine.runner.device)
+    sync()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+    sync()
+    elapsed = time.perf_counter() - t0
+    after = engine.kv_stats()
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
+    hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+    return ThroughputResult(
+        workload=workload.name,
+        num_requests=len(prompts),
+        prompt_tokens=sum(len(p) for p in prompts),
+        requested_output_tokens=workload.requested_output_tokens,
+        output_tokens=generated,
+        elapsed_s=elapsed,
+        output_tokens_per_s=generated / elapsed,
+        total_tokens_per_s=(generated + sum(len(p) for p in prompts)) / elapsed,
+        steps=after["steps"] - before["steps"],
+        preemptions=after["preemptions"] - before["preemptions"],
+        prefix_cache_hit_rate=hits / queries if queries else 0.0,
+        peak_kv_usage=after["peak_usage"],
+        cuda_graph_steps=after["cuda_graph_steps"] - before["cuda_graph_steps"],
+        engine={k: after[k] for k in ("num_blocks", "block_size", "token_capacity", "max_concurrency",
+                                      "sized_by", "cuda_graph_sizes") if k in after},
+    )
+
+
+def _device_sync(device):
+    import torch
+
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def environment() -> dict:
+    """Versions and device, for the JSON record."""
+    import torch
+
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+        env["cuda"] = torch.version.cuda
+    return env
+
+
+def format_table(rows: list[tuple[str, str]], title: str = "") -> str:
+    width = max(len(k) for k, _ in rows)
+    lines = [title] if title else []
+    lines += [f"  {k.ljust(width)}  {v}" for k, v in rows]
+    return "\n".join(lines)
+
+
+def result_table(r: ThroughputResult, label: str = "pagedkv") -> str:
+    return format_table([
+        ("engine", label),
+        ("workload", r.workload),
+        ("requests", str(r.num_requests)),
+        ("prompt tokens", f"{r.prompt_tokens:,}"),
+        ("output tokens (generated)", f"{r.output_tokens:,} of {r.requested_output_tokens:,} requested"),
+        ("time", f"{r.elapsed_s:.2f} s"),
+        ("output throughput", f"{r.output_tokens_per_s:,.1f} tok/s"),
+        ("total throughput", f"{r.total_tokens_per_s:,.1f} tok/s"),
+        ("steps", f"{r.steps:,} ({r.cuda_graph_steps:,} CUDA-graph replays)"),
+        ("preemptions", str(r.preemptions)),
+        ("prefix-cache hit rate", f"{r.prefix_cache_hit_rate:.1%}"),
+        ("peak KV usage", f"{r.peak_kv_usage:.1%}"),
+    ])
+
+
+def write_json(path: str, payload: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(payload, f, indent=1, default=str)
+
+
+__all__ = [
+    "ThroughputResult",
+    "W1_TOTAL_OUTPUT_TOKENS",
+    "Workload",
+    "environment",
+    "format_table",
+    "result_table",
+    "run_throughput",
+    "w1_workload",
+    "write_json",
+]

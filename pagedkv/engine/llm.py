@@ -1,0 +1,218 @@
+"""``LLM``: offline batched generation, shaped like vLLM's ``LLM`` so users can switch::
+
+    from pagedkv import LLM, SamplingParams
+    llm = LLM(model="/path/to/checkpoint")
+    outs = llm.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=32))
+    print(outs[0].outputs[0].text)
+
+``LLM(model=DIR)`` loads a Hugging Face checkpoint directory (offline). ``LLM.from_shape(
+"qwen3-0.6b")`` builds a named architecture with random weights (benchmarks; prompts are token
+ids, outputs carry no text). ``LLM.from_model(model, tokenizer)`` wraps an already built
+``DecoderForCausalLM``.
+
+``generate`` validates every prompt before queueing any (a bad one raises and nothing was
+allocated), then steps the engine until all finish and returns one ``RequestOutput`` per prompt
+in input order. The lower-level ``add_request`` / ``step`` / ``abort`` / ``has_unfinished_requests``
+drive the engine a step at a time.
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+from typing import Any, Sequence
+
+import torch
+
+from pagedkv.engine.llm_engine import (
+    LLMEngine,
+    PromptType,
+    build_engine,
+    make_attention_backend,
+    resolve_device,
+)
+from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.progress import ProgressBar
+from pagedkv.errors import InvalidRequestError, InvariantError
+from pagedkv.sampling.params import SamplingParams
+
+
+def _is_single_prompt(x: Any) -> bool:
+    """A string, a ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}`` dict, or one flat list
+    (tuple, array) of token ids, as opposed to a list of prompts."""
+    if isinstance(x, (str, dict)):
+        return True
+    if hasattr(x, "tolist"):
+        x = x.tolist()
+    return isinstance(x, (list, tuple)) and (
+        len(x) == 0 or (isinstance(x[0], numbers.Integral) and not isinstance(x[0], bool)))
+
+
+class LLM:
+    """See the module docstring. Arguments as vLLM's (a subset), plus ``attention_backend``
+    (``"auto"``, ``"torch_ref"``, ``"triton"`` or an ``AttentionBackend``) and
+    ``kv_cache_memory_bytes`` (a KV byte budget, used instead of ``gpu_memory_utilization``;
+    on CPU the default is 256 MiB)."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        *,
+        dtype: str | torch.dtype = "auto",
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        gpu_memory_utilization: float = 0.9,
+        num_gpu_blocks_override: int | None = None,
+        enforce_eager: bool = False,
+        device: str | torch.device | None = None,
+        seed: int = 0,
+        attention_backend: Any = "auto",
+        kv_cache_memory_bytes: int | None = None,
+        cuda_graph_sizes: Sequence[int] | None = None,
+        tokenizer: bool | str = "auto",
+        _engine: LLMEngine | None = None,
+    ) -> None:
+        if _engine is None:
+            from pagedkv.models.loader import load_checkpoint
+
+            dev = resolve_device(device)
+            backend = make_attention_backend(attention_backend, dev)
+            torch.manual_seed(seed)
+            ck = load_checkpoint(model, dtype=dtype, device=dev, backend=backend,
+                                 max_model_len=max_model_len, tokenizer=tokenizer)
+            _engine = build_engine(
+                ck.model, ck.tokenizer, block_size=block_size, max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                enable_prefix_caching=enable_prefix_caching,
+                gpu_memory_utilization=gpu_memory_utilization,
+                num_gpu_blocks_override=num_gpu_blocks_override, enforce_eager=enforce_eager,
+                seed=seed, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                cuda_graph_sizes=cuda_graph_sizes,
+            )
+        self.engine = _engine
+        self.model_name = os.fspath(model)
+
+    # ----- other constructors --------------------------------------------------------------
+    @classmethod
+    def from_model(cls, model: Any, tokenizer: Any = None, *, attention_backend: Any = None,
+                   name: str = "model", **engine_kwargs) -> "LLM":
+        """Wrap a built ``DecoderForCausalLM`` (its current backend unless one is given)."""
+        if attention_backend is not None:
+            model.set_attention_backend(make_attention_backend(attention_backend, model.device))
+        engine = build_engine(model, tokenizer, **engine_kwargs)
+        return cls(name, _engine=engine)
+
+    @classmethod
+    def from_shape(cls, shape: str, *, dtype: str | torch.dtype = "auto",
+                   device: str | torch.device | None = None, seed: int = 0,
+                   attention_backend: Any = "auto", **engine_kwargs) -> "LLM":
+        """A named architecture (``"qwen3-0.6b"``, ``"llama-3.2-1b"`` ...) with deterministic
+        random weights and no tokenizer (prompts are token ids)."""
+        from pagedkv.models.config import shape_config
+        from pagedkv.models.decoder import DecoderForCausalLM
+        from pagedkv.models.loader import resolve_dtype
+
+        cfg = shape_config(shape)
+        dev = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, cfg)
+        backend = make_attention_backend(attention_backend, dev)
+        model = DecoderForCausalLM(cfg, backend=backend, dtype=torch_dtype, device=dev)
+        model.init_random_weights(seed).eval()
+        engine = build_engine(model, None, seed=seed, **engine_kwargs)
+        return cls(f"shape:{shape}", _engine=engine)
+
+    # ----- properties ----------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self):
+        return self.engine.config
+
+    @property
+    def scheduler(self):
+        return self.engine.scheduler
+
+    @property
+    def runner(self):
+        return self.engine.runner
+
+    @property
+    def kv_cache_sizing(self):
+        return self.engine.sizing
+
+    def get_kv_stats(self) -> dict:
+        return self.engine.kv_stats()
+
+    # ----- generation ----------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (a string, a list of token ids, a ``{"prompt": text}`` or
+        ``{"prompt_token_ids": ids}`` dict, or a list of those); returns one finished
+        ``RequestOutput`` per prompt, in input order."""
+        if _is_single_prompt(prompts):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            return []
+        if not isinstance(sampling_params, (list, tuple)):
+            params = [sampling_params] * len(prompts)  # one for all (validated per request)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise InvalidRequestError(
+                    f"{len(prompts)} prompts but {len(params)} sampling params; pass one, or one "
+                    "per prompt"
+                )
+        engine = self.engine
+        validated = [engine.validate(p, sp) for p, sp in zip(prompts, params)]
+        ids = [engine.add_request(None, None, _validated=v) for v in validated]
+        return self._run(ids, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        wanted = set(request_ids)
+        results: dict[str, RequestOutput] = {}
+        bar = ProgressBar(len(request_ids), "pagedkv generate", enabled=use_tqdm)
+        start_tokens = engine.stats.tokens_generated
+        try:
+            while len(results) < len(wanted):
+                outs = engine.step(finished_only=True)
+                for out in outs:
+                    if out.request_id in wanted:
+                        results[out.request_id] = out
+                if not engine.scheduler.has_requests() and len(results) < len(wanted):
+                    missing = sorted(wanted - set(results))
+                    raise InvariantError("progress", "the engine has no work left but requests "
+                                         "are unfinished", missing=missing[:5])
+                bar.update(len(results), engine.stats.tokens_generated - start_tokens)
+        finally:
+            bar.close()
+        for rid in request_ids:
+            engine.release(rid)
+        return [results[rid] for rid in request_ids]
+
+    # ----- step-level API ------------------------------------------------------------------
+    def add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        return self.engine.add_request(prompt, sampling_params, request_id)
+
+    def step(self) -> list[RequestOutput]:
+        return self.engine.step()
+
+    def abort(self, request_id: str) -> bool:
+        return self.engine.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+
+__all__ = ["LLM"]

@@ -1,0 +1,487 @@
+"""LLMEngine: a model on the paged index layer, stepped one ``SchedulerOutput`` at a time.
+
+The real-model sibling of ``IndexLayerDriver``: ``Scheduler.schedule()`` -> ``ModelRunner.
+execute_model()`` -> ``Scheduler.update_from_output()`` -> output processing (incremental
+detokenization, stop strings, logprobs, metrics).
+
+Requests are validated completely before anything reaches the scheduler (``InvalidRequestError``:
+empty prompt, prompt that leaves no room for an output token within ``max_model_len``, token ids
+outside the vocabulary, text without a tokenizer, stop strings without a tokenizer, stop token ids
+outside the vocabulary, anything but ``SamplingParams``), so a rejected request allocates nothing.
+
+Stop strings are found by the detokenizer after the step; the request is then finished through
+``Scheduler.finish_requests(..., FINISHED_STOPPED)``, which frees its blocks at once. ``abort``
+does the same with ``FINISHED_ABORTED``.
+
+``build_engine`` assembles everything from a model (+ tokenizer): attention backend, KV-pool
+sizing (``pagedkv.engine.memory``), KV-cache config, scheduler, runner, CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import numbers
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from pagedkv.attention.backend import AttentionBackend
+from pagedkv.config import CacheConfig, SchedulerConfig
+from pagedkv.core.request import FinishReason, Request, RequestStatus, StopParams
+from pagedkv.core.scheduler import Scheduler
+from pagedkv.core.spec import KVCacheConfig, KVCacheGroupSpec, dtype_size
+from pagedkv.engine.memory import (
+    CUDA_GRAPH_RESERVE_BYTES,
+    KVCacheSizing,
+    block_bytes,
+    check_pool,
+    size_kv_cache,
+)
+from pagedkv.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedkv.errors import ConfigError, InvalidRequestError, UnknownRequestError
+from pagedkv.sampling.detokenizer import IncrementalDetokenizer
+from pagedkv.sampling.params import SamplingParams
+from pagedkv.worker.model_runner import (
+    ModelRunner,
+    attention_layer_names,
+    backend_is_graph_capturable,
+    kv_cache_spec_for,
+    profile_peak_memory,
+    torch_dtype_name,
+)
+
+ATTENTION_BACKENDS = ("auto", "torch_ref", "triton")
+
+PromptType = str | Sequence[int]
+
+
+def make_attention_backend(name: str | AttentionBackend, device: torch.device) -> AttentionBackend:
+    """``"auto"``: the Triton backend on CUDA, the torch reference on CPU; ``"triton"`` needs
+    CUDA (or ``TRITON_INTERPRET=1``); an ``AttentionBackend`` instance is used as is."""
+    if isinstance(name, AttentionBackend):
+        return name
+    if name not in ATTENTION_BACKENDS:
+        raise ConfigError(f"unknown attention_backend {name!r}; use one of {', '.join(ATTENTION_BACKENDS)}")
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch_ref"
+    if name == "torch_ref":
+        from pagedkv.attention.torch_ref import TorchRefBackend
+
+        return TorchRefBackend()
+    from pagedkv.attention.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend()
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request: Request
+    metrics: RequestMetrics
+    detokenizer: IncrementalDetokenizer | None
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def to_output(self) -> RequestOutput:
+        text = self.detokenizer.output_text if self.detokenizer is not None else ""
+        comp = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(self.output_token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [comp],
+                             self.finished, self.metrics)
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    tokens_generated: int = 0
+    prompt_tokens_scheduled: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    peak_kv_usage: float = 0.0
+    cuda_graph_steps: int = 0
+
+
+class LLMEngine:
+    """Scheduler + ModelRunner + output processing (see the module docstring)."""
+
+    def __init__(self, model: Any, tokenizer: Any, scheduler: Scheduler, runner: ModelRunner,
+                 sizing: KVCacheSizing | None = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.runner = runner
+        self.sizing = sizing
+        self.config = model.config
+        self.vocab_size = model.config.vocab_size
+        self.max_model_len = scheduler.max_model_len
+        eos = list(model.config.eos_token_ids)
+        if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos = [tokenizer.eos_token_id]
+        self.eos_token_ids = eos
+        self._requests: dict[str, _RequestState] = {}
+        self._pending: list[_RequestState] = []  # finished outside a step (abort)
+        self._ids = itertools.count()
+        self.stats = EngineStats()
+
+    # ----- requests ------------------------------------------------------------------------
+    def new_request_id(self) -> str:
+        rid = str(next(self._ids))
+        while rid in self._requests:
+            rid = str(next(self._ids))
+        return rid
+
+    def validate(self, prompt: PromptType, params: SamplingParams | None
+                 ) -> tuple[str | None, list[int], SamplingParams]:
+        """``(prompt text or None, prompt token ids, params)`` or ``InvalidRequestError``."""
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(
+                f"sampling_params must be a SamplingParams, got {type(params).__name__}"
+            )
+        params.check_vocab(self.vocab_size)
+        if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
+            keys = set(prompt)
+            if keys == {"prompt"}:
+                prompt = prompt["prompt"]
+                if not isinstance(prompt, str):
+                    raise InvalidRequestError("{'prompt': ...} takes a string")
+            elif keys == {"prompt_token_ids"}:
+                prompt = prompt["prompt_token_ids"]
+                if isinstance(prompt, str):
+                    raise InvalidRequestError("{'prompt_token_ids': ...} takes a list of ints")
+            else:
+                raise InvalidRequestError(
+                    f"a dict prompt has exactly one key, 'prompt' or 'prompt_token_ids'; got {sorted(keys)}"
+                )
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError(
+                "stop strings need a tokenizer; this model has none (use stop_token_ids)"
+            )
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    "this model has no tokenizer; pass prompts as lists of token ids"
+                )
+            text: str | None = prompt
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (bytes, bytearray)) or not (
+                isinstance(prompt, Sequence) or hasattr(prompt, "tolist")):
+            raise InvalidRequestError(
+                f"a prompt is a string or a list of token ids, got {type(prompt).__name__}"
+            )
+        else:
+            text = None
+            raw = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
+            bad = [t for t in raw if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+            if bad:
+                raise InvalidRequestError(f"prompt token ids must be ints, got {bad[:5]!r}")
+            ids = [int(t) for t in raw]
+            out = [t for t in ids if not 0 <= t < self.vocab_size]
+            if out:
+                raise InvalidRequestError(
+                    f"prompt token ids {out[:5]} are outside the vocabulary [0, {self.vocab_size})"
+                )
+        if not ids:
+            raise InvalidRequestError("the prompt is empty" + (" (it encodes to no tokens)" if text else ""))
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens; with max_model_len={self.max_model_len} at "
+                f"most {self.max_model_len - 1} leave room for one output token. Shorten the "
+                "prompt or raise max_model_len"
+            )
+        return text, ids, params
+
+    def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
+                    request_id: str | None = None, *, arrival_time: float | None = None,
+                    _validated: tuple | None = None) -> str:
+        """Validate and queue one request; returns its id."""
+        text, ids, params = _validated if _validated is not None else self.validate(prompt, params)
+        rid = self.new_request_id() if request_id is None else str(request_id)
+        if rid in self._requests:
+            raise InvalidRequestError(f"request id {rid!r} is in use; pass a unique id")
+        stop_ids = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids += [t for t in self.eos_token_ids[1:] if t not in stop_ids]
+        stop = params.to_stop_params(self.max_model_len)
+        if stop_ids != list(stop.stop_token_ids):
+            stop = StopParams(max_tokens=stop.max_tokens, ignore_eos=stop.ignore_eos,
+                              stop_token_ids=tuple(stop_ids), min_tokens=stop.min_tokens)
+        now = time.monotonic() if arrival_time is None else arrival_time
+        req = Request(
+            request_id=rid,
+            prompt_token_ids=ids,
+            sampling_params=params,
+            stop=stop,
+            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+            arrival_time=now,
+            block_hasher=self.scheduler.block_hasher,
+        )
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, params, ids)
+        st = _RequestState(rid, text, ids, params, req,
+                           RequestMetrics(arrival_time=now, num_prompt_tokens=len(ids)), detok)
+        if params.logprobs is not None:
+            st.logprobs = []
+            st.cumulative_logprob = 0.0
+        self.scheduler.add_request(req)
+        self._requests[rid] = st
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a waiting or running request now (its blocks are freed); returns whether it
+        was still unfinished. Its final output (``finish_reason="abort"``) comes with the next
+        ``step()``."""
+        st = self._requests.get(request_id)
+        if st is None:
+            raise UnknownRequestError(f"request {request_id!r} is not known (finished or never added)")
+        if st.finished:
+            return False
+        self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+        self._finish(st, FinishReason.ABORT.value, None, time.monotonic())
+        self._pending.append(st)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return any(not st.finished for st in self._requests.values())
+
+    def get_request(self, request_id: str) -> RequestOutput:
+        st = self._requests.get(request_id)
+        if st is None:
+            raise UnknownRequestError(f"request {request_id!r} is not known")
+        return st.to_output()
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's output state."""
+        st = self._requests.get(request_id)
+        if st is not None and st.finished:
+            del self._requests[request_id]
+
+    # ----- one step ------------------------------------------------------------------------
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """One engine step; returns the outputs of requests that gained tokens or finished
+        (only the finished ones with ``finished_only``: no per-step copies of running
+        requests' token lists)."""
+        changed: list[_RequestState] = self._pending
+        self._pending = []
+        sched = self.scheduler
+        if not sched.has_requests():
+            return [st.to_output() for st in changed]
+        so = sched.schedule()
+        now = time.monotonic()
+        reqs = self._requests
+        for new in so.scheduled_new_reqs:
+            st = reqs.get(new.req_id)
+            if st is not None and st.metrics.first_scheduled_time is None:
+                st.metrics.first_scheduled_time = now
+                st.metrics.num_cached_tokens = new.num_computed_tokens
+        mro = self.runner.execute_model(so)
+        eco = sched.update_from_output(so, mro)
+        now = time.monotonic()
+        stats = self.stats
+        stats.steps += 1
+        stats.cuda_graph_steps = self.runner.num_graph_steps
+        s = eco.scheduler_stats
+        if s is not None:
+            if s.kv_cache_usage > stats.peak_kv_usage:
+                stats.peak_kv_usage = s.kv_cache_usage
+            pcs = s.prefix_cache_stats
+            if pcs is not None:
+                stats.prefix_cache_queries += pcs.queries
+                stats.prefix_cache_hits += pcs.hits
+        logprobs = getattr(mro, "logprobs", None)
+        n_tokens = 0
+        for o in eco.outputs:
+            st = reqs.get(o.req_id)
+            if st is None or st.finished:
+                continue
+            toks = o.new_token_ids
+            m = st.metrics
+            if toks:
+                n_tokens += len(toks)
+                st.output_token_ids.extend(toks)
+                if m.first_token_time is None:
+                    m.first_token_time = now
+                m.last_token_time = now
+                m.num_generated_tokens += len(toks)
+                if st.logprobs is not None and logprobs:
+                    self._add_logprobs(st, logprobs.get(o.req_id))
+            reason = o.finish_reason
+            stop_reason = o.stop_reason
+            if st.detokenizer is not None:
+                d = st.detokenizer.update(toks, stop_terminated=reason == FinishReason.STOP,
+                                          finished=reason is not None)
+                if d.stop_string is not None:
+                    if reason is None:
+                        sched.finish_requests([o.req_id], RequestStatus.FINISHED_STOPPED)
+                    reason, stop_reason = FinishReason.STOP, d.stop_string
+            if reason is not None:
+                self._finish(st, reason.value, stop_reason, now)
+                changed.append(st)
+            elif not finished_only:
+                changed.append(st)
+        stats.tokens_generated += n_tokens
+        return [st.to_output() for st in changed]
+
+    def _add_logprobs(self, st: _RequestState, lp) -> None:
+        if lp is None:
+            return
+        entry: dict[int, Logprob] = {}
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        for i, (tid, val) in enumerate(zip(lp.token_ids, lp.logprobs)):
+            if tid in entry:
+                continue
+            rank = lp.rank if i == 0 else i
+            entry[tid] = Logprob(val, rank, decode([tid], skip_special_tokens=False) if decode else None)
+        st.logprobs.append(entry)
+        st.cumulative_logprob += lp.logprobs[0]
+
+    def _finish(self, st: _RequestState, reason: str, stop_reason, now: float) -> None:
+        st.finish_reason = reason
+        st.stop_reason = stop_reason
+        st.metrics.finished_time = now
+        st.metrics.num_preemptions = st.request.num_preemptions
+
+    # ----- introspection -------------------------------------------------------------------
+    def kv_stats(self) -> dict:
+        """Pool and cache statistics (blocks, usage, prefix-cache hits, preemptions)."""
+        mgr = self.scheduler.kv_cache_manager
+        st = self.stats
+        total = self.scheduler.kv_cache_config.num_blocks
+        d = {
+            "num_blocks": total,
+            "block_size": self.runner.block_size,
+            "free_blocks": mgr.num_free_blocks,
+            "usage": mgr.usage,
+            "peak_usage": st.peak_kv_usage,
+            "prefix_cache_queries": st.prefix_cache_queries,
+            "prefix_cache_hits": st.prefix_cache_hits,
+            "prefix_cache_hit_rate": (st.prefix_cache_hits / st.prefix_cache_queries
+                                      if st.prefix_cache_queries else 0.0),
+            "preemptions": self.scheduler.num_preemptions,
+            "steps": st.steps,
+            "tokens_generated": st.tokens_generated,
+            "cuda_graph_steps": self.runner.num_graph_steps,
+            "cuda_graph_sizes": [] if self.runner.cuda_graphs is None
+            else list(self.runner.cuda_graphs.sizes),
+        }
+        if self.sizing is not None:
+            d.update(token_capacity=self.sizing.token_capacity,
+                     max_concurrency=self.sizing.max_concurrency,
+                     kv_cache_bytes=self.sizing.kv_cache_bytes, sized_by=self.sizing.source)
+        return d
+
+
+# --------------------------------------------------------------------------------------------
+# Assembly
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' but no CUDA GPU is available; use device='cpu'")
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    return dev
+
+
+def build_engine(
+    model: Any,
+    tokenizer: Any = None,
+    *,
+    block_size: int = 16,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 8192,
+    max_model_len: int | None = None,
+    enable_prefix_caching: bool = True,
+    gpu_memory_utilization: float = 0.9,
+    num_gpu_blocks_override: int | None = None,
+    enforce_eager: bool = False,
+    seed: int = 0,
+    kv_cache_memory_bytes: int | None = None,
+    cuda_graph_sizes: Sequence[int] | None = None,
+    long_prefill_token_threshold: int = 0,
+) -> LLMEngine:
+    """Everything around a loaded ``model`` (its attention backend already installed)."""
+    device = model.device
+    cfg = model.config
+    user_max_model_len = max_model_len
+    if max_model_len is None:
+        max_model_len = cfg.max_position_embeddings
+    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 2:
+        raise ConfigError(f"max_model_len must be an int >= 2, got {max_model_len!r}")
+    if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
+        raise ConfigError(f"max_num_seqs must be an int >= 1, got {max_num_seqs!r}")
+    sc = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        long_prefill_token_threshold=long_prefill_token_threshold,
+    )
+    # Validates block_size, prefix caching and utilization before any memory work.
+    CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+                gpu_memory_utilization=gpu_memory_utilization)
+    spec = kv_cache_spec_for(model, block_size)
+    per_block = block_bytes(cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim,
+                            dtype_size(torch_dtype_name(model.dtype)))
+    backend = model.attn_backend
+    graphs = device.type == "cuda" and not enforce_eager and backend_is_graph_capturable(backend)
+    sizing = size_kv_cache(
+        bytes_per_block=per_block,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        num_gpu_blocks_override=num_gpu_blocks_override,
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
+        device_type=device.type,
+        gpu_memory_utilization=gpu_memory_utilization,
+        profile=(lambda: profile_peak_memory(model, sc, block_size)) if device.type == "cuda" else None,
+        graph_reserve_bytes=CUDA_GRAPH_RESERVE_BYTES if graphs else 0,
+        check=user_max_model_len is not None,
+        max_num_seqs=max_num_seqs,
+    )
+    if user_max_model_len is None and sizing.token_capacity < max_model_len:
+        # max_model_len was not given: fit it to the pool instead of failing
+        max_model_len = sizing.token_capacity
+        if max_model_len >= 2:
+            sc = dataclasses.replace(sc, max_model_len=max_model_len)
+            sizing = dataclasses.replace(sizing, max_model_len=max_model_len)
+        check_pool(sizing.num_blocks, block_size, max_model_len, sizing.source)
+    kv = KVCacheConfig(
+        num_blocks=sizing.num_blocks,
+        kv_cache_groups=(KVCacheGroupSpec(attention_layer_names(cfg.num_hidden_layers), spec),),
+    )
+    cc = CacheConfig(block_size=block_size, num_gpu_blocks=sizing.num_blocks,
+                     enable_prefix_caching=enable_prefix_caching,
+                     gpu_memory_utilization=gpu_memory_utilization)
+    scheduler = Scheduler(sc, kv, cc)
+    runner = ModelRunner(model, kv, sc, cc, device=device, seed=seed, enforce_eager=not graphs,
+                         cuda_graph_sizes=cuda_graph_sizes)
+    runner.capture_cuda_graphs()
+    return LLMEngine(model, tokenizer, scheduler, runner, sizing)
+
+
+__all__ = ["ATTENTION_BACKENDS", "EngineStats", "LLMEngine", "build_engine", "make_attention_backend",
+           "resolve_device"]

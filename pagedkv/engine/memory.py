@@ -1,0 +1,180 @@
+"""KV-cache pool sizing: how many blocks the engine allocates, and what they hold.
+
+Order of precedence:
+
+1. ``num_gpu_blocks_override`` (a block count, null block included) wins;
+2. ``kv_cache_memory_bytes``: a byte budget for the KV tensors of all layers (any device);
+3. on a GPU: ``total * gpu_memory_utilization - (memory in use now) - (peak activations of the
+   largest step, profiled) - (a reserve for CUDA graphs)``. "In use now" is measured with
+   ``torch.cuda.mem_get_info`` after the profile's memory is released, so it counts the
+   weights, the CUDA context and whatever other processes hold;
+4. on a CPU: ``DEFAULT_CPU_KV_BYTES``.
+
+Sizes found by 3 and 4 are capped at ``max_num_seqs`` full-length sequences plus the null block
+(when ``max_num_seqs`` is given): more blocks could only keep prefix-cache entries longer, and
+every block is a Python object in the block pool (a tiny model on a large GPU would otherwise ask
+for millions). ``source`` then ends in ``"+cap"``.
+
+The pool must hold at least one ``max_model_len`` sequence (plus the null block); otherwise a
+``ConfigError`` says what to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+from pagedkv.core.spec import cdiv
+from pagedkv.errors import ConfigError
+
+MiB = 1 << 20
+GiB = 1 << 30
+DEFAULT_CPU_KV_BYTES = 256 * MiB
+CUDA_GRAPH_RESERVE_BYTES = 256 * MiB
+
+
+def block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """Bytes of one block across all layers (K and V)."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes
+
+
+@dataclass(frozen=True)
+class KVCacheSizing:
+    """The pool chosen and how: ``num_blocks`` includes the null block 0."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    max_model_len: int
+    source: str  # "override" | "budget" | "gpu_profile" | "cpu_default"
+    budget_bytes: int | None = None
+    peak_activation_bytes: int | None = None
+    total_device_bytes: int | None = None
+    used_device_bytes: int | None = None
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def token_capacity(self) -> int:
+        """Tokens the pool holds (the null block excluded)."""
+        return self.num_usable_blocks * self.block_size
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def max_concurrency(self) -> float:
+        """How many ``max_model_len`` sequences fit at once."""
+        return self.num_usable_blocks / cdiv(self.max_model_len, self.block_size)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(num_usable_blocks=self.num_usable_blocks, token_capacity=self.token_capacity,
+                 kv_cache_bytes=self.kv_cache_bytes, max_concurrency=self.max_concurrency)
+        return d
+
+    def describe(self) -> str:
+        return (
+            f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens "
+            f"({self.kv_cache_bytes / GiB:.2f} GiB, {self.token_capacity} tokens, "
+            f"max concurrency {self.max_concurrency:.2f} at max_model_len {self.max_model_len}; "
+            f"sized by {self.source})"
+        )
+
+
+def blocks_from_bytes(budget: int, bytes_per_block: int) -> int:
+    return max(0, int(budget) // bytes_per_block)
+
+
+def check_pool(num_blocks: int, block_size: int, max_model_len: int, source: str) -> None:
+    need = cdiv(max_model_len, block_size) + 1
+    if num_blocks < need:
+        raise ConfigError(
+            f"the KV-cache pool ({source}) has {num_blocks} blocks of {block_size} tokens; one "
+            f"sequence of max_model_len={max_model_len} tokens needs {need} (null block included). "
+            "Lower max_model_len, or give the cache more memory (gpu_memory_utilization, "
+            "kv_cache_memory_bytes or num_gpu_blocks_override)"
+        )
+
+
+def size_kv_cache(
+    *,
+    bytes_per_block: int,
+    block_size: int,
+    max_model_len: int,
+    num_gpu_blocks_override: int | None = None,
+    kv_cache_memory_bytes: int | None = None,
+    device_type: str = "cpu",
+    gpu_memory_utilization: float = 0.9,
+    profile=None,
+    graph_reserve_bytes: int = 0,
+    check: bool = True,
+    max_num_seqs: int | None = None,
+) -> KVCacheSizing:
+    """Choose the pool size (see the module docstring). ``profile``: a zero-argument callable
+    returning the peak activation bytes of the largest step (GPU only; called only when needed).
+    ``check=False`` skips the "one max_model_len sequence fits" check (the caller may lower
+    ``max_model_len`` to the pool instead)."""
+    if bytes_per_block <= 0:
+        raise ConfigError(f"bytes_per_block must be positive, got {bytes_per_block}")
+    common = dict(block_size=block_size, bytes_per_block=bytes_per_block, max_model_len=max_model_len)
+    if num_gpu_blocks_override is not None:
+        n = num_gpu_blocks_override
+        if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+            raise ConfigError(
+                f"num_gpu_blocks_override must be an int >= 2 (block 0 is the null block), got {n!r}"
+            )
+        sizing = KVCacheSizing(num_blocks=n, source="override", **common)
+    elif kv_cache_memory_bytes is not None:
+        b = kv_cache_memory_bytes
+        if isinstance(b, bool) or not isinstance(b, int) or b <= 0:
+            raise ConfigError(f"kv_cache_memory_bytes must be a positive int, got {b!r}")
+        sizing = KVCacheSizing(num_blocks=blocks_from_bytes(b, bytes_per_block), source="budget",
+                               budget_bytes=b, **common)
+    elif device_type == "cuda":
+        import torch
+
+        if profile is None:
+            raise ConfigError("sizing the KV cache on a GPU needs a profile function")
+        peak = int(profile())
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        used = total - free
+        budget = int(total * gpu_memory_utilization) - used - peak - graph_reserve_bytes
+        if budget <= 0:
+            raise ConfigError(
+                f"no GPU memory left for the KV cache: {total / GiB:.1f} GiB x "
+                f"gpu_memory_utilization {gpu_memory_utilization} = "
+                f"{total * gpu_memory_utilization / GiB:.1f} GiB, but {used / GiB:.1f} GiB are in "
+                f"use and the largest step peaks at {peak / GiB:.2f} GiB; raise "
+                "gpu_memory_utilization or lower max_num_batched_tokens"
+            )
+        sizing = KVCacheSizing(
+            num_blocks=blocks_from_bytes(budget, bytes_per_block), source="gpu_profile",
+            budget_bytes=budget, peak_activation_bytes=peak, total_device_bytes=total,
+            used_device_bytes=used, **common,
+        )
+    else:
+        sizing = KVCacheSizing(
+            num_blocks=blocks_from_bytes(DEFAULT_CPU_KV_BYTES, bytes_per_block),
+            source="cpu_default", budget_bytes=DEFAULT_CPU_KV_BYTES, **common,
+        )
+    if max_num_seqs is not None and sizing.source in ("gpu_profile", "cpu_default"):
+        cap = max_num_seqs * cdiv(max_model_len, block_size) + 1
+        if sizing.num_blocks > cap:
+            sizing = replace(sizing, num_blocks=cap, source=sizing.source + "+cap")
+    if check:
+        check_pool(sizing.num_blocks, block_size, max_model_len, sizing.source)
+    return sizing
+
+
+__all__ = [
+    "CUDA_GRAPH_RESERVE_BYTES",
+    "DEFAULT_CPU_KV_BYTES",
+    "KVCacheSizing",
+    "block_bytes",
+    "check_pool",
+    "size_kv_cache",
+]

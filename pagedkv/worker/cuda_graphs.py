@@ -1,0 +1,179 @@
+"""CUDA graphs for pure-decode steps (one query token per request).
+
+A decode step of ``n`` requests is padded to the smallest captured size ``B >= n`` and replays
+the graph captured for ``B``. Padding is the index layer's (``InputPreparer.prepare`` with
+``num_reqs_padded = num_tokens_padded = B``): padded requests have 0 query tokens
+(``query_start_loc`` repeats its last value) and ``seq_len`` 0, their device block-table rows
+hold the null block 0, padded tokens have slot ``-1`` (never written), position 0 and input
+id 0. Nothing is rebuilt at replay: the graph reads the runner's persistent device buffers
+(the preparer's ``query_start_loc``/``seq_lens``/``positions``/``input_ids``, the block
+table's device mirror and slot-mapping rows, the KV caches) at the addresses they had during
+capture, and ``prepare`` has just rewritten their contents. The output (hidden states
+``[B, hidden]``) is the graph's static tensor; rows ``>= n`` are padding and never read.
+
+Host values baked into the captured kernels: ``num_reqs = num_actual_tokens = B``,
+``max_query_len = 1`` and ``max_seq_len = max_model_len`` (as ``prepare(...,
+for_cudagraph_capture=True)`` defines), so a backend must be correct for every real length up
+to ``max_model_len`` under those launch parameters and must never read a device value on the
+host. Only graph-capturable backends are captured (``backend_is_graph_capturable``: a
+``cuda_graph_capturable`` attribute, else the Triton backend by name; never the torch reference,
+which loops over requests with host lengths); ``enforce_eager`` turns graphs off.
+
+Capture: sizes from largest to smallest, all graphs in one memory pool, each on a batch of
+``B`` *padded* requests exactly as the index layer pads (0 query tokens, ``seq_len`` 0, null-block
+table rows, slots ``-1``, host and device copies consistent), so capture reads no KV and writes
+none, and whatever a backend does for padding rows (the Triton backend zeroes output rows past
+``query_start_loc[num_reqs]``) is what the graph does for them at every replay. Every size is
+first run eagerly twice (Triton compilation, allocator warm-up). Block-table rows used during
+capture are set to the null block on the device only; the host copy (the truth) is untouched.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import numpy as np
+import torch
+
+from pagedkv.errors import ConfigError
+from pagedkv.worker.metadata import CommonAttentionMetadata
+
+if TYPE_CHECKING:
+    from pagedkv.worker.model_runner import ModelRunner
+
+
+def default_capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, 16, 24, 32, ... (multiples of 8) up to ``max_num_seqs``, which is always
+    the largest size."""
+    if max_num_seqs < 1:
+        raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    sizes = [s for s in (1, 2, 4) if s <= max_num_seqs]
+    sizes += list(range(8, max_num_seqs + 1, 8))
+    if sizes[-1] != max_num_seqs:
+        sizes.append(max_num_seqs)
+    return sizes
+
+
+class CudaGraphCapture:
+    """How graphs are captured and replayed: ``torch.cuda.CUDAGraph`` in one shared memory
+    pool. ``capture(fn)`` runs ``fn`` under capture and returns ``(replay, static output)``.
+    (The seam lets a CPU test drive the manager's buffer and padding logic with a stand-in
+    that re-executes ``fn`` into the static output.)"""
+
+    def __init__(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ConfigError("CUDA graphs need a CUDA device")
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def capture(self, fn) -> tuple[Callable[[], None], torch.Tensor]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = fn()
+        return graph.replay, out
+
+
+class CudaGraphManager:
+    """The captured decode graphs of one ``ModelRunner`` (see the module docstring)."""
+
+    def __init__(self, runner: "ModelRunner", sizes: Sequence[int],
+                 graph_capture: CudaGraphCapture | None = None) -> None:
+        if graph_capture is None:
+            graph_capture = CudaGraphCapture(runner.device)
+        max_reqs = runner.input_batch.max_num_reqs
+        clean = sorted({int(s) for s in sizes})
+        if not clean or clean[0] < 1 or clean[-1] > max_reqs:
+            raise ConfigError(
+                f"CUDA-graph sizes must lie in [1, max_num_seqs={max_reqs}], got {list(sizes)}"
+            )
+        if clean[-1] > runner.input_batch.max_num_batched_tokens:
+            raise ConfigError("a CUDA-graph size exceeds max_num_batched_tokens")
+        self.runner = runner
+        self.sizes = clean
+        # n -> smallest captured size >= n (0 where none).
+        lookup = np.zeros(clean[-1] + 1, dtype=np.int64)
+        j = 0
+        for n in range(1, clean[-1] + 1):
+            while clean[j] < n:
+                j += 1
+            lookup[n] = clean[j]
+        self._lookup = lookup.tolist()
+        self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
+        self.graph_capture = graph_capture
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    def padded_size(self, num_reqs: int) -> int | None:
+        """The graph size a decode step of ``num_reqs`` requests replays, or None (eager)."""
+        if 0 < num_reqs <= self.sizes[-1]:
+            return self._lookup[num_reqs]
+        return None
+
+    # ----- capture -------------------------------------------------------------------------
+    def _capture_inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata]:
+        """Fill the persistent buffers with ``size`` padded requests (see the module docstring)
+        and return views of them plus the decode metadata the replays stand for."""
+        r = self.runner
+        p = r.preparer
+        bt = r.input_batch.block_table
+        for b in (p.query_start_loc, p.seq_lens, p.positions, p.input_ids, p.is_prefilling):
+            b.wait_for_copy()
+        p.query_start_loc.cpu[: size + 1].zero_()
+        p.query_start_loc.gpu[: size + 1].zero_()
+        p.seq_lens.cpu[:size].zero_()
+        p.seq_lens.gpu[:size].zero_()
+        p.positions.gpu[:size].zero_()
+        p.input_ids.gpu[:size].zero_()
+        p.is_prefilling.gpu[:size].fill_(False)
+        p.num_computed[:size].zero_()
+        bt.block_table.gpu[:size].zero_()
+        bt.slot_mappings[:, :size].fill_(-1)
+        md = CommonAttentionMetadata(
+            query_start_loc=p.query_start_loc.gpu[: size + 1],
+            query_start_loc_cpu=p.query_start_loc.cpu[: size + 1],
+            seq_lens=p.seq_lens.gpu[:size],
+            seq_lens_cpu=p.seq_lens.cpu[:size],
+            num_reqs=size,
+            num_actual_tokens=size,
+            max_query_len=1,
+            max_seq_len=r.max_model_len,
+            block_table_tensor=bt[0].get_device_tensor(size),
+            slot_mapping=bt.slot_mappings[0, :size],
+            positions=p.positions.gpu[:size],
+            is_prefilling=p.is_prefilling.gpu[:size],
+            num_computed_tokens_cpu=p.num_computed[:size],
+            num_actual_reqs=size,
+        )
+        return p.input_ids.gpu[:size], p.positions.gpu[:size], md
+
+    @torch.inference_mode()
+    def capture(self, warmup: int = 2) -> None:
+        r = self.runner
+        model = r.model
+        if r.input_batch.num_reqs:
+            raise ConfigError("capture CUDA graphs before any request runs")
+        gc = self.graph_capture
+        for size in reversed(self.sizes):
+            ids, pos, md = self._capture_inputs(size)
+            for _ in range(warmup):
+                model(ids, pos, r.kv_caches, md)
+            gc.synchronize()
+            self._graphs[size] = gc.capture(
+                lambda ids=ids, pos=pos, md=md: model(ids, pos, r.kv_caches, md))
+        gc.synchronize()
+
+    # ----- replay --------------------------------------------------------------------------
+    def replay(self, size: int) -> torch.Tensor:
+        """Replay the graph of ``size`` (the persistent buffers must hold a step prepared with
+        ``num_reqs_padded = num_tokens_padded = size``); returns hidden ``[size, hidden]``."""
+        replay, out = self._graphs[size]
+        replay()
+        return out
+
+
+__all__ = ["CudaGraphCapture", "CudaGraphManager", "default_capture_sizes"]

@@ -1,0 +1,60 @@
+"""Helpers of the engine tests: engines on CPU (fp32, torch reference attention), transformers
+references, pool checks."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
+TEXTS = [
+    "Hello",
+    "The block table maps a request row",
+    "Chunked prefill splits a long prompt over several steps so that decode requests keep moving.",
+    "Prefix caching hashes full blocks so that a new prompt can reuse the blocks of an old one. "
+    "When the pool runs out of free blocks, the scheduler preempts the newest running request!",
+]
+
+
+class HFReference:
+    """transformers' greedy ``generate`` (EOS off, no padding), memoized per prompt."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self._cache: dict = {}
+
+    @torch.no_grad()
+    def greedy(self, prompt, n: int) -> list[int]:
+        key = (tuple(prompt), n)
+        if key not in self._cache:
+            # a longer cached run of the same prompt answers shorter ones
+            for (p, m), toks in self._cache.items():
+                if p == key[0] and m >= n:
+                    return toks[:n]
+            ids = torch.tensor([list(prompt)])
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                      do_sample=False, eos_token_id=None, pad_token_id=0)
+            self._cache[key] = out[0, len(prompt):].tolist()
+        return self._cache[key]
+
+    @torch.no_grad()
+    def logits(self, ids) -> torch.Tensor:
+        return self.model(torch.tensor([list(ids)])).logits[0].float()
+
+
+def make_llm(path: str, **kw):
+    """An engine on CPU, fp32, torch reference attention, a small KV pool by default."""
+    from pagedkv import LLM
+
+    opts = dict(dtype="float32", device="cpu", max_num_seqs=8, max_num_batched_tokens=256,
+                max_model_len=256, kv_cache_memory_bytes=2 << 20, attention_backend="torch_ref")
+    opts.update(kw)
+    return LLM(path, **opts)
+
+
+def pool_is_idle(llm) -> bool:
+    """No request holds a block: every block but the null block is free."""
+    sched = llm.scheduler
+    return (sched.kv_cache_manager.num_free_blocks == sched.kv_cache_config.num_blocks - 1
+            and not sched.has_unfinished_requests())

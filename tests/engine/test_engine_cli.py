@@ -1,0 +1,92 @@
+"""The command line (``pagedkv demo``, ``generate``, ``bench``) end to end on tiny checkpoints,
+and the W1 workload definition."""
+
+import json
+import os
+import subprocess
+import sys
+
+
+from pagedkv.cli import main
+from pagedkv.engine.benchmark import W1_TOTAL_OUTPUT_TOKENS, w1_workload
+
+
+def test_w1_workload_matches_perf_md():
+    wl = w1_workload()
+    assert wl.name == "W1" and wl.num_requests == 256
+    assert wl.requested_output_tokens == W1_TOTAL_OUTPUT_TOKENS == 133_966
+    assert all(100 <= len(p) <= 1024 for p in wl.prompts)
+    assert all(0 <= t <= 10000 for p in wl.prompts for t in p)
+    small = w1_workload(8, scale=0.1)
+    assert small.num_requests == 8
+    assert [len(p) for p in small.prompts] == [max(1, round(len(p) * 0.1)) for p in wl.prompts[:8]]
+    assert small.prompts[0] == wl.prompts[0][: len(small.prompts[0])]
+    assert wl.fit_vocab(200_000) is wl and max(max(p) for p in wl.fit_vocab(512).prompts) < 512
+
+
+def test_demo_end_to_end(tmp_path, capsys):
+    env = {"PAGEDKV_CACHE": str(tmp_path)}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        assert main(["demo", "--device", "cpu", "--max-tokens", "8", "--num-prompts", "6"]) == 0
+        first = capsys.readouterr().out
+        assert main(["demo", "--device", "cpu", "--max-tokens", "8", "--num-prompts", "6"]) == 0
+        second = capsys.readouterr().out
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    assert "built now" in first and "cached" in second
+    assert os.path.isdir(tmp_path / "tiny")
+    for text in (first, second):
+        assert "prefix cache" in text and "preemptions" in text and "free now" in text
+        assert "all returned: True" in text
+        assert text.count("-> ") == 6
+    # deterministic: the same outputs on the second run
+    assert [l for l in first.splitlines() if "-> " in l] == [l for l in second.splitlines() if "-> " in l]
+    hits = int(next(l for l in first.splitlines() if l.strip().startswith("prefix cache")).split()[2])
+    assert hits > 0
+
+
+def test_cli_generate(tiny_dir, tmp_path, capsys):
+    path = tiny_dir("llama")
+    out_json = tmp_path / "gen.json"
+    rc = main(["generate", "--model", path, "--prompt", "Hello", "--prompt", "The block table",
+               "--max-tokens", "5", "--ignore-eos", "--device", "cpu", "--dtype", "float32",
+               "--max-model-len", "128", "--kv-cache-memory-bytes", "1000000", "--logprobs", "2",
+               "--json", str(out_json)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert text.count("prompt: ") == 2 and "finish length" in text
+    data = json.loads(out_json.read_text())
+    assert [len(o["token_ids"]) for o in data["outputs"]] == [5, 5]
+    assert data["kv"]["free_blocks"] == data["kv"]["num_blocks"] - 1
+
+
+def test_cli_errors_are_reported(tiny_dir, capsys):
+    rc = main(["generate", "--model", tiny_dir("llama"), "--prompt", "x", "--temperature", "-1",
+               "--device", "cpu", "--max-model-len", "64", "--kv-cache-memory-bytes", "1000000"])
+    assert rc == 2 and "temperature" in capsys.readouterr().err
+
+
+def test_cli_bench_small_variant(tiny_dir, tmp_path, capsys):
+    out_json = tmp_path / "bench.json"
+    rc = main(["bench", "--model", tiny_dir("qwen3"), "--num-requests", "3", "--scale", "0.03",
+               "--device", "cpu", "--dtype", "float32", "--max-model-len", "128",
+               "--kv-cache-memory-bytes", "2000000", "--quiet", "--json", str(out_json)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "output throughput" in text
+    res = json.loads(out_json.read_text())["result"]
+    assert res["num_requests"] == 3
+    assert res["output_tokens"] == res["requested_output_tokens"] > 0
+    assert res["output_tokens_per_s"] > 0
+
+
+def test_console_entry_point_runs():
+    proc = subprocess.run([sys.executable, "-m", "pagedkv.cli", "generate", "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "--max-tokens" in proc.stdout

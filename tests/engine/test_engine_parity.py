@@ -1,0 +1,133 @@
+"""The whole engine (Scheduler + ModelRunner + TorchRefBackend, fp32, CPU) against transformers'
+greedy ``generate``: token for token, over batches of prompts of different lengths, for every
+family, block sizes 1/16/32, chunked prefill with a small token budget, prefix-cache hits and
+preemption with a pool too small for the batch."""
+
+import os
+
+import pytest
+from engine_helpers import FAMILIES, TEXTS, make_llm, pool_is_idle
+
+from pagedkv import SamplingParams
+
+NEW = 12
+
+
+def greedy(n=NEW, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def check_against_hf(ref, outs, n=NEW):
+    for o in outs:
+        want = ref.greedy(o.prompt_token_ids, n)
+        assert o.outputs[0].token_ids == want, f"prompt {o.prompt!r}"
+        assert o.outputs[0].finish_reason == "length" and o.finished
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_greedy_matches_transformers(tiny_dir, hf_ref, family):
+    path = tiny_dir(family)
+    llm = make_llm(path)
+    outs = llm.generate(TEXTS, greedy(), use_tqdm=False)
+    assert [o.prompt for o in outs] == TEXTS  # input order
+    assert len({len(o.prompt_token_ids) for o in outs}) == len(TEXTS)  # different lengths
+    check_against_hf(hf_ref(path), outs)
+    assert pool_is_idle(llm)
+    # text is the detokenized output
+    tok = llm.tokenizer
+    assert outs[1].outputs[0].text == tok.decode(outs[1].outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("block_size", [1, 32])
+def test_block_sizes(tiny_dir, hf_ref, block_size):
+    path = tiny_dir("llama")
+    llm = make_llm(path, block_size=block_size)
+    outs = llm.generate(TEXTS, greedy(), use_tqdm=False)
+    check_against_hf(hf_ref(path), outs)
+    assert llm.get_kv_stats()["block_size"] == block_size
+    assert pool_is_idle(llm)
+
+
+def _record_steps(llm):
+    """Wrap the runner so every (scheduled tokens, sampled tokens) pair is kept."""
+    runner = llm.runner
+    inner = runner.execute_model
+    log = []
+
+    def execute_model(so):
+        out = inner(so)
+        sampled = {rid: out.sampled_token_ids[i] for rid, i in out.req_id_to_index.items()}
+        log.append((dict(so.num_scheduled_tokens), sampled))
+        return out
+
+    runner.execute_model = execute_model
+    return log
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+def test_chunked_prefill_small_budget(tiny_dir, hf_ref, family):
+    path = tiny_dir(family)
+    llm = make_llm(path, max_num_batched_tokens=16, max_num_seqs=4)
+    log = _record_steps(llm)
+    outs = llm.generate(TEXTS, greedy(), use_tqdm=False)
+    check_against_hf(hf_ref(path), outs)
+    assert all(sum(s.values()) <= 16 for s, _ in log)
+    # partial prefill chunks were scheduled and sampled nothing
+    partial = [(rid, n) for s, sampled in log for rid, n in s.items() if not sampled[rid]]
+    assert partial and all(n > 1 for _, n in partial)
+    # some step mixed decode tokens with a prompt chunk
+    assert any(1 in s.values() and max(s.values()) > 1 for s, _ in log)
+    assert pool_is_idle(llm)
+
+
+def test_prefix_cache_hits_keep_tokens(tiny_dir, hf_ref):
+    path = tiny_dir("qwen2")
+    llm = make_llm(path)
+    tok = llm.tokenizer
+    prefix = tok.encode(TEXTS[3])[:40]  # 2 full blocks of 16 and a partial one
+    tails = [tok.encode(t)[:k] for t, k in zip(TEXTS[1:], (3, 5, 9))]
+    first = llm.generate([prefix + [7, 8]], greedy(), use_tqdm=False)
+    assert llm.get_kv_stats()["prefix_cache_hits"] == 0
+    prompts = [prefix + t for t in tails] + [prefix + [7, 8]]
+    outs = llm.generate(prompts, greedy(), use_tqdm=False)
+    stats = llm.get_kv_stats()
+    assert stats["prefix_cache_hits"] >= 32 * len(prompts)
+    assert all(o.metrics.num_cached_tokens >= 32 for o in outs)
+    # a repeated prompt reads its whole prefix from the cache and still produces the same tokens
+    assert outs[-1].outputs[0].token_ids == first[0].outputs[0].token_ids
+    check_against_hf(hf_ref(path), first + outs)
+    assert pool_is_idle(llm)
+
+
+def test_preemption_with_a_small_pool(tiny_dir, hf_ref):
+    path = tiny_dir("llama")
+    n = 40
+    # 4 requests of ~10-50 prompt tokens + 40 outputs need far more than 12 blocks of 16
+    llm = make_llm(path, num_gpu_blocks_override=13, max_model_len=192, kv_cache_memory_bytes=None)
+    outs = llm.generate(TEXTS, greedy(n), use_tqdm=False)
+    stats = llm.get_kv_stats()
+    assert stats["preemptions"] > 0
+    assert sum(o.metrics.num_preemptions for o in outs) == stats["preemptions"]
+    check_against_hf(hf_ref(path), outs, n)
+    assert pool_is_idle(llm)
+
+
+def test_no_prefix_caching_same_tokens(tiny_dir, hf_ref):
+    path = tiny_dir("qwen3")
+    llm = make_llm(path, enable_prefix_caching=False, block_size=16)
+    outs = llm.generate(TEXTS + TEXTS[:2], greedy(), use_tqdm=False)
+    assert llm.get_kv_stats()["prefix_cache_hits"] == 0
+    check_against_hf(hf_ref(path), outs)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton backend on CPU tensors needs the Triton interpreter")
+def test_triton_backend_through_the_engine(tiny_dir, hf_ref):
+    """The Triton attention backend (interpreted on CPU) in the engine: chunked prefill, prompt
+    chunks over cached context, decode rows in mixed batches."""
+    path = tiny_dir("qwen3")
+    llm = make_llm(path, attention_backend="triton", max_num_batched_tokens=16, max_num_seqs=4)
+    assert llm.engine.model.attn_backend.name == "triton"
+    outs = llm.generate(TEXTS, greedy(8), use_tqdm=False)
+    check_against_hf(hf_ref(path), outs, 8)
+    assert pool_is_idle(llm)

@@ -1,0 +1,225 @@
+"""ModelRunner on its own (Scheduler + runner, no LLM wrapper): logits only where tokens are
+sampled, partial chunks report [], zeroing/copy-on-write of KV blocks, configuration checks,
+KV-pool sizing and the CUDA-graph size buckets (the graph capture itself needs a GPU: see
+test_engine_gpu.py)."""
+
+import pytest
+import torch
+from engine_helpers import TEXTS
+
+from pagedkv.config import SchedulerConfig
+from pagedkv.core.output import SchedulerOutput
+from pagedkv.core.scheduler import Scheduler
+from pagedkv.core.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from pagedkv.engine.memory import KVCacheSizing, block_bytes, size_kv_cache
+from pagedkv.errors import ConfigError
+from pagedkv.models.loader import load_checkpoint
+from pagedkv.sampling.params import SamplingParams
+from pagedkv.worker.cuda_graphs import default_capture_sizes
+from pagedkv.worker.model_runner import (
+    ModelRunner,
+    attention_layer_names,
+    kv_cache_spec_for,
+)
+
+
+@pytest.fixture(scope="module")
+def ck(tiny_dir):
+    return load_checkpoint(tiny_dir("qwen3"), dtype="float32")
+
+
+def _kv(model, num_blocks=64, block_size=16, names=None):
+    spec = kv_cache_spec_for(model, block_size)
+    names = names or attention_layer_names(len(model.layers))
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=(KVCacheGroupSpec(names, spec),))
+
+
+def test_partial_chunks_sample_nothing_and_logits_only_for_sampled_rows(ck):
+    model = ck.model
+    sc = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=128)
+    kv = _kv(model)
+    sched = Scheduler(sc, kv)
+    runner = ModelRunner(model, kv, sc)
+    rows_seen = []
+    inner = model.compute_logits
+
+    def compute_logits(hidden, indices=None):
+        out = inner(hidden, indices)
+        rows_seen.append(out.shape[0])
+        return out
+
+    model.compute_logits = compute_logits
+    try:
+        prompts = [ck.tokenizer.encode(t) for t in TEXTS[1:3]]
+        for i, p in enumerate(prompts):
+            sched.add_request(sched.make_request(f"r{i}", p, max_tokens=3, ignore_eos=True,
+                                                 sampling_params=SamplingParams(temperature=0)))
+        steps = 0
+        saw_partial = False
+        while sched.has_requests():
+            so = sched.schedule()
+            calls = len(rows_seen)
+            out = runner.execute_model(so)
+            if so.total_num_scheduled_tokens:
+                # every scheduled request is reported, in batch-row order
+                assert sorted(out.req_ids) == sorted(so.num_scheduled_tokens)
+                n_sampled = sum(1 for s in out.sampled_token_ids if s)
+                partial = [rid for rid in out.req_ids if not out.sampled_token_ids[out.req_id_to_index[rid]]]
+                for rid in partial:  # a partial prefill chunk: nothing sampled
+                    req = sched.requests[rid]
+                    assert req.num_computed_tokens < req.num_tokens
+                    saw_partial = True
+                # logits for exactly the sampled rows, and none when nothing is sampled
+                assert rows_seen[calls:] == ([n_sampled] if n_sampled else [])
+            sched.update_from_output(so, out)
+            steps += 1
+        assert steps > 4 and saw_partial  # the prompts were chunked (budget 8)
+        assert sched.kv_cache_manager.num_free_blocks == kv.num_blocks - 1
+    finally:
+        del model.compute_logits
+
+
+def test_block_zeroing_and_copy_on_write(ck):
+    model = ck.model
+    sc = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64)
+    kv = _kv(model, num_blocks=8)
+    runner = ModelRunner(model, kv, sc)
+    for t in runner.kv_caches:
+        t.normal_()
+    before = [t.clone() for t in runner.kv_caches]
+    so = SchedulerOutput.make_empty()
+    so.new_block_ids_to_zero = [3, 5]
+    so.kv_cache_block_copies = [(1, 4)]
+    out = runner.execute_model(so)
+    assert out.req_ids == [] and out.sampled_token_ids == []
+    for t, b in zip(runner.kv_caches, before):
+        assert torch.all(t[:, [3, 5]] == 0)
+        assert torch.equal(t[:, 4], b[:, 1])
+        keep = [0, 1, 2, 6, 7]
+        assert torch.equal(t[:, keep], b[:, keep])
+
+
+def test_runner_rejects_mismatched_kv_config(ck):
+    model = ck.model
+    sc = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64)
+    with pytest.raises(ConfigError, match="layers"):
+        ModelRunner(model, _kv(model, names=("a", "b")), sc)
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=16, dtype="float32")
+    bad = KVCacheConfig(8, (KVCacheGroupSpec(attention_layer_names(len(model.layers)), spec),))
+    with pytest.raises(ConfigError, match="KV heads"):
+        ModelRunner(model, bad, sc)
+    half = FullAttentionSpec(block_size=16, num_kv_heads=model.config.num_key_value_heads,
+                             head_size=model.config.head_dim, dtype="bfloat16")
+    with pytest.raises(ConfigError, match="dtype"):
+        names = attention_layer_names(len(model.layers))
+        ModelRunner(model, KVCacheConfig(8, (KVCacheGroupSpec(names, half),)), sc)
+
+
+# ----- KV pool sizing --------------------------------------------------------------------------
+
+def test_sizing_precedence_and_report():
+    per = block_bytes(num_layers=2, block_size=16, num_kv_heads=2, head_dim=16, dtype_bytes=4)
+    assert per == 2 * 2 * 16 * 2 * 16 * 4
+    s = size_kv_cache(bytes_per_block=per, block_size=16, max_model_len=128, num_gpu_blocks_override=20,
+                      kv_cache_memory_bytes=1 << 30)
+    assert s.num_blocks == 20 and s.source == "override"
+    assert s.token_capacity == 19 * 16 and s.max_concurrency == 19 / 8
+    s = size_kv_cache(bytes_per_block=per, block_size=16, max_model_len=128,
+                      kv_cache_memory_bytes=per * 50 + 7)
+    assert s.num_blocks == 50 and s.source == "budget"
+    s = size_kv_cache(bytes_per_block=per, block_size=16, max_model_len=128)
+    assert s.source == "cpu_default" and s.num_blocks == (256 << 20) // per
+    capped = size_kv_cache(bytes_per_block=per, block_size=16, max_model_len=128, max_num_seqs=4)
+    assert capped.source == "cpu_default+cap" and capped.num_blocks == 4 * 8 + 1
+    big = size_kv_cache(bytes_per_block=per * 1000, block_size=16, max_model_len=128, max_num_seqs=4)
+    assert big.source == "cpu_default" and big.num_blocks == (256 << 20) // (per * 1000)
+    assert "blocks" in s.describe() and s.as_dict()["token_capacity"] == s.token_capacity
+    with pytest.raises(ConfigError, match="max_model_len"):
+        size_kv_cache(bytes_per_block=per, block_size=16, max_model_len=1024, num_gpu_blocks_override=20)
+    with pytest.raises(ConfigError):
+        size_kv_cache(bytes_per_block=per, block_size=16, max_model_len=16, num_gpu_blocks_override=1)
+    with pytest.raises(ConfigError):
+        size_kv_cache(bytes_per_block=per, block_size=16, max_model_len=16, kv_cache_memory_bytes=0)
+
+
+def test_llm_sizes_pool_from_budget(tiny_dir):
+    from engine_helpers import make_llm
+
+    llm = make_llm(tiny_dir("qwen3"), kv_cache_memory_bytes=1 << 20, max_model_len=128)
+    s = llm.kv_cache_sizing
+    assert isinstance(s, KVCacheSizing) and s.source == "budget"
+    assert llm.scheduler.kv_cache_config.num_blocks == s.num_blocks == (1 << 20) // s.bytes_per_block
+    assert sum(t.numel() * t.element_size() for t in llm.runner.kv_caches) == s.kv_cache_bytes
+    with pytest.raises(ConfigError, match="max_model_len"):
+        make_llm(tiny_dir("qwen3"), num_gpu_blocks_override=4, kv_cache_memory_bytes=None, max_model_len=128)
+
+
+# ----- CUDA-graph sizes (CPU-checkable part) ------------------------------------------------------
+
+def test_default_capture_sizes():
+    assert default_capture_sizes(1) == [1]
+    assert default_capture_sizes(3) == [1, 2, 3]
+    assert default_capture_sizes(8) == [1, 2, 4, 8]
+    assert default_capture_sizes(30) == [1, 2, 4, 8, 16, 24, 30]
+    s = default_capture_sizes(256)
+    assert s[:6] == [1, 2, 4, 8, 16, 24] and s[-1] == 256 and all(b - a == 8 for a, b in zip(s[3:], s[4:]))
+
+
+def test_cpu_runner_never_captures(ck):
+    model = ck.model
+    sc = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64)
+    runner = ModelRunner(model, _kv(model, num_blocks=8), sc, enforce_eager=False)
+    assert runner.capture_cuda_graphs() == 0 and runner.cuda_graphs is None
+
+
+def test_default_max_model_len_is_fitted_to_the_pool(tiny_dir):
+    from engine_helpers import make_llm
+
+    path = tiny_dir("qwen3")
+    roomy = make_llm(path, max_model_len=None)  # 2 MiB: the whole 256 positions fit
+    assert roomy.engine.max_model_len == 256
+    per = roomy.kv_cache_sizing.bytes_per_block
+    small = make_llm(path, max_model_len=None, kv_cache_memory_bytes=per * 10)
+    assert small.engine.max_model_len == 9 * 16 == small.kv_cache_sizing.max_model_len
+    assert small.scheduler.max_model_len == 144
+    out = small.generate([5] * 140, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                         use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
+
+
+class EagerReplay:
+    """Stand-in for ``CudaGraphCapture`` on CPU: "replay" re-executes the captured call (same
+    metadata object, same persistent-buffer views) into the static output tensor."""
+
+    def synchronize(self):
+        pass
+
+    def capture(self, fn):
+        out = fn()
+        return (lambda: out.copy_(fn())), out
+
+
+def test_graph_manager_padding_and_buffers_on_cpu(tiny_dir, hf_ref):
+    """The decode-graph path (bucket choice, padded preparation, replay reading the persistent
+    buffers, static output) driven on CPU through the torch reference backend."""
+    from engine_helpers import make_llm
+
+    from pagedkv.worker.cuda_graphs import CudaGraphManager
+
+    path = tiny_dir("qwen3")
+    llm = make_llm(path, max_num_seqs=8)
+    runner = llm.runner
+    mgr = CudaGraphManager(runner, [1, 2, 4, 8], graph_capture=EagerReplay())
+    mgr.capture()
+    runner.cuda_graphs = mgr
+    sizes = []
+    replay = mgr.replay
+    mgr.replay = lambda size: sizes.append(size) or replay(size)
+    prompts = TEXTS + TEXTS[:1]  # 5 requests -> bucket 8, then fewer as none finish early
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                        use_tqdm=False)
+    assert runner.num_graph_steps > 0 and set(sizes) == {8}
+    ref = hf_ref(path)
+    for o in outs:
+        assert o.outputs[0].token_ids == ref.greedy(o.prompt_token_ids, 10)
+    assert [mgr.padded_size(n) for n in range(0, 10)] == [None, 1, 2, 4, 4, 8, 8, 8, 8, None]
