@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -n 2 -p no:cacheprovider "$@"
+exec .venv/bin/python -m pytest -q -n 2 -p no:cacheprovider "$@"
