@@ -148,14 +148,18 @@ class DecoderForCausalLM(nn.Module):
             hidden = layer(hidden, cos, sin, kv_cache, attn_metadata, backend)
         return self.norm(hidden)
 
-    def compute_logits(self, hidden: torch.Tensor, indices: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, indices: torch.Tensor | Sequence[int] | None = None,
+                       *, widen: bool = True) -> torch.Tensor:
         """Float32 logits ``[len(indices), vocab]`` for the rows ``indices`` of ``hidden`` (all
-        rows when ``None``). The projection runs in the model dtype, then widens."""
+        rows when ``None``). The projection runs in the model dtype, then widens
+        (``widen=False``: the model-dtype logits, e.g. for an argmax, which the exact widening
+        does not change)."""
         if indices is not None:
             if not isinstance(indices, torch.Tensor):
                 indices = torch.tensor(list(indices), dtype=torch.int64)
             hidden = hidden.index_select(0, indices.to(device=hidden.device, dtype=torch.int64))
-        return F.linear(hidden, self.lm_head_weight).to(torch.float32)
+        logits = F.linear(hidden, self.lm_head_weight)
+        return logits.to(torch.float32) if widen else logits
 
     # ---- KV cache helpers
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:

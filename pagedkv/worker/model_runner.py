@@ -33,6 +33,7 @@ throw-away one-block cache, to size the KV pool from the memory left (see
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -45,12 +46,12 @@ from pagedkv.core.output import ModelRunnerOutput, SchedulerOutput
 from pagedkv.core.spec import AttentionSpec, FullAttentionSpec, KVCacheConfig
 from pagedkv.errors import ConfigError, InvariantError
 from pagedkv.sampling.metadata import SamplingMetadata
-from pagedkv.sampling.params import SamplingParams
-from pagedkv.sampling.sampler import Sampler
+from pagedkv.sampling.params import GREEDY_EPS, SamplingParams
+from pagedkv.sampling.sampler import LogprobsTensors, Sampler
 from pagedkv.worker.input_batch import CachedRequestState, InputBatch
 from pagedkv.worker.inputs import InputPreparer, StepInputs
 from pagedkv.worker.metadata import CommonAttentionMetadata, common_metadata_from_inputs
-from pagedkv.worker.state_update import StateUpdate, record_sampled_tokens, update_states
+from pagedkv.worker.state_update import StateUpdate, update_states
 
 # Requests that carry no SamplingParams (driven directly through the scheduler) decode greedily.
 _GREEDY = SamplingParams(temperature=0.0)
@@ -103,6 +104,43 @@ class RunnerOutput(ModelRunnerOutput):
     their :class:`SampledLogprobs` (``None`` when nobody asked)."""
 
     logprobs: dict[str, SampledLogprobs] | None = None
+
+
+class StepHandle:
+    """One enqueued step (``ModelRunner.execute_model_async``): the rows it ran, which of them
+    sampled, and where the sampled ids are (device tensor, host copy, completion event).
+    ``version``: the runner's batch version when it was enqueued (rows still valid while it
+    is unchanged). ``positions``: the token position each sampled token takes."""
+
+    __slots__ = ("req_ids", "index", "n", "version", "rows", "sampled_req_ids", "positions",
+                 "sampled", "host", "event", "logprobs", "want_logprobs")
+
+    def __init__(self, req_ids: list[str], index: dict[str, int], n: int, version: int, *,
+                 rows: np.ndarray | None = None, sampled_req_ids: list[str] | None = None,
+                 positions: np.ndarray | None = None, sampled: torch.Tensor | None = None,
+                 host: torch.Tensor | None = None, event: Any = None,
+                 logprobs: LogprobsTensors | None = None,
+                 want_logprobs: list[int | None] | None = None) -> None:
+        self.req_ids = req_ids
+        self.index = index
+        self.n = n
+        self.version = version
+        self.rows = rows
+        self.sampled_req_ids = sampled_req_ids or []
+        self.positions = positions
+        self.sampled = sampled
+        self.host = host
+        self.event = event
+        self.logprobs = logprobs
+        self.want_logprobs = want_logprobs
+
+    @classmethod
+    def empty(cls) -> "StepHandle":
+        return cls([], {}, 0, -1)
+
+    @property
+    def num_sampled(self) -> int:
+        return len(self.sampled_req_ids)
 
 
 class ModelRunner:
@@ -181,6 +219,26 @@ class ModelRunner:
         self._out_index: dict[str, int] = {}
         self.num_steps = 0
         self.num_graph_steps = 0
+        # Bumped whenever rows move (add/remove/condense/reorder): rows of an enqueued step
+        # stay valid while it is unchanged.
+        self._batch_version = 0
+        self._greedy_version = -1
+        self._greedy_plain = False
+        self._unrecorded: list[StepHandle] = []  # enqueued steps whose output is not collected
+        self._arange = np.arange(sc.max_num_seqs + 1, dtype=np.int64)
+        try:
+            self._logits_widen_kw = "widen" in inspect.signature(model.compute_logits).parameters
+        except (TypeError, ValueError):
+            self._logits_widen_kw = False
+        # Sampled ids come back through two pinned host buffers (a step's copy may still be
+        # read while the next one is enqueued) and one CUDA event each.
+        self._host_bufs = None
+        self._events = None
+        self._buf_i = 0
+        if self.device.type == "cuda":
+            self._host_bufs = [torch.empty(sc.max_num_seqs, dtype=torch.int64, pin_memory=True)
+                               for _ in range(2)]
+            self._events = [torch.cuda.Event() for _ in range(2)]
 
     # ----- setup ---------------------------------------------------------------------------
     def _check_kv_cache_config(self, kv: KVCacheConfig) -> None:
@@ -234,56 +292,224 @@ class ModelRunner:
     # ----- one step ------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        """One step, synchronously: :meth:`execute_model_async` then :meth:`get_output`."""
+        return self.get_output(self.execute_model_async(scheduler_output))
+
+    @torch.inference_mode()
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        """Enqueue one step (batch update, inputs, forward, sampling) without waiting for the
+        device; :meth:`get_output` returns its tokens. At most one step may be enqueued whose
+        output was not collected yet: its sampled tokens feed this step on the device (see
+        the module docstring, "async scheduling")."""
+        if len(self._unrecorded) > 1:
+            raise InvariantError("async-depth", "collect a step's output before enqueuing two more",
+                                 pending=len(self._unrecorded))
+        prev = self._unrecorded[0] if self._unrecorded else None
         upd = update_states(self.requests, self.input_batch, scheduler_output, self.reorder_threshold)
         self._apply_block_ops(upd)
+        if upd.batch_changed:
+            self._batch_version += 1
         batch = self.input_batch
         n = batch.num_reqs
         if n == 0 or scheduler_output.total_num_scheduled_tokens == 0:
-            return RunnerOutput([], {}, [])
+            return StepHandle.empty()
         self.num_steps += 1
         if upd.batch_changed or len(self._out_ids) != n:
             self._out_ids = list(batch.req_ids[:n])
             self._out_index = {rid: i for i, rid in enumerate(self._out_ids)}
         nsched = batch.scheduled_tokens_per_row(scheduler_output.num_scheduled_tokens)
         num_tokens = int(nsched.sum())
+        pending = None
+        if prev is not None and prev.num_sampled:
+            pending = self._add_pending_tokens(prev, n)
 
         graph_size = None
         if self.cuda_graphs is not None and num_tokens == n:
             graph_size = self.cuda_graphs.padded_size(n)
         if graph_size is not None:
             step = self.preparer.prepare(batch, nsched, graph_size, graph_size)
+            if pending is not None:
+                self._fill_pending_inputs(prev, pending, nsched, num_tokens, n)
             hidden = self.cuda_graphs.replay(graph_size)
             self.num_graph_steps += 1
         else:
             step = self.preparer.prepare(batch, nsched)
+            if pending is not None:
+                self._fill_pending_inputs(prev, pending, nsched, num_tokens, n)
             metadata = common_metadata_from_inputs(step, batch.block_table)
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, metadata)
 
         # Rows whose known tokens are all computed after this step sample one token.
-        computed = batch.num_computed_tokens_cpu[:n]
-        sample = (computed + nsched) >= batch.num_tokens[:n]
+        seq = batch.num_computed_tokens_cpu[:n] + nsched
+        sample = seq >= batch.num_tokens[:n]
+        out_ids = self._out_ids
         if sample.all():
             rows = None
-            logits_indices = step.logits_indices
+            positions = seq.astype(np.int64)
+            sampled_req_ids = out_ids
+            if num_tokens == n:  # one token per row: row i's last token is hidden row i
+                hidden, logits_indices = hidden[:n], None
+            else:
+                logits_indices = step.logits_indices
         else:
             rows = np.flatnonzero(sample)
             if rows.size == 0:
-                return RunnerOutput(self._out_ids, self._out_index, [[] for _ in range(n)])
+                return StepHandle(out_ids, self._out_index, n, self._batch_version)
+            positions = seq[rows].astype(np.int64)
+            sampled_req_ids = [out_ids[r] for r in rows.tolist()]
             ends = np.cumsum(nsched, dtype=np.int64) - 1
             logits_indices = torch.from_numpy(ends[rows]).to(self.device, non_blocking=True)
-        logits = self.model.compute_logits(hidden, logits_indices)
-        out = self._sample(logits, rows, n)
-        sampled_ids = out.tolist()
 
+        if self._plain_greedy():
+            # Every row greedy and no logprobs: one argmax over the model-dtype logits (the
+            # float32 widening is exact and order-preserving, so the argmax is the same).
+            logits = self._compute_logits(hidden, logits_indices, widen=False)
+            sampled, logprobs, want = logits.argmax(dim=-1), None, None
+        else:
+            logits = self._compute_logits(hidden, logits_indices, widen=True)
+            out = self._sample(logits, rows, n)
+            sampled, logprobs = out.sampled_token_ids, out.logprobs
+            want = self._sampling_wants_logprobs if logprobs is not None else None
+        m = len(sampled_req_ids)
+        host, event = sampled, None
+        if self._host_bufs is not None:  # CUDA: pinned double buffer, one event per step
+            i = self._buf_i
+            self._buf_i ^= 1
+            host = self._host_bufs[i][:m]
+            host.copy_(sampled, non_blocking=True)
+            event = self._events[i]
+            event.record()
+        h = StepHandle(out_ids, self._out_index, n, self._batch_version, rows=rows,
+                       sampled_req_ids=sampled_req_ids, positions=positions, sampled=sampled,
+                       host=host, event=event, logprobs=logprobs, want_logprobs=want)
+        self._unrecorded.append(h)
+        return h
+
+    def get_output(self, handle: StepHandle) -> RunnerOutput:
+        """Wait for ``handle``'s sampled tokens (the step's one device -> host sync), record
+        them in the request states and the batch, and report them. Outputs are collected in
+        the order the steps were enqueued."""
+        if self._unrecorded and self._unrecorded[0] is handle:
+            self._unrecorded.pop(0)
+        elif handle.num_sampled and handle in self._unrecorded:
+            raise InvariantError("async-order", "collect step outputs in the order they were enqueued")
+        n = handle.n
+        if n == 0:
+            return RunnerOutput([], {}, [])
+        if not handle.num_sampled:
+            return RunnerOutput(handle.req_ids, handle.index, [[] for _ in range(n)])
+        if handle.event is not None:
+            handle.event.synchronize()
+        ids_np = handle.host.numpy().copy()
+        ids = ids_np.tolist()
+        self._record(handle, ids_np, ids)
+        rows = handle.rows
         if rows is None:
-            sampled = [[t] for t in sampled_ids]
+            sampled = [[t] for t in ids]
         else:
             sampled = [[] for _ in range(n)]
-            for j, r in enumerate(rows.tolist()):
-                sampled[r] = [sampled_ids[j]]
-        record_sampled_tokens(self.requests, batch, sampled)
-        logprobs = self._logprobs(out, rows, n) if out.logprobs is not None else None
-        return RunnerOutput(self._out_ids, self._out_index, sampled, logprobs)
+            for r, t in zip(rows.tolist(), ids):
+                sampled[r] = [t]
+        logprobs = self._logprobs(handle) if handle.logprobs is not None else None
+        return RunnerOutput(handle.req_ids, handle.index, sampled, logprobs)
+
+    def _record(self, h: StepHandle, ids_np: np.ndarray, ids: list[int]) -> None:
+        """Write the sampled tokens into the batch's token table (at their positions; in async
+        mode over the placeholder the next step appended) and the request states."""
+        batch = self.input_batch
+        pos = h.positions
+        if h.version == self._batch_version:  # rows unchanged since the step was enqueued
+            rows = self._arange[: h.n] if h.rows is None else h.rows
+        else:
+            index = batch.req_id_to_index
+            rows = np.fromiter((index.get(rid, -1) for rid in h.sampled_req_ids), np.int64,
+                               count=len(h.sampled_req_ids))
+            keep = rows >= 0
+            if not keep.all():
+                rows, pos, ids_np = rows[keep], pos[keep], ids_np[keep]
+        if rows.size:
+            nt = batch.num_tokens
+            cur = nt[rows]
+            if (pos > cur).any() or int(pos.max()) >= batch.max_model_len:
+                raise InvariantError("sampled-position", "a sampled token does not follow its "
+                                     "request's tokens", positions=pos[:5].tolist(),
+                                     num_tokens=cur[:5].tolist())
+            batch.token_ids_cpu[rows, pos] = ids_np
+            nt[rows] = np.maximum(cur, pos + 1)
+        requests = self.requests
+        for rid, t in zip(h.sampled_req_ids, ids):
+            st = requests.get(rid)
+            if st is not None:
+                st.output_token_ids.append(t)
+
+    def _add_pending_tokens(self, prev: StepHandle, n: int):
+        """Async scheduling: rows of this step whose first scheduled token is the token
+        ``prev`` sampled (not on the host yet) get a placeholder in the batch's token count, so
+        input preparation accepts them. Returns ``(rows, src)`` (rows of this step, indices into
+        ``prev``'s sampled tokens) or None."""
+        batch = self.input_batch
+        if prev.version == self._batch_version:
+            if prev.rows is None:
+                rows = self._arange[:n]
+                src = rows
+            else:
+                rows = prev.rows
+                src = self._arange[: rows.size]
+        else:
+            index = batch.req_id_to_index
+            found = np.fromiter((index.get(rid, -1) for rid in prev.sampled_req_ids), np.int64,
+                                count=len(prev.sampled_req_ids))
+            src = np.flatnonzero(found >= 0)
+            rows = found[src]
+        if rows.size == 0:
+            return None
+        pos = prev.positions[src]
+        nt = batch.num_tokens
+        if not (np.array_equal(nt[rows], pos)
+                and np.array_equal(batch.num_computed_tokens_cpu[rows], pos)):
+            raise InvariantError("async-placeholder", "a request with a token in flight is not "
+                                 "scheduled from that token's position",
+                                 positions=pos[:5].tolist(), num_tokens=nt[rows][:5].tolist())
+        nt[rows] = pos + 1
+        return rows, src
+
+    def _fill_pending_inputs(self, prev: StepHandle, pending, nsched: np.ndarray,
+                             num_tokens: int, n: int) -> None:
+        """Write ``prev``'s sampled tokens (device) into this step's input ids (device), after
+        input preparation and before the forward pass reads them."""
+        rows, src = pending
+        ids_gpu = self.preparer.input_ids.gpu
+        if num_tokens == n and rows.size == n and prev.num_sampled == n and (
+                rows is src or (np.array_equal(rows, self._arange[:n])
+                                and np.array_equal(src, self._arange[:n]))):
+            ids_gpu[:n].copy_(prev.sampled)
+            return
+        starts = np.cumsum(nsched, dtype=np.int64) - nsched
+        dst = torch.from_numpy(starts[rows]).to(self.device, non_blocking=True)
+        src_t = torch.from_numpy(np.ascontiguousarray(src, dtype=np.int64)).to(
+            self.device, non_blocking=True)
+        ids_gpu.index_copy_(0, dst, prev.sampled.index_select(0, src_t).to(ids_gpu.dtype))
+
+    def _compute_logits(self, hidden: torch.Tensor, indices, widen: bool) -> torch.Tensor:
+        if not widen and self._logits_widen_kw:
+            return self.model.compute_logits(hidden, indices, widen=False)
+        return self.model.compute_logits(hidden, indices)
+
+    def _plain_greedy(self) -> bool:
+        """Whether every request in the batch decodes greedily without logprobs (cached per
+        batch composition)."""
+        if self._greedy_version != self._batch_version:
+            requests = self.requests
+            plain = True
+            for rid in self._out_ids:
+                p = requests[rid].sampling_params
+                if isinstance(p, SamplingParams) and (p.temperature >= GREEDY_EPS
+                                                      or p.logprobs is not None):
+                    plain = False
+                    break
+            self._greedy_plain = plain
+            self._greedy_version = self._batch_version
+        return self._greedy_plain
 
     def _apply_block_ops(self, upd: StateUpdate) -> None:
         """Zero the blocks the scheduler asks for, then apply copy-on-write pairs."""
@@ -298,9 +524,8 @@ class ModelRunner:
                 kv[:, dst] = kv[:, src]
 
     def _sample(self, logits: torch.Tensor, rows: np.ndarray | None, n: int):
-        batch = self.input_batch
-        ids = batch.req_ids
-        key = tuple(ids[:n]) if rows is None else tuple(ids[r] for r in rows.tolist())
+        ids = self._out_ids
+        key = tuple(ids) if rows is None else tuple(ids[r] for r in rows.tolist())
         if key != self._sampling_key:
             states = [self.requests[rid] for rid in key]
             params = [
@@ -316,16 +541,14 @@ class ModelRunner:
             self._sampling_wants_logprobs = [p.logprobs for p in params]
         return self.sampler(logits, self._sampling_md)
 
-    def _logprobs(self, out, rows: np.ndarray | None, n: int) -> dict[str, SampledLogprobs]:
-        token_ids, values, ranks = out.logprobs.tolists()
-        row_list = range(n) if rows is None else rows.tolist()
-        ids = self.input_batch.req_ids
+    def _logprobs(self, h: StepHandle) -> dict[str, SampledLogprobs]:
+        token_ids, values, ranks = h.logprobs.tolists()
         result: dict[str, SampledLogprobs] = {}
-        for j, r in enumerate(row_list):
-            k = self._sampling_wants_logprobs[j]
+        for j, rid in enumerate(h.sampled_req_ids):
+            k = h.want_logprobs[j]
             if k is None:
                 continue
-            result[ids[r]] = SampledLogprobs(token_ids[j][: k + 1], values[j][: k + 1], ranks[j])
+            result[rid] = SampledLogprobs(token_ids[j][: k + 1], values[j][: k + 1], ranks[j])
         return result
 
     # ----- inspection ----------------------------------------------------------------------

@@ -43,8 +43,8 @@ def test_partial_chunks_sample_nothing_and_logits_only_for_sampled_rows(ck):
     rows_seen = []
     inner = model.compute_logits
 
-    def compute_logits(hidden, indices=None):
-        out = inner(hidden, indices)
+    def compute_logits(hidden, indices=None, **kw):
+        out = inner(hidden, indices, **kw)
         rows_seen.append(out.shape[0])
         return out
 
