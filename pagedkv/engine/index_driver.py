@@ -88,6 +88,8 @@ class IndexLayerDriver:
         self.next_token = next_token or (lambda rid, pos: 0)
         self.sanitize = sanitize
         self.step_index = 0
+        # The last prepared step's inputs (views of persistent buffers; valid until next step).
+        self.last_step_inputs: StepInputs | None = None
         self._csr = None
         if build_csr:
             bt = self.batch.block_table
@@ -133,6 +135,7 @@ class IndexLayerDriver:
         sampled: dict[str, list[int]] = {}
         if so.total_num_scheduled_tokens > 0:
             step_inputs = self.preparer.prepare(batch, so.num_scheduled_tokens)
+            self.last_step_inputs = step_inputs
             if self.sanitize:
                 check_pool(sched.kv_cache_manager)
                 check_step(sched.kv_cache_manager, batch, step_inputs)
