@@ -29,7 +29,8 @@ def _range(text: str) -> tuple[int, int]:
 
 
 def parse_groups(text: str, block_size: int):
-    """``full``, ``swa:W``, ``local:C`` or ``mla`` items, comma separated -> KV-cache groups."""
+    """``full``, ``swa:W``, ``local:C``, ``mla`` or ``mla:C`` (compressed, DeepSeek-V4 style)
+    items, comma separated -> KV-cache groups."""
     from pagedkv.core.spec import (
         ChunkedLocalAttentionSpec,
         FullAttentionSpec,
@@ -44,8 +45,9 @@ def parse_groups(text: str, block_size: int):
         name = (f"layer{i}",)
         if kind == "full":
             spec = FullAttentionSpec(block_size=block_size, num_kv_heads=8, head_size=128)
-        elif kind == "mla":
-            spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=576)
+        elif kind == "mla" and (not arg or arg.isdigit()):
+            spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=576,
+                                    compress_ratio=int(arg) if arg else 1)
         elif kind == "swa" and arg.isdigit():
             spec = SlidingWindowSpec(block_size=block_size, num_kv_heads=8, head_size=128,
                                      sliding_window=int(arg))
@@ -54,7 +56,8 @@ def parse_groups(text: str, block_size: int):
                                              attention_chunk_size=int(arg))
         else:
             raise ConfigError(
-                f"unknown group {item!r}: use full, mla, swa:WINDOW or local:CHUNK, comma separated"
+                f"unknown group {item!r}: use full, mla, mla:RATIO, swa:WINDOW or local:CHUNK, "
+                "comma separated"
             )
         groups.append(KVCacheGroupSpec(name, spec))
     if not groups:
@@ -93,6 +96,8 @@ def print_step(rec, num_groups: int, limit: int, out=sys.stdout) -> None:
         if rec.groups:
             gi = rec.groups[g]
             print(f"  g{g} slots {_short(gi.slot_mapping, limit)}", file=out)
+            if gi.compressed_slot_mapping is not None:
+                print(f"  g{g} compressed slots {_short(gi.compressed_slot_mapping, limit)}", file=out)
             if gi.indptr is not None:
                 print(f"  g{g} csr   indptr {_short(gi.indptr, limit)} indices "
                       f"{_short(gi.indices, limit)} last_page_len {_short(gi.last_page_len, limit)}",
@@ -272,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--arrival-rate", type=float, default=1.0, help="requests per step (0: all at once)")
     t.add_argument("--num-blocks", type=int, default=64, help="pool size incl. the null block")
     t.add_argument("--block-size", type=int, default=16)
-    t.add_argument("--groups", default="full", help="e.g. full | full,swa:64 | full,local:32")
+    t.add_argument("--groups", default="full", help="e.g. full | full,swa:64 | full,local:32 | mla:4,swa:64")
     t.add_argument("--max-num-seqs", type=int, default=8)
     t.add_argument("--max-num-batched-tokens", type=int, default=128)
     t.add_argument("--max-model-len", type=int, default=512)

@@ -20,6 +20,7 @@ from pagedkv.core.output import ModelRunnerOutput, SchedulerOutput
 from pagedkv.core.request import RequestStatus
 from pagedkv.core.scheduler import Scheduler
 from pagedkv.core.spec import KVCacheConfig, SlotMappingMode
+from pagedkv.kernels.compressed_slot_mapping import compute_compressed_slot_mapping
 from pagedkv.kernels.page_indices import build_page_indices
 from pagedkv.sanitizer import check_pool, check_step
 from pagedkv.worker.input_batch import CachedRequestState, InputBatch
@@ -34,6 +35,8 @@ class GroupIndices:
     """One group's per-step indices, copied to host lists for display/inspection."""
 
     slot_mapping: list[int]
+    # Compressed groups (compress_ratio > 1): the slots of the tokens that write a state.
+    compressed_slot_mapping: list[int] | None = None
     indptr: list[int] | None = None
     indices: list[int] | None = None
     last_page_len: list[int] | None = None
@@ -193,6 +196,15 @@ class IndexLayerDriver:
         slots = step.slot_mappings[:, : step.num_tokens].cpu()
         for g in range(bt.num_groups):
             gi = GroupIndices(slot_mapping=slots[g].tolist())
+            spec = self.specs[g]
+            if getattr(spec, "compress_ratio", 1) > 1:
+                cslots = torch.empty(max(step.num_tokens, 1), dtype=torch.int64, device=self.device)
+                compute_compressed_slot_mapping(
+                    bt[g].get_device_tensor(step.num_reqs), step.query_start_loc, step.seq_lens,
+                    cslots, step.num_reqs, step.num_tokens, spec.storage_block_size,
+                    spec.compress_ratio, own_slot_mapping=step.slot_mappings[g],
+                )
+                gi.compressed_slot_mapping = cslots[: step.num_tokens].cpu().tolist()
             if self._csr is not None and bt.slot_mapping_modes[g] == SlotMappingMode.TOKEN_TO_KV_SLOT:
                 indptr, indices, last = self._csr[g]
                 build_page_indices(
