@@ -73,7 +73,8 @@ def _short(xs, limit: int) -> str:
     return f"[{head}, ... {', '.join(map(str, xs[-2:]))}] ({len(xs)})"
 
 
-def print_step(rec, num_groups: int, limit: int, out=sys.stdout) -> None:
+def print_step(rec, num_groups: int, limit: int, out=None) -> None:
+    out = out if out is not None else sys.stdout
     so = rec.scheduler_output
     sched = " ".join(f"{rid}+{n}" for rid, n in so.num_scheduled_tokens.items()) or "-"
     print(f"step {rec.step:4d}  scheduled {so.total_num_scheduled_tokens:5d} tokens: {sched}", file=out)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Sequence
 from pagedkv.core.block_pool import KVCacheBlock
 from pagedkv.core.coordinator import get_kv_cache_coordinator, resolve_block_sizes
 from pagedkv.core.hashing import get_hash_fn, get_request_block_hasher
-from pagedkv.core.managers import scheduler_spec
+from pagedkv.core.managers import FullAttentionManager, scheduler_spec
 from pagedkv.core.prefix_cache_stats import PrefixCacheStats
 from pagedkv.core.request import RequestStatus
 from pagedkv.core.spec import KVCacheConfig, MambaSpec
@@ -148,6 +148,13 @@ class KVCacheManager:
         self._block_hasher = (
             get_request_block_hasher(self.hash_block_size, self.hash_fn) if enable_caching else None
         )
+        # Decode fast path of allocate_running_slots: one full-attention group (nothing is ever
+        # skipped, so a request that fits in its held blocks needs no pool work at all).
+        coordinator = self.coordinator
+        fast = None
+        if coordinator.num_groups == 1 and type(coordinator.single_type_managers[0]) is FullAttentionManager:
+            fast = coordinator.single_type_managers[0]
+        self._fast_manager = fast
 
     # ----- hashing -----------------------------------------------------------------------
     @property
@@ -291,6 +298,45 @@ class KVCacheManager:
         if new_blocks is coordinator._empty_lists or not any(new_blocks):
             return self.empty_kv_cache_blocks
         return KVCacheBlocks(new_blocks)
+
+    def allocate_running_slots(
+        self, request: "Request", num_new_tokens: int, num_lookahead_tokens: int = 0
+    ) -> KVCacheBlocks | None:
+        """``allocate_slots(request, num_new_tokens, num_lookahead_tokens=...)`` for a request
+        that adopts no prefix hits (the scheduler's running requests); same result, same effects.
+
+        Fast path (one full-attention group, the decode hot path): when the new tokens and the
+        lookahead fit in the blocks the request already holds and no block becomes cacheable,
+        ``allocate_slots`` would allocate nothing, release nothing and cache nothing, so the
+        shared empty result is returned after a few reads. Everything else (a block to
+        allocate, a block that became full, a watermark) goes through ``allocate_slots``.
+        """
+        manager = self._fast_manager
+        if manager is not None and num_new_tokens > 0:
+            rid = request.request_id
+            held = manager.req_to_blocks.get(rid)
+            computed = request.num_computed_tokens
+            end = computed + num_new_tokens
+            if (
+                held is not None
+                and end + num_lookahead_tokens <= len(held) * manager.block_size
+                and computed <= self.max_model_len
+                and (not self.watermark_blocks or request.status not in _ADMISSION_STATUSES)
+            ):
+                if not self.enable_caching:
+                    return self.empty_kv_cache_blocks
+                # What allocate_slots would then do: cache_blocks(request, min(end, num_tokens)),
+                # which registers a held block only once it is full and hashed.
+                num_cache = len(request._all_token_ids)
+                if end < num_cache:
+                    num_cache = end
+                hashed = len(request.block_hashes) * manager.hash_block_size
+                if (num_cache if num_cache < hashed else hashed) // manager.block_size > (
+                    manager.num_cached_block.get(rid, 0)
+                ):
+                    manager.cache_blocks(request, num_cache)
+                return self.empty_kv_cache_blocks
+        return self.allocate_slots(request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
 
     def free(self, request: "Request") -> None:
         """Release the request's blocks (each group tail first). Unknown requests: no-op."""

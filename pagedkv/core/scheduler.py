@@ -332,10 +332,19 @@ class Scheduler:
 
     # ----- schedule ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """One scheduling decision (see the module docstring).
+
+        The ``SchedulerOutput`` lists are built in the same pass that schedules a request,
+        and each request's progress (``num_computed_tokens``, in-flight tokens, whether it
+        is a partial prefill chunk) is advanced right after its entry was recorded: the
+        entries hold the values from before this step, as the worker expects.
+        """
         self.step_counter += 1
         manager = self.kv_cache_manager
         manager.new_step_starts()
         allocate_slots = manager.allocate_slots
+        allocate_running = manager.allocate_running_slots
+        empty_blocks = manager.empty_kv_cache_blocks
         lookahead = self._num_lookahead_tokens
         running = self.running
         waiting = self.waiting
@@ -345,21 +354,27 @@ class Scheduler:
         if threshold and len(running) + len(waiting) <= 1:
             threshold = 0
         max_len_1 = self.max_model_len - 1
+        prev_scheduled = self._prev_step_scheduled_req_ids
 
         num_scheduled_tokens: dict[str, int] = {}
-        req_to_new_blocks: dict[str, Any] = {}
-        scheduled_running: list[Request] = []
-        scheduled_new: list[Request] = []
-        scheduled_resumed: list[Request] = []
         spec_decode_tokens: dict[str, list[int]] = {}
         preempted: list[Request] = []
+        # CachedRequestData, one entry per scheduled running (then resumed) request.
+        cached_ids: list[str] = []
+        cached_block_ids: list = []
+        cached_computed: list[int] = []
+        cached_num_output: list[int] = []
+        cached_all_tokens: dict[str, list[int]] = {}
+        resumed_ids: set[str] = set()
+        new_reqs_data: list[NewRequestData] = []
 
         # 1. Running requests.
         req_index = 0
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
             computed = request.num_computed_tokens
-            n = (len(request._all_token_ids) + len(request.spec_token_ids)
+            all_ids = request._all_token_ids
+            n = (len(all_ids) + len(request.spec_token_ids)
                  + request.num_output_placeholders - computed)
             if 0 < threshold < n:
                 n = threshold
@@ -370,7 +385,7 @@ class Scheduler:
             if n <= 0:
                 req_index += 1
                 continue
-            new_blocks = allocate_slots(request, n, num_lookahead_tokens=lookahead)
+            new_blocks = allocate_running(request, n, lookahead)
             while new_blocks is None:
                 if self._priority:
                     victim = max(running, key=_priority_key)
@@ -380,9 +395,12 @@ class Scheduler:
                         req_index -= 1
                     vid = victim.request_id
                     if vid in num_scheduled_tokens:
-                        scheduled_running.remove(victim)
+                        # Already scheduled in this step: take its entry and tokens back
+                        # (_preempt_request resets the progress advanced below).
                         token_budget += num_scheduled_tokens.pop(vid)
-                        del req_to_new_blocks[vid]
+                        i = cached_ids.index(vid)
+                        del cached_ids[i], cached_block_ids[i], cached_computed[i], cached_num_output[i]
+                        cached_all_tokens.pop(vid, None)
                         spec_decode_tokens.pop(vid, None)
                 else:
                     victim = running.pop()
@@ -390,27 +408,36 @@ class Scheduler:
                 preempted.append(victim)
                 if victim is request:
                     break
-                new_blocks = allocate_slots(request, n, num_lookahead_tokens=lookahead)
+                new_blocks = allocate_running(request, n, lookahead)
             if new_blocks is None:
                 break
             rid = request.request_id
-            scheduled_running.append(request)
-            req_to_new_blocks[rid] = new_blocks
             num_scheduled_tokens[rid] = n
             token_budget -= n
             req_index += 1
+            cached_ids.append(rid)
+            cached_block_ids.append(
+                None if new_blocks is empty_blocks else new_blocks.get_block_ids(allow_none=True)
+            )
+            cached_computed.append(computed)
+            cached_num_output.append(len(request._output_token_ids))
+            if rid not in prev_scheduled:
+                cached_all_tokens[rid] = list(all_ids)
             if request.spec_token_ids:
-                n_spec = n + computed - len(request._all_token_ids) - request.num_output_placeholders
+                n_spec = n + computed - len(all_ids) - request.num_output_placeholders
                 if n_spec > 0:
                     spec_decode_tokens[rid] = request.spec_token_ids[:n_spec]
                 request.spec_token_ids = []
+            computed += n
+            request.num_computed_tokens = computed
+            request.num_in_flight_tokens += n
+            request.is_prefill_chunk = computed < len(all_ids) + request.num_output_placeholders
 
         # 2. Waiting requests (not if anything was preempted in this step).
         if not preempted:
             max_running = self.max_num_running_reqs
             chunked = self._chunked_prefill
             must_fit = self._reserve_full_isl
-            empty_blocks = manager.empty_kv_cache_blocks
             while waiting and token_budget > 0 and len(running) < max_running:
                 request = waiting.peek()
                 looked_up = request.num_computed_tokens == 0
@@ -451,38 +478,49 @@ class Scheduler:
                     manager.record_prefix_cache_lookup(request, n_local)
                 running.append(request)
                 rid = request.request_id
+                # The whole table (no block is allocated for it later in this step).
+                block_ids = manager.get_blocks(rid)
                 if request.status == _WAITING:
-                    scheduled_new.append(request)
+                    new_reqs_data.append(NewRequestData(
+                        req_id=rid,
+                        prompt_token_ids=request.prompt_token_ids,
+                        sampling_params=request.sampling_params,
+                        block_ids=block_ids.get_block_ids(),
+                        num_computed_tokens=num_computed,
+                        lora_request=request.lora_request,
+                        mm_features=request.mm_features,
+                    ))
                 else:
-                    scheduled_resumed.append(request)
-                req_to_new_blocks[rid] = manager.get_blocks(rid)
+                    # Resumed: the full table replaces the worker's stale copy.
+                    cached_ids.append(rid)
+                    resumed_ids.add(rid)
+                    cached_block_ids.append(block_ids.get_block_ids(allow_none=True))
+                    cached_computed.append(num_computed)
+                    cached_num_output.append(len(request._output_token_ids))
+                    cached_all_tokens[rid] = list(request._all_token_ids)
                 num_scheduled_tokens[rid] = n
                 token_budget -= n
                 request.status = _RUNNING
-                request.num_computed_tokens = num_computed
+                computed = num_computed + n
+                request.num_computed_tokens = computed
+                request.num_in_flight_tokens += n
+                request.is_prefill_chunk = (
+                    computed < len(request._all_token_ids) + request.num_output_placeholders
+                )
 
         # 3. Output.
-        new_reqs_data = [
-            NewRequestData(
-                req_id=req.request_id,
-                prompt_token_ids=req.prompt_token_ids,
-                sampling_params=req.sampling_params,
-                block_ids=req_to_new_blocks[req.request_id].get_block_ids(),
-                num_computed_tokens=req.num_computed_tokens,
-                lora_request=req.lora_request,
-                mm_features=req.mm_features,
-            )
-            for req in scheduled_new
-        ]
-        cached = self._make_cached_request_data(
-            scheduled_running, scheduled_resumed, req_to_new_blocks
-        )
-        total = self.max_num_scheduled_tokens - token_budget
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs_data,
-            scheduled_cached_reqs=cached,
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=cached_ids,
+                resumed_req_ids=resumed_ids,
+                all_token_ids=cached_all_tokens,
+                new_block_ids=cached_block_ids,
+                num_computed_tokens=cached_computed,
+                num_output_tokens=cached_num_output,
+            ),
             num_scheduled_tokens=num_scheduled_tokens,
-            total_num_scheduled_tokens=total,
+            total_num_scheduled_tokens=self.max_num_scheduled_tokens - token_budget,
             scheduled_spec_decode_tokens=spec_decode_tokens,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted},
@@ -491,7 +529,9 @@ class Scheduler:
         if new_ids_to_zero:
             output.new_block_ids_to_zero = new_ids_to_zero
         self._step_preempted = len(preempted)
-        self._update_after_schedule(output)
+        self._prev_step_scheduled_req_ids = set(num_scheduled_tokens)
+        # The output keeps its own reference to the old set.
+        self.finished_req_ids = set()
         return output
 
     def _preempt_request(self, request: Request) -> None:
@@ -505,57 +545,6 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
-
-    def _make_cached_request_data(
-        self,
-        scheduled_running: list[Request],
-        scheduled_resumed: list[Request],
-        req_to_new_blocks: dict[str, Any],
-    ) -> CachedRequestData:
-        prev = self._prev_step_scheduled_req_ids
-        req_ids: list[str] = []
-        new_block_ids: list = []
-        num_computed: list[int] = []
-        num_output: list[int] = []
-        all_token_ids: dict[str, list[int]] = {}
-        for req in scheduled_running:
-            rid = req.request_id
-            req_ids.append(rid)
-            new_block_ids.append(req_to_new_blocks[rid].get_block_ids(allow_none=True))
-            num_computed.append(req.num_computed_tokens)
-            num_output.append(len(req._output_token_ids))
-            if rid not in prev:
-                all_token_ids[rid] = list(req._all_token_ids)
-        resumed: set[str] = set()
-        for req in scheduled_resumed:
-            rid = req.request_id
-            req_ids.append(rid)
-            resumed.add(rid)
-            # The full table: it replaces the worker's stale copy.
-            new_block_ids.append(req_to_new_blocks[rid].get_block_ids(allow_none=True))
-            num_computed.append(req.num_computed_tokens)
-            num_output.append(len(req._output_token_ids))
-            all_token_ids[rid] = list(req._all_token_ids)
-        return CachedRequestData(
-            req_ids=req_ids,
-            resumed_req_ids=resumed,
-            all_token_ids=all_token_ids,
-            new_block_ids=new_block_ids,
-            num_computed_tokens=num_computed,
-            num_output_tokens=num_output,
-        )
-
-    def _update_after_schedule(self, output: SchedulerOutput) -> None:
-        requests = self.requests
-        for rid, n in output.num_scheduled_tokens.items():
-            req = requests[rid]
-            computed = req.num_computed_tokens + n
-            req.num_computed_tokens = computed
-            req.num_in_flight_tokens += n
-            req.is_prefill_chunk = computed < len(req._all_token_ids) + req.num_output_placeholders
-        self._prev_step_scheduled_req_ids = set(output.num_scheduled_tokens)
-        # The output keeps its own reference to the old set.
-        self.finished_req_ids = set()
 
     # ----- update --------------------------------------------------------------------------
     def update_from_output(
@@ -577,6 +566,12 @@ class Scheduler:
                 finished.append(req.request_id)
             self._ignored = []
 
+        # Fast append of one sampled int token (every non-speculative step): the same
+        # effects as req.append_output_token_ids(tok), with the block hasher called only
+        # when the token completes a hash block (the hasher returns [] otherwise). Requests
+        # built with another hasher take the generic method.
+        hasher = self.block_hasher
+        hash_block_size = self.kv_cache_manager.hash_block_size
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             req = requests.get(rid)
             if req is None:
@@ -608,7 +603,22 @@ class Scheduler:
                 )
             if len(new_ids) == 1:
                 tok = new_ids[0]
-                req.append_output_token_ids(tok)
+                if type(tok) is int and req.block_hasher is hasher:
+                    out_ids = req._output_token_ids
+                    out_ids.append(tok)
+                    all_ids = req._all_token_ids
+                    all_ids.append(tok)
+                    if hasher is not None and len(all_ids) >= (len(req.block_hashes) + 1) * hash_block_size:
+                        req.block_hashes.extend(hasher(req))
+                    stop = req.stop
+                    if (len(out_ids) < stop.max_tokens and len(all_ids) < max_model_len
+                            and (tok != req.eos_token_id or stop.ignore_eos)
+                            and not (stop.stop_token_ids and tok in stop.stop_token_ids)):
+                        # No length cap, no EOS, no stop token: check_stop would say no.
+                        outputs.append(EngineCoreOutput(rid, [tok]))
+                        continue
+                else:
+                    req.append_output_token_ids(tok)
                 if check_stop(req, max_model_len):
                     stopped.append(req)
                     outputs.append(EngineCoreOutput(rid, [tok], req.get_finished_reason(),

@@ -50,9 +50,11 @@ def _is_single_prompt(x: Any) -> bool:
 
 class LLM:
     """See the module docstring. Arguments as vLLM's (a subset), plus ``attention_backend``
-    (``"auto"``, ``"torch_ref"``, ``"triton"`` or an ``AttentionBackend``) and
+    (``"auto"``, ``"torch_ref"``, ``"triton"`` or an ``AttentionBackend``),
     ``kv_cache_memory_bytes`` (a KV byte budget, used instead of ``gpu_memory_utilization``;
-    on CPU the default is 256 MiB)."""
+    on CPU the default is 256 MiB), ``async_scheduling`` (schedule the next step while the
+    device runs the current one; same tokens) and ``compile_model`` (``torch.compile`` the
+    model's pointwise regions; CUDA only)."""
 
     def __init__(
         self,
@@ -73,6 +75,8 @@ class LLM:
         kv_cache_memory_bytes: int | None = None,
         cuda_graph_sizes: Sequence[int] | None = None,
         tokenizer: bool | str = "auto",
+        async_scheduling: bool = False,
+        compile_model: bool = False,
         _engine: LLMEngine | None = None,
     ) -> None:
         if _engine is None:
@@ -90,7 +94,8 @@ class LLM:
                 gpu_memory_utilization=gpu_memory_utilization,
                 num_gpu_blocks_override=num_gpu_blocks_override, enforce_eager=enforce_eager,
                 seed=seed, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                cuda_graph_sizes=cuda_graph_sizes,
+                cuda_graph_sizes=cuda_graph_sizes, async_scheduling=async_scheduling,
+                compile_model=compile_model,
             )
         self.engine = _engine
         self.model_name = os.fspath(model)
@@ -194,6 +199,7 @@ class LLM:
                     raise InvariantError("progress", "the engine has no work left but requests "
                                          "are unfinished", missing=missing[:5])
                 bar.update(len(results), engine.stats.tokens_generated - start_tokens)
+            engine.flush()  # async scheduling: nothing left in flight between calls
         finally:
             bar.close()
         for rid in request_ids:

@@ -33,6 +33,7 @@ from pagedkv.config import CacheConfig, SchedulerConfig
 from pagedkv.core.request import FinishReason, Request, RequestStatus, StopParams
 from pagedkv.core.scheduler import Scheduler
 from pagedkv.core.spec import KVCacheConfig, KVCacheGroupSpec, dtype_size
+from pagedkv.engine.async_scheduler import AsyncScheduler
 from pagedkv.engine.memory import (
     CUDA_GRAPH_RESERVE_BYTES,
     KVCacheSizing,
@@ -90,13 +91,34 @@ class _RequestState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Detokenization without stop strings is deferred until the text is read (``to_output``):
+    # the tokens are fed to the incremental detokenizer then, in one update, which gives the
+    # same text as one update per step. ``text_tokens``: output tokens fed so far.
+    lazy_text: bool = False
+    text_tokens: int = 0
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def _sync_text(self) -> None:
+        d = self.detokenizer
+        if d.finished:
+            return
+        new = self.output_token_ids[self.text_tokens:]
+        reason = self.finish_reason
+        final = reason is not None and reason != FinishReason.ABORT.value
+        if not new and not final:
+            return
+        d.update(new, stop_terminated=final and reason == FinishReason.STOP.value, finished=final)
+        self.text_tokens = len(self.output_token_ids)
+
     def to_output(self) -> RequestOutput:
-        text = self.detokenizer.output_text if self.detokenizer is not None else ""
+        text = ""
+        if self.detokenizer is not None:
+            if self.lazy_text:
+                self._sync_text()
+            text = self.detokenizer.output_text
         comp = CompletionOutput(
             index=0,
             text=text,
@@ -125,7 +147,11 @@ class LLMEngine:
     """Scheduler + ModelRunner + output processing (see the module docstring)."""
 
     def __init__(self, model: Any, tokenizer: Any, scheduler: Scheduler, runner: ModelRunner,
-                 sizing: KVCacheSizing | None = None) -> None:
+                 sizing: KVCacheSizing | None = None, *, async_scheduling: bool = False) -> None:
+        if async_scheduling and not isinstance(scheduler, AsyncScheduler):
+            raise ConfigError("async_scheduling needs an AsyncScheduler (build_engine makes one)")
+        self.async_scheduling = async_scheduling
+        self._inflight = None  # (SchedulerOutput, StepHandle) of the step on the device
         self.model = model
         self.tokenizer = tokenizer
         self.scheduler = scheduler
@@ -220,6 +246,11 @@ class LLMEngine:
         rid = self.new_request_id() if request_id is None else str(request_id)
         if rid in self._requests:
             raise InvalidRequestError(f"request id {rid!r} is in use; pass a unique id")
+        if self._inflight is not None and rid in self._inflight[0].num_scheduled_tokens:
+            raise InvalidRequestError(
+                f"request id {rid!r} belongs to a finished request whose last step is still in "
+                "flight (async scheduling); use another id or call step()/flush() first"
+            )
         stop_ids = list(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids += [t for t in self.eos_token_ids[1:] if t not in stop_ids]
@@ -241,7 +272,8 @@ class LLMEngine:
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, params, ids)
         st = _RequestState(rid, text, ids, params, req,
-                           RequestMetrics(arrival_time=now, num_prompt_tokens=len(ids)), detok)
+                           RequestMetrics(arrival_time=now, num_prompt_tokens=len(ids)), detok,
+                           lazy_text=detok is not None and not params.stop)
         if params.logprobs is not None:
             st.logprobs = []
             st.cumulative_logprob = 0.0
@@ -282,22 +314,73 @@ class LLMEngine:
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One engine step; returns the outputs of requests that gained tokens or finished
         (only the finished ones with ``finished_only``: no per-step copies of running
-        requests' token lists)."""
+        requests' token lists). With async scheduling the outputs are those of the previous
+        step (the one that ran on the device while this one was scheduled)."""
+        if self.async_scheduling:
+            return self._step_async(finished_only)
         changed: list[_RequestState] = self._pending
         self._pending = []
         sched = self.scheduler
         if not sched.has_requests():
             return [st.to_output() for st in changed]
-        so = sched.schedule()
-        now = time.monotonic()
-        reqs = self._requests
-        for new in so.scheduled_new_reqs:
-            st = reqs.get(new.req_id)
-            if st is not None and st.metrics.first_scheduled_time is None:
-                st.metrics.first_scheduled_time = now
-                st.metrics.num_cached_tokens = new.num_computed_tokens
+        so = self._schedule()
         mro = self.runner.execute_model(so)
         eco = sched.update_from_output(so, mro)
+        self._process(mro, eco, changed, finished_only)
+        return [st.to_output() for st in changed]
+
+    def _step_async(self, finished_only: bool) -> list[RequestOutput]:
+        """Schedule and enqueue step k, then collect and process step k-1 (which ran on the
+        device meanwhile)."""
+        changed: list[_RequestState] = self._pending
+        self._pending = []
+        sched = self.scheduler
+        prev, self._inflight = self._inflight, None
+        cur = None
+        if sched.has_requests():
+            so = self._schedule()
+            cur = (so, self.runner.execute_model_async(so))
+        if prev is not None:
+            self._collect(prev, changed, finished_only)
+        if cur is not None:
+            if cur[0].total_num_scheduled_tokens:
+                self._inflight = cur
+            else:  # nothing runs: report it now (finished ids, ignored requests)
+                self._collect(cur, changed, finished_only)
+        return [st.to_output() for st in changed]
+
+    def flush(self) -> list[RequestOutput]:
+        """Async scheduling: collect the step still in flight (if any) and return its outputs;
+        a no-op otherwise."""
+        changed: list[_RequestState] = self._pending
+        self._pending = []
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            self._collect(prev, changed, False)
+        return [st.to_output() for st in changed]
+
+    def _collect(self, inflight, changed: list, finished_only: bool) -> None:
+        so, handle = inflight
+        mro = self.runner.get_output(handle)
+        eco = self.scheduler.update_from_output(so, mro)
+        self._process(mro, eco, changed, finished_only)
+
+    def _schedule(self):
+        so = self.scheduler.schedule()
+        if so.scheduled_new_reqs:
+            now = time.monotonic()
+            reqs = self._requests
+            for new in so.scheduled_new_reqs:
+                st = reqs.get(new.req_id)
+                if st is not None and st.metrics.first_scheduled_time is None:
+                    st.metrics.first_scheduled_time = now
+                    st.metrics.num_cached_tokens = new.num_computed_tokens
+        return so
+
+    def _process(self, mro, eco, changed: list, finished_only: bool) -> None:
+        """Output processing of one step: metrics, logprobs, detokenization, stop strings."""
+        sched = self.scheduler
+        reqs = self._requests
         now = time.monotonic()
         stats = self.stats
         stats.steps += 1
@@ -329,9 +412,10 @@ class LLMEngine:
                     self._add_logprobs(st, logprobs.get(o.req_id))
             reason = o.finish_reason
             stop_reason = o.stop_reason
-            if st.detokenizer is not None:
+            if st.detokenizer is not None and not st.lazy_text:
                 d = st.detokenizer.update(toks, stop_terminated=reason == FinishReason.STOP,
                                           finished=reason is not None)
+                st.text_tokens = len(st.output_token_ids)
                 if d.stop_string is not None:
                     if reason is None:
                         sched.finish_requests([o.req_id], RequestStatus.FINISHED_STOPPED)
@@ -342,7 +426,6 @@ class LLMEngine:
             elif not finished_only:
                 changed.append(st)
         stats.tokens_generated += n_tokens
-        return [st.to_output() for st in changed]
 
     def _add_logprobs(self, st: _RequestState, lp) -> None:
         if lp is None:
@@ -424,8 +507,15 @@ def build_engine(
     kv_cache_memory_bytes: int | None = None,
     cuda_graph_sizes: Sequence[int] | None = None,
     long_prefill_token_threshold: int = 0,
+    async_scheduling: bool = False,
+    compile_model: bool = False,
 ) -> LLMEngine:
-    """Everything around a loaded ``model`` (its attention backend already installed)."""
+    """Everything around a loaded ``model`` (its attention backend already installed).
+
+    ``async_scheduling``: schedule step k+1 while step k runs on the device (see
+    ``pagedkv.engine.async_scheduler``); same tokens, outputs one step later.
+    ``compile_model``: ``torch.compile`` the model's norm/rotary/MLP regions (CUDA only; see
+    ``DecoderForCausalLM.compile_regions``), before the CUDA graphs are captured."""
     device = model.device
     cfg = model.config
     user_max_model_len = max_model_len
@@ -476,11 +566,13 @@ def build_engine(
     cc = CacheConfig(block_size=block_size, num_gpu_blocks=sizing.num_blocks,
                      enable_prefix_caching=enable_prefix_caching,
                      gpu_memory_utilization=gpu_memory_utilization)
-    scheduler = Scheduler(sc, kv, cc)
+    scheduler = (AsyncScheduler if async_scheduling else Scheduler)(sc, kv, cc)
     runner = ModelRunner(model, kv, sc, cc, device=device, seed=seed, enforce_eager=not graphs,
                          cuda_graph_sizes=cuda_graph_sizes)
+    if compile_model and hasattr(model, "compile_regions"):
+        model.compile_regions()
     runner.capture_cuda_graphs()
-    return LLMEngine(model, tokenizer, scheduler, runner, sizing)
+    return LLMEngine(model, tokenizer, scheduler, runner, sizing, async_scheduling=async_scheduling)
 
 
 __all__ = ["ATTENTION_BACKENDS", "EngineStats", "LLMEngine", "build_engine", "make_attention_backend",
