@@ -23,8 +23,8 @@ and tokens scheduled per step) are compared: "same" means both did exactly the s
 On top, pagedkv's worker input preparation is timed in separate replays (so it does not
 disturb the scheduler timing): ``update_states`` (apply the SchedulerOutput to the persistent
 InputBatch) + ``InputPreparer.prepare`` (CPU tensors: positions, input ids, query_start_loc,
-seq_lens, slot mapping through the torch fallback). ``record_sampled_tokens`` is reported in
-the JSON only.
+seq_lens, slot mapping through the numpy host path of a CPU device; on a GPU that is one
+Triton launch). ``record_sampled_tokens`` is reported in the JSON only.
 
 Usage (2-core machine: run it alone, nothing else busy):
     .venv/bin/python bench/bench_sched_cpu.py --vllm-python /work/vllm-env/bin/python \
@@ -104,21 +104,23 @@ class PagedkvSide:
             block_sizes=[e["block_size"]],
             max_num_blocks_per_req=[self.spec.max_num_blocks_per_req(e["max_model_len"])],
             slot_mapping_modes=[self.spec.slot_mapping_mode])
-        # Time the slot-mapping call inside prepare() on its own: on CPU it runs the torch
-        # fallback, on a GPU it is one Triton launch.
+        # Time the slot-mapping call inside prepare() on its own: on CPU it is the numpy host
+        # path (compute_slot_mappings_host), on a GPU one Triton launch.
         bt = batch.block_table
-        inner = bt.compute_slot_mappings
         acc = [0]
         perf = time.perf_counter_ns
 
-        def timed_slot_mappings(*args, **kwargs):
-            t = perf()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                acc[0] += perf() - t
+        def timed(inner):
+            def timed_slot_mappings(*args, **kwargs):
+                t = perf()
+                try:
+                    return inner(*args, **kwargs)
+                finally:
+                    acc[0] += perf() - t
+            return timed_slot_mappings
 
-        bt.compute_slot_mappings = timed_slot_mappings
+        bt.compute_slot_mappings = timed(bt.compute_slot_mappings)
+        bt.compute_slot_mappings_host = timed(bt.compute_slot_mappings_host)
         return {}, batch, InputPreparer.for_batch(batch), acc
 
 
@@ -355,8 +357,8 @@ def main() -> int:
     nan = float("nan")
     print(f"CPU control plane, median per step over {a.reps} reps (ms); seed {a.seed}; "
           f"log_stats={a.log_stats}; loadavg at end {meta['loadavg_end'][0]:.2f}")
-    print("input prep = update_states + prepare (CPU tensors; slot mapping via the torch "
-          "fallback, shown apart); 'x incl prep' = vLLM total / (pagedkv total + input prep)")
+    print("input prep = update_states + prepare (CPU tensors; slot mapping via the numpy "
+          "host path, shown apart); 'x incl prep' = vLLM total / (pagedkv total + input prep)")
     print(f"{'trace':10s} | {'vLLM sched':>10s} {'update':>7s} {'total':>7s} | "
           f"{'pagedkv sched':>13s} {'update':>7s} {'total':>7s} | {'speedup':>7s} | "
           f"{'input prep':>10s} {'(slot map)':>10s} | {'x incl prep':>11s} | steps | same sched")

@@ -17,6 +17,9 @@ weights from the same architecture; throughput does not depend on weight values)
 * with ``--hf-static``: ``generate`` on a static batch of ``--hf-static-batch`` x 512 prompt
   tokens -> 256 new tokens (PERF.md's "easier, fixed-length" row).
 
+Engine options: async scheduling and the compiled model regions are on by default here
+(``--no-async-scheduling`` / ``--no-compile-model`` for the plain engine).
+
 Usage on the H200::
 
     python bench/bench_w1.py --json w1.json                 # pagedkv only
@@ -59,6 +62,8 @@ def build_pagedkv(args) -> tuple[LLM, str]:
         device=args.device,
         dtype=args.dtype,
         attention_backend=args.attention_backend,
+        async_scheduling=args.async_scheduling,
+        compile_model=args.compile_model,
     )
     if args.model:
         return LLM(args.model, tokenizer=False, **kw), args.model
@@ -138,6 +143,11 @@ def main(argv=None) -> int:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="schedule step k+1 while step k runs on the device (default on)")
+    p.add_argument("--compile-model", action=argparse.BooleanOptionalAction, default=True,
+                   help="torch.compile the norm/RoPE/MLP regions (CUDA; default on; falls back "
+                        "to eager with a warning if compilation fails)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch_ref", "triton"])
     p.add_argument("--with-hf", action="store_true", help="also time transformers generate_batch")

@@ -287,7 +287,10 @@ class BlockPool:
                 f"cannot get {num_blocks} free blocks from the pool "
                 f"({self.free_block_queue.num_free_blocks} free)"
             )
-        blocks = self.free_block_queue.popleft_n(num_blocks)
+        if num_blocks == 1:
+            blocks = [self.free_block_queue.popleft()]
+        else:
+            blocks = self.free_block_queue.popleft_n(num_blocks)
         caching = self.enable_caching
         for block in blocks:
             if block.ref_cnt != 0:
@@ -390,7 +393,9 @@ class BlockPool:
         """
         if num_cached_blocks >= num_full_blocks:
             return
-        hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
+        hashes = request.block_hashes
+        if block_size != self.hash_block_size:
+            hashes = resolve_block_hashes(hashes, self.hash_block_size, block_size)
         if len(hashes) < num_full_blocks:
             raise InvariantError(
                 "cache_full_blocks",
@@ -401,6 +406,7 @@ class BlockPool:
             )
         gid = kv_cache_group_id.to_bytes(4, "big")
         cache = self.cached_block_hash_to_block
+        entries = cache._cache
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.is_null or (block_mask is not None and not block_mask[i]):
@@ -410,7 +416,9 @@ class BlockPool:
                 cache.pop(block._block_hash, block.block_id)
             block._block_hash = key
             block._block_hash_num_tokens = (i + 1) * block_size
-            cache.insert(key, block)
+            # BlockHashToBlockMap.insert, with one dict lookup for a new key.
+            if entries.setdefault(key, block) is not block:
+                cache.insert(key, block)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop the prefix-cache entries of these blocks; ref counts are unchanged."""

@@ -58,9 +58,14 @@ class KVCacheBlocks:
 
     def get_block_ids(self, allow_none: bool = False) -> tuple[list[int], ...] | None:
         """``tuple[list[int], ...]`` per group; None if ``allow_none`` and every group is empty."""
-        if allow_none and not any(self.blocks):
+        blocks = self.blocks
+        if len(blocks) == 1:  # one group (the common case), without the generic loops
+            if allow_none and not blocks[0]:
+                return None
+            return ([b.block_id for b in blocks[0]],)
+        if allow_none and not any(blocks):
             return None
-        return tuple([b.block_id for b in group] for group in self.blocks)
+        return tuple([b.block_id for b in group] for group in blocks)
 
     def get_unhashed_block_ids(self) -> list[int]:
         """Ids of the single group's blocks without a prefix-cache key."""
@@ -148,13 +153,12 @@ class KVCacheManager:
         self._block_hasher = (
             get_request_block_hasher(self.hash_block_size, self.hash_fn) if enable_caching else None
         )
-        # Decode fast path of allocate_running_slots: one full-attention group (nothing is ever
-        # skipped, so a request that fits in its held blocks needs no pool work at all).
-        coordinator = self.coordinator
-        fast = None
-        if coordinator.num_groups == 1 and type(coordinator.single_type_managers[0]) is FullAttentionManager:
-            fast = coordinator.single_type_managers[0]
-        self._fast_manager = fast
+        # The one group's manager when allocate_running_slots can take its fast path (a single
+        # full-attention group: nothing is ever skipped or released), else None.
+        managers = self.coordinator.single_type_managers
+        self._fast_manager = (
+            managers[0] if len(managers) == 1 and type(managers[0]) is FullAttentionManager else None
+        )
 
     # ----- hashing -----------------------------------------------------------------------
     @property
@@ -305,38 +309,51 @@ class KVCacheManager:
         """``allocate_slots(request, num_new_tokens, num_lookahead_tokens=...)`` for a request
         that adopts no prefix hits (the scheduler's running requests); same result, same effects.
 
-        Fast path (one full-attention group, the decode hot path): when the new tokens and the
-        lookahead fit in the blocks the request already holds and no block becomes cacheable,
-        ``allocate_slots`` would allocate nothing, release nothing and cache nothing, so the
-        shared empty result is returned after a few reads. Everything else (a block to
-        allocate, a block that became full, a watermark) goes through ``allocate_slots``.
+        Fast path (one full-attention group: the decode hot path, every running request every
+        step): nothing is ever skipped or released, so allocate_slots reduces to "grow the
+        block list to cover the new tokens (None if the pool cannot), then register the held
+        blocks that became full". This does exactly that with the group's manager directly,
+        without the general per-group machinery. Anything else goes through ``allocate_slots``.
         """
         manager = self._fast_manager
         if manager is not None and num_new_tokens > 0:
             rid = request.request_id
             held = manager.req_to_blocks.get(rid)
             computed = request.num_computed_tokens
-            end = computed + num_new_tokens
+            max_model_len = self.max_model_len
             if (
                 held is not None
-                and end + num_lookahead_tokens <= len(held) * manager.block_size
-                and computed <= self.max_model_len
+                and computed <= max_model_len
                 and (not self.watermark_blocks or request.status not in _ADMISSION_STATUSES)
             ):
-                if not self.enable_caching:
-                    return self.empty_kv_cache_blocks
-                # What allocate_slots would then do: cache_blocks(request, min(end, num_tokens)),
-                # which registers a held block only once it is full and hashed.
-                num_cache = len(request._all_token_ids)
-                if end < num_cache:
-                    num_cache = end
-                hashed = len(request.block_hashes) * manager.hash_block_size
-                if (num_cache if num_cache < hashed else hashed) // manager.block_size > (
-                    manager.num_cached_block.get(rid, 0)
-                ):
-                    manager.cache_blocks(request, num_cache)
-                return self.empty_kv_cache_blocks
-        return self.allocate_slots(request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
+                end = computed + num_new_tokens
+                block_size = manager.block_size
+                need = end + num_lookahead_tokens
+                new_blocks = self.empty_kv_cache_blocks
+                if need > len(held) * block_size:
+                    if need > max_model_len:
+                        need = max_model_len
+                    num_blocks = -(-need // block_size) - len(held)
+                    if num_blocks > 0:
+                        if num_blocks > self.block_pool.free_block_queue.num_free_blocks:
+                            return None
+                        new_blocks = KVCacheBlocks((manager.allocate_new_blocks(rid, need, end),))
+                if self.enable_caching:
+                    # cache_blocks(request, min(end, num_tokens)) registers the held blocks
+                    # that are full and hashed beyond the cached ones; end // block_size
+                    # bounds them, so most steps stop at this comparison.
+                    num_cached = manager.num_cached_block.get(rid, 0)
+                    if end // block_size > num_cached:
+                        num_cache = len(request._all_token_ids)
+                        if end < num_cache:
+                            num_cache = end
+                        hashed = len(request.block_hashes) * manager.hash_block_size
+                        if (num_cache if num_cache < hashed else hashed) // block_size > num_cached:
+                            manager.cache_blocks(request, num_cache)
+                return new_blocks
+        return self.allocate_slots(
+            request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens
+        )
 
     def free(self, request: "Request") -> None:
         """Release the request's blocks (each group tail first). Unknown requests: no-op."""

@@ -373,9 +373,10 @@ class Scheduler:
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
             computed = request.num_computed_tokens
-            all_ids = request._all_token_ids
-            n = (len(all_ids) + len(request.spec_token_ids)
-                 + request.num_output_placeholders - computed)
+            spec = request.spec_token_ids
+            # Tokens known so far (prompt, outputs, async placeholders).
+            num_known = len(request._all_token_ids) + request.num_output_placeholders
+            n = num_known + len(spec) - computed
             if 0 < threshold < n:
                 n = threshold
             if n > token_budget:
@@ -399,7 +400,8 @@ class Scheduler:
                         # (_preempt_request resets the progress advanced below).
                         token_budget += num_scheduled_tokens.pop(vid)
                         i = cached_ids.index(vid)
-                        del cached_ids[i], cached_block_ids[i], cached_computed[i], cached_num_output[i]
+                        del cached_ids[i], cached_block_ids[i]
+                        del cached_computed[i], cached_num_output[i]
                         cached_all_tokens.pop(vid, None)
                         spec_decode_tokens.pop(vid, None)
                 else:
@@ -422,16 +424,16 @@ class Scheduler:
             cached_computed.append(computed)
             cached_num_output.append(len(request._output_token_ids))
             if rid not in prev_scheduled:
-                cached_all_tokens[rid] = list(all_ids)
-            if request.spec_token_ids:
-                n_spec = n + computed - len(all_ids) - request.num_output_placeholders
+                cached_all_tokens[rid] = list(request._all_token_ids)
+            if spec:
+                n_spec = n + computed - num_known
                 if n_spec > 0:
-                    spec_decode_tokens[rid] = request.spec_token_ids[:n_spec]
+                    spec_decode_tokens[rid] = spec[:n_spec]
                 request.spec_token_ids = []
             computed += n
             request.num_computed_tokens = computed
             request.num_in_flight_tokens += n
-            request.is_prefill_chunk = computed < len(all_ids) + request.num_output_placeholders
+            request.is_prefill_chunk = computed < num_known
 
         # 2. Waiting requests (not if anything was preempted in this step).
         if not preempted:
@@ -572,6 +574,7 @@ class Scheduler:
         # built with another hasher take the generic method.
         hasher = self.block_hasher
         hash_block_size = self.kv_cache_manager.hash_block_size
+        running_status = _RUNNING
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             req = requests.get(rid)
             if req is None:
@@ -589,7 +592,7 @@ class Scheduler:
                 new_ids = ()
             if not new_ids:
                 continue
-            if req.status != _RUNNING:
+            if req.status != running_status:
                 continue  # preempted meanwhile; its work is recomputed
             drafts = spec_tokens.get(rid) if spec_tokens else None
             if drafts:
@@ -608,10 +611,12 @@ class Scheduler:
                     out_ids.append(tok)
                     all_ids = req._all_token_ids
                     all_ids.append(tok)
-                    if hasher is not None and len(all_ids) >= (len(req.block_hashes) + 1) * hash_block_size:
+                    num_all = len(all_ids)
+                    if (hasher is not None
+                            and num_all >= (len(req.block_hashes) + 1) * hash_block_size):
                         req.block_hashes.extend(hasher(req))
                     stop = req.stop
-                    if (len(out_ids) < stop.max_tokens and len(all_ids) < max_model_len
+                    if (len(out_ids) < stop.max_tokens and num_all < max_model_len
                             and (tok != req.eos_token_id or stop.ignore_eos)
                             and not (stop.stop_token_ids and tok in stop.stop_token_ids)):
                         # No length cap, no EOS, no stop token: check_stop would say no.

@@ -10,11 +10,14 @@ drawn prompt length and ``max_tokens`` afterwards (at least 1 each), so the rand
 with it the token ids, are W1's.
 
 Throughput counts the tokens actually generated (``len(outputs[0].token_ids)`` summed), over the
-wall time of one ``generate`` call, after a short warm-up run (kernel compilation, allocator).
+wall time of one ``generate`` call, after a short warm-up run (kernel compilation, allocator),
+with the objects built before the run frozen out of the cyclic garbage collector
+(``gc.freeze()``, as vLLM does after start-up).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import platform
 import random
@@ -118,10 +121,18 @@ def run_throughput(llm, workload: Workload, *, temperature: float = 0.0, warmup:
     before = dict(engine.kv_stats())
     sync = _device_sync(engine.runner.device)
     sync()
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
-    sync()
-    elapsed = time.perf_counter() - t0
+    # Everything built so far (block pool, weights' Python objects, graphs) leaves the cyclic
+    # GC's generations, as vLLM does after start-up: a full collection would otherwise walk
+    # the whole block pool (tens of ms) a few times during the run.
+    gc.collect()
+    gc.freeze()
+    try:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+        sync()
+        elapsed = time.perf_counter() - t0
+    finally:
+        gc.unfreeze()
     after = engine.kv_stats()
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
@@ -141,7 +152,8 @@ def run_throughput(llm, workload: Workload, *, temperature: float = 0.0, warmup:
         peak_kv_usage=after["peak_usage"],
         cuda_graph_steps=after["cuda_graph_steps"] - before["cuda_graph_steps"],
         engine={k: after[k] for k in ("num_blocks", "block_size", "token_capacity", "max_concurrency",
-                                      "sized_by", "cuda_graph_sizes") if k in after},
+                                      "sized_by", "cuda_graph_sizes", "async_scheduling",
+                                      "compiled_model") if k in after},
     )
 
 
@@ -192,6 +204,8 @@ def result_table(r: ThroughputResult, label: str = "pagedkv") -> str:
         ("output throughput", f"{r.output_tokens_per_s:,.1f} tok/s"),
         ("total throughput", f"{r.total_tokens_per_s:,.1f} tok/s"),
         ("steps", f"{r.steps:,} ({r.cuda_graph_steps:,} CUDA-graph replays)"),
+        ("async scheduling / compiled", f"{r.engine.get('async_scheduling')} / "
+                                        f"{r.engine.get('compiled_model')}"),
         ("preemptions", str(r.preemptions)),
         ("prefix-cache hit rate", f"{r.prefix_cache_hit_rate:.1%}"),
         ("peak KV usage", f"{r.peak_kv_usage:.1%}"),

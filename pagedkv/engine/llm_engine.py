@@ -4,6 +4,17 @@ The real-model sibling of ``IndexLayerDriver``: ``Scheduler.schedule()`` -> ``Mo
 execute_model()`` -> ``Scheduler.update_from_output()`` -> output processing (incremental
 detokenization, stop strings, logprobs, metrics).
 
+With ``async_scheduling`` (an ``AsyncScheduler``, see ``pagedkv.engine.async_scheduler``) a
+step schedules and enqueues step k, then collects step k-1 (which ran on the device meanwhile)
+and processes its outputs: the host's scheduling, input preparation and output processing
+overlap the device's forward pass; the tokens are the same. ``flush()`` collects the step still
+in flight.
+
+Detokenization of a request without stop strings is deferred until its text is read (a final
+output, or ``to_output`` while streaming): the tokens are then fed to the incremental
+detokenizer in one update (the same text as one update per step). Requests with stop strings are
+detokenized every step (the stop check needs the text).
+
 Requests are validated completely before anything reaches the scheduler (``InvalidRequestError``:
 empty prompt, prompt that leaves no room for an output token within ``max_model_len``, token ids
 outside the vocabulary, text without a tokenizer, stop strings without a tokenizer, stop token ids
@@ -468,6 +479,8 @@ class LLMEngine:
             "cuda_graph_steps": self.runner.num_graph_steps,
             "cuda_graph_sizes": [] if self.runner.cuda_graphs is None
             else list(self.runner.cuda_graphs.sizes),
+            "async_scheduling": self.async_scheduling,
+            "compiled_model": bool(getattr(self.model, "compiled", False)),
         }
         if self.sizing is not None:
             d.update(token_capacity=self.sizing.token_capacity,

@@ -23,7 +23,7 @@ from pagedkv.attention.kv_cache import allocate_kv_caches
 from pagedkv.attention.torch_ref import TorchRefBackend
 from pagedkv.errors import InvalidRequestError
 from pagedkv.models.config import ModelArchConfig
-from pagedkv.models.layers import GatedMLP, Linear, QKVProjection, RMSNorm
+from pagedkv.models.layers import GatedMLP, Linear, QKVProjection, RMSNorm, rms_norm, silu_and_mul
 from pagedkv.models.rotary import RotaryEmbedding, apply_rotary, tokens_seq_lens
 
 
@@ -63,6 +63,61 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(hidden.shape[0], self.num_heads * self.head_dim))
 
 
+def pre_attention(
+    hidden: torch.Tensor,
+    delta: torch.Tensor | None,
+    ln_weight: torch.Tensor,
+    eps: float,
+    qkv_weight: torch.Tensor,
+    qkv_bias: torch.Tensor | None,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    qk_eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer up to attention: ``hidden += delta`` (the previous layer's MLP output, when
+    given), input RMSNorm, fused QKV projection, per-head q/k RMSNorm (Qwen3), RoPE. Returns
+    ``(hidden, q, k, v)``. Plain tensor code: ``DecoderForCausalLM.compile_regions`` compiles it."""
+    if delta is not None:
+        hidden = hidden + delta
+    x = rms_norm(hidden, ln_weight, eps)
+    qkv = F.linear(x, qkv_weight, qkv_bias)
+    t = x.shape[0]
+    q_size = num_heads * head_dim
+    kv_size = num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.reshape(t, num_heads, head_dim)
+    k = k.reshape(t, num_kv_heads, head_dim)
+    v = v.reshape(t, num_kv_heads, head_dim)
+    if q_norm_weight is not None:
+        q, k = rms_norm(q, q_norm_weight, qk_eps), rms_norm(k, k_norm_weight, qk_eps)
+    return hidden, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+
+def post_attention(
+    hidden: torch.Tensor,
+    attn_out: torch.Tensor,
+    o_weight: torch.Tensor,
+    o_bias: torch.Tensor | None,
+    ln_weight: torch.Tensor,
+    eps: float,
+    gate_up_weight: torch.Tensor,
+    gate_up_bias: torch.Tensor | None,
+    down_weight: torch.Tensor,
+    down_bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer after attention: ``hidden += o_proj(attn_out)``, post-attention RMSNorm, the
+    gated MLP. Returns ``(hidden, mlp_out)``; the residual add of ``mlp_out`` is done by the next
+    layer's :func:`pre_attention` (or the final norm), so it fuses with that norm."""
+    hidden = hidden + F.linear(attn_out.reshape(hidden.shape[0], -1), o_weight, o_bias)
+    x = rms_norm(hidden, ln_weight, eps)
+    return hidden, F.linear(silu_and_mul(F.linear(x, gate_up_weight, gate_up_bias)), down_weight, down_bias)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelArchConfig, layer_idx: int, *, dtype=None, device=None):
         super().__init__()
@@ -72,8 +127,29 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype, device=device)
 
     def forward(self, hidden, cos, sin, kv_cache, metadata, backend) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, metadata, backend)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden, delta = self.forward_split(hidden, None, cos, sin, kv_cache, metadata, backend)
+        return hidden + delta
+
+    def forward_split(self, hidden, delta, cos, sin, kv_cache, metadata, backend,
+                      pre=pre_attention, post=post_attention) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(hidden, mlp_out)`` of this layer for ``hidden + delta`` (see
+        :func:`pre_attention` / :func:`post_attention`, or compiled versions of them)."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv = attn.qkv_proj
+        qn = attn.q_norm
+        hidden, q, k, v = pre(
+            hidden, delta, self.input_layernorm.weight, self.input_layernorm.eps,
+            qkv.weight, qkv.bias,
+            None if qn is None else qn.weight, None if qn is None else attn.k_norm.weight,
+            0.0 if qn is None else qn.eps,
+            cos, sin, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+        )
+        out = backend.forward(attn.layer_idx, q, k, v, kv_cache, metadata, attn.scale)
+        return post(
+            hidden, out, attn.o_proj.weight, attn.o_proj.bias,
+            self.post_attention_layernorm.weight, self.post_attention_layernorm.eps,
+            mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias,
+        )
 
 
 class DecoderForCausalLM(nn.Module):
@@ -141,12 +217,101 @@ class DecoderForCausalLM(nn.Module):
                 f"expected one KV cache per layer ({len(self.layers)}), got {len(kv_caches)}"
             )
         seq_lens = tokens_seq_lens(attn_metadata, input_ids.shape[0]) if self.rotary.is_dynamic else None
-        cos, sin = self.rotary(positions, seq_lens)
+        cos, sin = self._rope(positions, seq_lens)
         hidden = F.embedding(input_ids, self.embed_tokens)
         backend = self.attn_backend
+        pre, post = self._regions
+        delta = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, kv_cache, attn_metadata, backend)
+            hidden, delta = layer.forward_split(hidden, delta, cos, sin, kv_cache, attn_metadata,
+                                                backend, pre, post)
+        if delta is not None:
+            hidden = hidden + delta
         return self.norm(hidden)
+
+    # ---- torch.compile
+    @property
+    def _regions(self):
+        return self.__dict__.get("_compiled_regions") or (pre_attention, post_attention)
+
+    @property
+    def compiled(self) -> bool:
+        return self.__dict__.get("_compiled_regions") is not None
+
+    def compile_regions(self, *, check: bool = True, allow_cpu: bool = False, **compile_kwargs) -> bool:
+        """``torch.compile`` the pointwise regions of every layer (:func:`pre_attention`: residual
+        add + RMSNorm + QKV + q/k norms + RoPE; :func:`post_attention`: o_proj + residual add +
+        RMSNorm + gated MLP) so their many small kernels fuse; attention stays outside. One
+        compiled function serves every layer (weights are arguments); the token dimension is
+        dynamic (one graph for T >= 2, one for T == 1, one more for layer 0, which has no residual
+        delta). Inductor keeps intermediate values in float32 where eager rounds each op to the
+        model dtype, so bf16 results differ slightly from eager (not bit-identical).
+
+        CUDA only (a CPU model is left eager and False returned, unless ``allow_cpu``: tests
+        run the compiled regions through inductor's CPU backend). With ``check`` the compiled
+        regions are run once against eager on random inputs of layer 0 (this compiles them);
+        on an exception or a mismatch a warning is logged, the model stays eager and False is
+        returned. Call before capturing CUDA graphs."""
+        if self.device.type != "cuda" and not allow_cpu:
+            return False
+        import logging
+
+        log = logging.getLogger(__name__)
+        # Every model compiled in this process adds its variants (layer 0 or not, T == 1 or
+        # not: 4 per dtype/shape) to the same code objects' caches.
+        cfg = torch._dynamo.config
+        for name in ("recompile_limit", "cache_size_limit"):
+            if getattr(cfg, name, 0) < 64:
+                try:
+                    setattr(cfg, name, 64)
+                except (AttributeError, TypeError):
+                    pass
+        try:
+            pre = _dynamic_tokens(torch.compile(pre_attention, **compile_kwargs), (0, 1, 9, 10))
+            post = _dynamic_tokens(torch.compile(post_attention, **compile_kwargs), (0, 1))
+            if check:
+                self._check_regions(pre, post)
+        except Exception as e:  # compilation problems must not take the engine down
+            log.warning("compile_regions: falling back to eager (%s: %s)", type(e).__name__, e)
+            self.__dict__.pop("_compiled_regions", None)
+            return False
+        self.__dict__["_compiled_regions"] = (pre, post)
+        return True
+
+    @torch.inference_mode()
+    def _check_regions(self, pre, post) -> None:
+        layer = self.layers[0]
+        attn = layer.self_attn
+        cfg = self.config
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        for t in (7, 1):
+            kw = dict(device=self.device, dtype=self.dtype)
+            h = torch.randn(t, cfg.hidden_size, generator=gen, **kw)
+            d = torch.randn(t, cfg.hidden_size, generator=gen, **kw)
+            a = torch.randn(t, attn.num_heads, attn.head_dim, generator=gen, **kw)
+            pos = torch.randint(0, 4096, (t,), generator=gen, device=self.device)
+            cos, sin = self._rope(pos, None)
+
+            class _Attn:  # returns a fixed attention output, checks what it is given
+                def forward(self, layer_idx, q, k, v, kv_cache, metadata, scale):
+                    self.qkv = (q, k, v)
+                    return a
+
+            for delta in (None, d):
+                ref_b, got_b = _Attn(), _Attn()
+                ref = layer.forward_split(h, delta, cos, sin, None, None, ref_b)
+                got = layer.forward_split(h, delta, cos, sin, None, None, got_b, pre, post)
+                for x, y in zip(ref + ref_b.qkv, got + got_b.qkv):
+                    _close(x, y)
+
+    def _rope(self, positions: torch.Tensor, seq_lens: torch.Tensor | None):
+        """cos/sin of ``positions`` in the model dtype: ``apply_rotary`` casts them to q/k's
+        dtype (the model's) in every call, so casting once per step gives the same values with
+        4 kernels per layer fewer."""
+        cos, sin = self.rotary(positions, seq_lens)
+        if cos.dtype != self.dtype:
+            cos, sin = cos.to(self.dtype), sin.to(self.dtype)
+        return cos, sin
 
     def compute_logits(self, hidden: torch.Tensor, indices: torch.Tensor | Sequence[int] | None = None,
                        *, widen: bool = True) -> torch.Tensor:
@@ -226,4 +391,31 @@ class DecoderForCausalLM(nn.Module):
         return self
 
 
-__all__ = ["Attention", "DecoderForCausalLM", "DecoderLayer"]
+def _close(ref: torch.Tensor, got: torch.Tensor) -> None:
+    """Compiled vs eager region outputs: relative (Frobenius) error within a few model-dtype
+    roundings."""
+    tol = 5e-2 if ref.dtype in (torch.bfloat16, torch.float16) else 1e-3
+    r, g = ref.float(), got.float()
+    err = float((r - g).norm() / r.norm().clamp_min(1e-6))
+    if not (err <= tol) or ref.shape != got.shape:
+        raise ValueError(f"compiled region differs from eager: relative error {err:.3g} "
+                         f"(tolerance {tol}), shapes {tuple(ref.shape)} / {tuple(got.shape)}")
+
+
+def _dynamic_tokens(fn, token_args: tuple[int, ...]):
+    """``fn`` with dimension 0 (tokens) of the positional arguments ``token_args`` marked
+    dynamic on every call, so one compiled graph serves every token count."""
+    mark = torch._dynamo.maybe_mark_dynamic
+
+    def call(*args):
+        for i in token_args:
+            a = args[i]
+            if a is not None:
+                mark(a, 0)
+        return fn(*args)
+
+    call.__wrapped__ = fn
+    return call
+
+
+__all__ = ["Attention", "DecoderForCausalLM", "DecoderLayer", "post_attention", "pre_attention"]

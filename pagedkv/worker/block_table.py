@@ -46,6 +46,8 @@ import torch
 
 from pagedkv.core.spec import SlotMappingMode
 from pagedkv.errors import BlockTableError, ConfigError
+from pagedkv.kernels import slot_mapping as _slot_mapping_module
+from pagedkv.kernels._common import use_triton
 from pagedkv.kernels.slot_mapping import compute_slot_mappings as _slot_mapping_kernel
 from pagedkv.worker.buffers import CpuGpuBuffer
 
@@ -53,6 +55,7 @@ NULL_BLOCK_ID = 0  # block-table padding and skipped blocks (read-only null bloc
 PAD_SLOT_ID = -1  # slot-mapping padding: KV writers skip it
 
 _INT32_MAX = np.iinfo(np.int32).max
+_INT_TYPE_ONLY = {int}
 
 
 def get_block_table_width(
@@ -182,6 +185,16 @@ class MultiGroupBlockTable:
         self.group_block_size = as_dev(block_sizes)
         self.group_mode = as_dev([1 if m == SlotMappingMode.TOKEN_TO_KV_SLOT else 0 for m in modes])
         self._groups = tuple(BlockTable._view_of(self, g, n) for g, n in enumerate(max_num_blocks))
+        # CPU device: numpy views of the device-side tensors, for the host fast paths of
+        # commit_block_table and compute_slot_mappings (see _slot_mappings_host).
+        self._row_arange = np.arange(max_num_reqs, dtype=np.int64)
+        self._device_table_np: np.ndarray | None = None
+        self._slot_mappings_np: np.ndarray | None = None
+        if self.device.type == "cpu":
+            self._device_table_np = self.block_table.gpu.numpy()
+            # Not when the Triton interpreter runs the kernel on CPU tensors (kernel tests).
+            if not use_triton(_slot_mapping_module._slot_mappings_kernel, self.slot_mappings):
+                self._slot_mappings_np = self.slot_mappings.numpy()
 
     # ------------------------------------------------------------------ access
     @property
@@ -237,6 +250,8 @@ class MultiGroupBlockTable:
 
     def append_row(self, block_ids: Sequence[Sequence[int]], row: int) -> None:
         """Append each group's ids after that group's current blocks of ``row``."""
+        if self._write_row_fast(block_ids, row, append=True):
+            return
         self._check_row(row)
         arrays = self._check_groups(block_ids)
         groups = range(self.num_groups)
@@ -244,8 +259,52 @@ class MultiGroupBlockTable:
         self._check_fit(arrays, starts, row, groups)
         self._write(arrays, starts, row, groups)
 
+    def _write_row_fast(self, block_ids: Sequence[Sequence[int]], row: int, append: bool) -> bool:
+        """``append_row`` (``append``) or ``add_row`` for the worker's per-step case (the
+        scheduler's lists of plain Python ints): the same checks and writes without numpy
+        conversions. Returns False, having written nothing, when anything is unusual (wrong
+        row or group count, a non-list or non-int, an id out of range, a write past the
+        width); the general path then raises exactly as before."""
+        if type(row) is not int or not 0 <= row < self.max_num_reqs:
+            return False
+        if len(block_ids) != self.num_groups:
+            return False
+        counts = self.num_blocks_per_row
+        widths = self.widths
+        starts = []
+        for g, ids in enumerate(block_ids):
+            if type(ids) is not list:
+                return False
+            if len(ids) == 1:
+                b = ids[0]
+                if type(b) is not int or not 0 <= b <= _INT32_MAX:
+                    return False
+            elif ids and (
+                set(map(type, ids)) != _INT_TYPE_ONLY or min(ids) < 0 or max(ids) > _INT32_MAX
+            ):
+                return False
+            n = int(counts[g, row]) if append else 0
+            if n + len(ids) > widths[g]:
+                return False
+            starts.append(n)
+        self.block_table.wait_for_copy()
+        table = self.block_table.np
+        col_starts = self.col_starts
+        for g, ids in enumerate(block_ids):
+            n = starts[g]
+            k = len(ids)
+            if k == 1:
+                table[row, col_starts[g] + n] = ids[0]  # a decoding request's new block
+            elif k:
+                s = col_starts[g] + n
+                table[row, s : s + k] = ids
+            counts[g, row] = n + k
+        return True
+
     def add_row(self, block_ids: Sequence[Sequence[int]], row: int) -> None:
         """Overwrite ``row`` from column 0 (count reset to 0, then append)."""
+        if self._write_row_fast(block_ids, row, append=False):
+            return
         self._check_row(row)
         arrays = self._check_groups(block_ids)
         groups = range(self.num_groups)
@@ -254,9 +313,15 @@ class MultiGroupBlockTable:
         self._write(arrays, starts, row, groups)
 
     def clear_row(self, row: int) -> None:
+        """Each group's ``BlockTable.clear_row(row)``: zero its blocks, count := 0."""
         self._check_row(row)
-        for t in self._groups:
-            t.clear_row(row)
+        counts = self.num_blocks_per_row
+        for g, start in enumerate(self.col_starts):
+            n = int(counts[g, row])
+            if n:
+                self.block_table.wait_for_copy()
+                self.block_table.np[row, start : start + n] = 0
+            counts[g, row] = 0
 
     def move_row(self, src: int, tgt: int) -> None:
         self._check_row(src)
@@ -279,6 +344,10 @@ class MultiGroupBlockTable:
         """ONE non-blocking host -> device copy of rows ``[:num_reqs]`` of every group."""
         if not 0 <= num_reqs <= self.max_num_reqs:
             raise BlockTableError(f"commit_block_table({num_reqs}) outside [0, {self.max_num_reqs}]")
+        if self._device_table_np is not None:
+            # CPU device: the same copy through numpy views (no torch per-call overhead).
+            self._device_table_np[:num_reqs] = self.block_table.np[:num_reqs]
+            return
         self.block_table.copy_to_gpu(num_reqs)
 
     def fill_padding_rows(self, num_reqs: int, num_reqs_padded: int) -> None:
@@ -308,6 +377,10 @@ class MultiGroupBlockTable:
         ``SlotMappingMode.NONE`` and non-local CP tokens get ``PAD_SLOT_ID``.
         """
         self._check_step(num_reqs, num_tokens, query_start_loc, positions)
+        if self._slot_mappings_np is not None and _slot_mappings_host(
+            self, num_reqs, num_tokens, query_start_loc, positions
+        ):
+            return self.slot_mappings
         _slot_mapping_kernel(
             self.block_table.gpu,
             self.group_col_start,
@@ -324,6 +397,36 @@ class MultiGroupBlockTable:
             self.cp_interleave,
             max_query_len=max_query_len,
         )
+        return self.slot_mappings
+
+    @property
+    def computes_slot_mappings_on_host(self) -> bool:
+        """True on a CPU device, where slot mappings are computed in numpy on the host."""
+        return self._slot_mappings_np is not None
+
+    def compute_slot_mappings_host(
+        self, token_rows: np.ndarray, positions: np.ndarray
+    ) -> torch.Tensor:
+        """CPU device only: ``compute_slot_mappings`` for the step whose token ``t`` (of
+        ``T = len(positions)``) belongs to row ``token_rows[t]`` at ``positions[t]``, i.e. the
+        call with ``query_start_loc`` = the rows' cumulative token counts from 0 and
+        ``num_tokens = T`` (what :meth:`InputPreparer.prepare` issues), from the host arrays
+        the caller already has: int64 ``token_rows`` (non-decreasing, each in
+        ``[0, num_reqs)``) and ``positions``. Same values in the same buffer (entries
+        ``[T:]`` are ``PAD_SLOT_ID``).
+        """
+        if self._slot_mappings_np is None:
+            raise BlockTableError(
+                "compute_slot_mappings_host needs a CPU device (see computes_slot_mappings_on_host)"
+            )
+        num_tokens = positions.shape[0]
+        if token_rows.shape[0] != num_tokens or not 0 <= num_tokens <= self.max_num_batched_tokens:
+            raise BlockTableError(
+                f"compute_slot_mappings_host: {token_rows.shape[0]} token rows, {num_tokens} "
+                f"positions (at most {self.max_num_batched_tokens})"
+            )
+        pos = positions.astype(np.int64, copy=False)
+        _write_slot_mappings(self, token_rows, pos, 0, num_tokens)
         return self.slot_mappings
 
     def _check_step(self, num_reqs, num_tokens, query_start_loc, positions) -> None:
@@ -345,6 +448,115 @@ class MultiGroupBlockTable:
         self.block_table.cpu.zero_()
         self.block_table.gpu.zero_()
         self.num_blocks_per_row[:] = 0
+
+
+_HOST_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _slot_mappings_host(
+    bt: MultiGroupBlockTable,
+    num_reqs: int,
+    num_tokens: int,
+    query_start_loc: torch.Tensor,
+    positions: torch.Tensor,
+) -> bool:
+    """``compute_slot_mappings`` on a CPU device in numpy, for the per-step input preparation.
+
+    The kernel module's CPU path is its torch reference (a dozen torch ops per group, most of
+    the CPU input-preparation time); this computes the same values the same way (same bounds
+    rules: a position outside ``[0, 2**31)``, a column past the group's width or the table, or
+    a token on another CP rank gives -1; ``[min(query_start_loc[num_reqs], num_tokens):]`` is
+    -1; entries before ``query_start_loc[0]`` are left as they are).
+
+    Returns False, having written nothing, for arguments it does not handle (non-int counts,
+    other dtypes/devices/layouts, a negative or decreasing ``query_start_loc``): the caller
+    then runs the kernel module, which validates them.
+    """
+    if not (
+        type(num_reqs) is int
+        and type(num_tokens) is int
+        and query_start_loc.dtype in _HOST_INDEX_DTYPES
+        and positions.dtype in _HOST_INDEX_DTYPES
+        and query_start_loc.dim() == 1
+        and positions.dim() == 1
+        and query_start_loc.device.type == "cpu"
+        and positions.device.type == "cpu"
+        and query_start_loc.is_contiguous()
+        and positions.is_contiguous()
+    ):
+        return False
+    qsl = query_start_loc.numpy()[: num_reqs + 1]
+    first = int(qsl[0])
+    end = int(qsl[num_reqs])
+    last = end if end < num_tokens else num_tokens  # the padding starts here
+    counts = qsl[1:] - qsl[:-1]
+    if num_reqs:
+        min_count = int(counts.min())
+        if min_count < 0:
+            return False
+    if first < 0 or last < 0:
+        return False
+    if num_reqs == 0 or last <= first:
+        bt._slot_mappings_np[:, last:] = PAD_SLOT_ID
+        return True
+    # Row owning each token (query_start_loc is non-decreasing): token t in
+    # [qsl[r], qsl[r + 1]) belongs to row r. One token per row (decode): token i is row i.
+    if end - first == num_reqs and min_count == 1:
+        rows = bt._row_arange[: last - first]
+    else:
+        rows = np.repeat(bt._row_arange[:num_reqs], counts)[: last - first]
+    pos = positions.numpy()[first:last].astype(np.int64, copy=False)
+    _write_slot_mappings(bt, rows, pos, first, last)
+    return True
+
+
+def _write_slot_mappings(
+    bt: MultiGroupBlockTable, rows: np.ndarray, pos: np.ndarray, first: int, last: int
+) -> None:
+    """Slots of tokens ``[first, last)`` (row ``rows[i]``, int64 position ``pos[i]`` for
+    token ``first + i``) for every group; ``[last:]`` := ``PAD_SLOT_ID``; ``[:first]``
+    untouched. The rules of the kernel module's torch reference, in numpy."""
+    out = bt._slot_mappings_np
+    out[:, last:] = PAD_SLOT_ID
+    if last <= first:
+        return
+    table = bt._device_table_np
+    num_table_rows, table_width = table.shape
+    cp, rank, inter = bt.cp_world_size, bt.cp_rank, bt.cp_interleave
+    for g, mode in enumerate(bt.slot_mapping_modes):
+        dst = out[g, first:last]
+        if mode != SlotMappingMode.TOKEN_TO_KV_SLOT:
+            dst[:] = PAD_SLOT_ID
+            continue
+        bsz, width, col_start = bt.block_sizes[g], bt.widths[g], bt.col_starts[g]
+        if cp == 1 and col_start + width <= table_width and width * bsz <= _INT32_MAX + 1:
+            # Common case: every token's block column lies in [0, width) (so its position in
+            # [0, width * B), within [0, 2**31)) and in the table: no -1. The unsigned view
+            # checks 0 <= column < width in one pass; a power-of-two B uses shift and mask
+            # (the same floor division and remainder for every int64).
+            if bsz & (bsz - 1) == 0:
+                vblk = pos >> (bsz.bit_length() - 1)
+                off = pos & (bsz - 1)
+            else:
+                vblk, off = np.divmod(pos, bsz)
+            if int(vblk.view(np.uint64).max()) < width:
+                np.multiply(table[rows, vblk + col_start if col_start else vblk], bsz, out=dst,
+                            dtype=np.int64)
+                dst += off
+                continue
+        in_range = (pos >= 0) & (pos <= _INT32_MAX)
+        safe = np.where(in_range, pos, 0)
+        vbs = bsz * cp
+        vblk, voff = safe // vbs, safe % vbs
+        local = ((voff // inter) % cp) == rank
+        local_off = (voff // (cp * inter)) * inter + voff % inter
+        col = col_start + vblk
+        ok = local & in_range & (vblk < width) & (col >= 0) & (col < table_width)
+        if num_table_rows == 0 or table_width == 0:
+            blk = np.zeros(ok.shape, dtype=np.int64)
+        else:
+            blk = table[np.where(ok, rows, 0), np.where(ok, col, 0)].astype(np.int64)
+        dst[:] = np.where(ok, blk * bsz + local_off, PAD_SLOT_ID)
 
 
 class BlockTable:

@@ -9,7 +9,10 @@ id 0. Nothing is rebuilt at replay: the graph reads the runner's persistent devi
 (the preparer's ``query_start_loc``/``seq_lens``/``positions``/``input_ids``, the block
 table's device mirror and slot-mapping rows, the KV caches) at the addresses they had during
 capture, and ``prepare`` has just rewritten their contents. The output (hidden states
-``[B, hidden]``) is the graph's static tensor; rows ``>= n`` are padding and never read.
+``[B, hidden]``) is the graph's static tensor; rows ``>= n`` are padding and never read. With
+async scheduling the decode rows' input ids are written into the same persistent input-id
+buffer on the device (the previous step's sampled ids) after ``prepare`` and before the replay.
+The logits (hidden rows ``[:n]`` as they are) and the greedy argmax run eagerly after it.
 
 Host values baked into the captured kernels: ``num_reqs = num_actual_tokens = B``,
 ``max_query_len = 1`` and ``max_seq_len = max_model_len`` (as ``prepare(...,

@@ -234,11 +234,10 @@ class InputBatch:
     # ------------------------------------------------------------- reordering
     def scheduled_tokens_per_row(self, num_scheduled_tokens: Mapping[str, int]) -> np.ndarray:
         """``int32 [num_reqs]``: tokens scheduled for each row (one dict lookup per request)."""
+        n = self.num_reqs
         try:
             return np.fromiter(
-                (num_scheduled_tokens[r] for r in self._req_ids[: self.num_reqs]),
-                dtype=np.int32,
-                count=self.num_reqs,
+                map(num_scheduled_tokens.__getitem__, self._req_ids[:n]), dtype=np.int32, count=n
             )
         except KeyError as e:
             raise UnknownRequestError(

@@ -101,6 +101,7 @@ class InputPreparer:
             self.is_prefilling,
             self.dcp_local_seq_lens,
         )
+        self._num_computed_np = self.num_computed.numpy()
 
     @classmethod
     def for_batch(cls, batch: InputBatch) -> "InputPreparer":
@@ -140,35 +141,43 @@ class InputPreparer:
         num_tokens = int(nsched.sum())
         n_reqs_pad = num_reqs if num_reqs_padded is None else num_reqs_padded
         n_tok_pad = num_tokens if num_tokens_padded is None else num_tokens_padded
-        self._validate(batch, nsched, computed, num_tokens, n_reqs_pad, n_tok_pad)
+        seq_lens = computed + nsched
+        self._validate(batch, nsched, computed, seq_lens, num_tokens, n_reqs_pad, n_tok_pad)
 
         for b in self._staging:
             b.wait_for_copy()
 
         # 2. Host-side index math.
-        cu = np.cumsum(nsched, dtype=np.int64)
         qsl = self.query_start_loc.np
-        qsl[0] = 0
-        qsl[1 : num_reqs + 1] = cu
-        qsl[num_reqs + 1 :] = num_tokens  # padded requests: 0 tokens
-        rows = self._arange[:num_reqs]
-        req_indices = np.repeat(rows, nsched)
-        starts = cu - nsched
-        within = self._arange[:num_tokens] - np.repeat(starts, nsched)
         pos = self.positions.np
-        np.add(computed[req_indices], within, out=pos[:num_tokens])
-        pos[num_tokens:n_tok_pad] = 0
+        logits = self.logits_indices.np
+        if num_tokens == num_reqs:
+            # Pure decode: every row has exactly one token (each has >= 1, validated above),
+            # so token i belongs to row i at position num_computed[i].
+            qsl[: num_reqs + 1] = self._arange[: num_reqs + 1]
+            req_indices = self._arange[:num_reqs].copy()
+            pos[:num_tokens] = computed
+            logits[:num_reqs] = self._arange[:num_reqs]
+        else:
+            qsl[0] = 0
+            np.cumsum(nsched, out=qsl[1 : num_reqs + 1])
+            req_indices = np.repeat(self._arange[:num_reqs], nsched)
+            # positions = num_computed[row] + (token index - first token of the row)
+            np.add(np.repeat(computed - qsl[:num_reqs], nsched), self._arange[:num_tokens],
+                   out=pos[:num_tokens])
+            np.subtract(qsl[1 : num_reqs + 1], 1, out=logits[:num_reqs])
+        qsl[num_reqs + 1 :] = num_tokens  # padded requests: 0 tokens
         ids = self.input_ids.np
-        flat = req_indices * batch.max_model_len + pos[:num_tokens]
-        np.take(batch.token_ids_cpu.ravel(), flat, out=ids[:num_tokens])
-        ids[num_tokens:n_tok_pad] = 0
+        ids[:num_tokens] = batch.token_ids_cpu[req_indices, pos[:num_tokens]]
+        if n_tok_pad > num_tokens:
+            pos[num_tokens:n_tok_pad] = 0
+            ids[num_tokens:n_tok_pad] = 0
         seq = self.seq_lens.np
-        np.add(computed, nsched, out=seq[:num_reqs])
+        seq[:num_reqs] = seq_lens
         seq[num_reqs:] = 0
-        ncomp = self.num_computed.numpy()
+        ncomp = self._num_computed_np
         ncomp[:num_reqs] = computed
         ncomp[num_reqs:] = 0
-        self.logits_indices.np[:num_reqs] = cu - 1
         pre = self.is_prefilling.np
         np.less(computed, batch.num_prompt_tokens[:num_reqs], out=pre[:num_reqs])
         pre[num_reqs:] = False
@@ -192,16 +201,24 @@ class InputPreparer:
         bt.fill_padding_rows(num_reqs, n_reqs_pad)
 
         # 5. All groups' slot mappings, one launch; [num_tokens:] -> -1.
-        max_query_len = int(nsched.max()) if num_reqs else 0
-        slots = bt.compute_slot_mappings(
-            num_reqs, num_tokens, self.query_start_loc.gpu, self.positions.gpu,
-            max_query_len=max_query_len or None,
-        )
+        if num_tokens == num_reqs:
+            max_query_len = 1 if num_reqs else 0
+        else:
+            max_query_len = int(nsched.max())
+        if bt.computes_slot_mappings_on_host:
+            # CPU device: the same mapping in numpy from the host arrays built above (token
+            # rows and positions), without re-deriving them from the device copies.
+            slots = bt.compute_slot_mappings_host(req_indices, pos[:num_tokens])
+        else:
+            slots = bt.compute_slot_mappings(
+                num_reqs, num_tokens, self.query_start_loc.gpu, self.positions.gpu,
+                max_query_len=max_query_len or None,
+            )
 
         if for_cudagraph_capture:
             max_seq_len = batch.max_model_len
         else:
-            max_seq_len = int(seq[:num_reqs].max()) if num_reqs else 0
+            max_seq_len = int(seq_lens.max()) if num_reqs else 0
         return StepInputs(
             num_reqs=num_reqs,
             num_reqs_padded=n_reqs_pad,
@@ -225,7 +242,7 @@ class InputPreparer:
             dcp_local_seq_lens_cpu=self.dcp_local_seq_lens.cpu[:n_reqs_pad] if cp > 1 else None,
         )
 
-    def _validate(self, batch, nsched, computed, num_tokens, n_reqs_pad, n_tok_pad) -> None:
+    def _validate(self, batch, nsched, computed, seq_lens, num_tokens, n_reqs_pad, n_tok_pad) -> None:
         num_reqs = nsched.shape[0]
         if num_reqs and nsched.min() < 1:
             row = int(np.argmin(nsched))
@@ -238,7 +255,7 @@ class InputPreparer:
                 f"{num_tokens} scheduled tokens exceed max_num_batched_tokens "
                 f"{self.max_num_batched_tokens}"
             )
-        over = computed + nsched > batch.num_tokens[:num_reqs]
+        over = seq_lens > batch.num_tokens[:num_reqs]
         if over.any():
             row = int(np.flatnonzero(over)[0])
             raise InvalidRequestError(

@@ -13,14 +13,28 @@
 3. attention metadata (:class:`CommonAttentionMetadata`: the group's device block table and
    slot-mapping row), the forward pass (or the graph replay);
 4. logits only for rows that complete their known tokens this step: a partial-prefill chunk
-   samples nothing and reports ``[]``;
-5. sampling with each request's :class:`~pagedkv.sampling.params.SamplingParams` (the sampling
-   metadata is rebuilt only when the set of sampled rows changes; seeded requests keep their own
-   generator in their :class:`CachedRequestState` for their whole life, preemptions included);
-6. ``record_sampled_tokens`` and a :class:`RunnerOutput` (``ModelRunnerOutput`` plus the
-   requested logprobs).
+   samples nothing and reports ``[]``; a pure-decode step projects the hidden rows as they are
+   (no gather);
+5. sampling: when every request of the batch is greedy without logprobs (cached per batch
+   composition), one argmax over the model-dtype logits (no float32 copy, no metadata);
+   otherwise the :class:`~pagedkv.sampling.sampler.Sampler` with each request's
+   :class:`~pagedkv.sampling.params.SamplingParams` (the sampling metadata is rebuilt only when
+   the set of sampled rows changes; seeded requests keep their own generator in their
+   :class:`CachedRequestState` for their whole life, preemptions included);
+6. the sampled ids go to one of two pinned host buffers (non-blocking copy + a CUDA event);
+   ``get_output`` waits for that event (the step's one device -> host sync), writes the tokens
+   into the batch's token table (vectorised) and the request states, and returns a
+   :class:`RunnerOutput` (``ModelRunnerOutput`` plus the requested logprobs).
 
-The step has one device -> host sync: the sampled ids.
+``execute_model`` is ``execute_model_async`` (steps 1-6 up to the enqueued copy) followed by
+``get_output``. Async scheduling (``pagedkv.engine.async_scheduler``) calls them separately:
+step k is enqueued before step k-1's output is collected. Rows whose first token this step is
+the one step k-1 sampled (not on the host yet) then get a placeholder in the batch's token count
+(so input preparation accepts them) and, after input preparation, step k-1's sampled ids are
+copied into the persistent input-id buffer on the device (one device copy when the batch did not
+change, else an ``index_copy_``), before the forward pass or the graph replay reads it. When step
+k-1's output is collected, its tokens overwrite the placeholders. At most one step may be in
+flight when the next one is enqueued.
 
 The runner serves the decoder models of ``pagedkv.models``: every attention layer in one
 full-attention KV-cache group, one KV tensor per layer
@@ -290,7 +304,6 @@ class ModelRunner:
         return len(mgr.sizes)
 
     # ----- one step ------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         """One step, synchronously: :meth:`execute_model_async` then :meth:`get_output`."""
         return self.get_output(self.execute_model_async(scheduler_output))
@@ -358,7 +371,7 @@ class ModelRunner:
             positions = seq[rows].astype(np.int64)
             sampled_req_ids = [out_ids[r] for r in rows.tolist()]
             ends = np.cumsum(nsched, dtype=np.int64) - 1
-            logits_indices = torch.from_numpy(ends[rows]).to(self.device, non_blocking=True)
+            logits_indices = self._to_device(ends[rows])
 
         if self._plain_greedy():
             # Every row greedy and no logprobs: one argmax over the model-dtype logits (the
@@ -389,10 +402,11 @@ class ModelRunner:
         """Wait for ``handle``'s sampled tokens (the step's one device -> host sync), record
         them in the request states and the batch, and report them. Outputs are collected in
         the order the steps were enqueued."""
-        if self._unrecorded and self._unrecorded[0] is handle:
+        if handle.num_sampled:
+            if not self._unrecorded or self._unrecorded[0] is not handle:
+                raise InvariantError("async-order", "collect each step's output once, in the order "
+                                     "the steps were enqueued")
             self._unrecorded.pop(0)
-        elif handle.num_sampled and handle in self._unrecorded:
-            raise InvariantError("async-order", "collect step outputs in the order they were enqueued")
         n = handle.n
         if n == 0:
             return RunnerOutput([], {}, [])
@@ -485,10 +499,17 @@ class ModelRunner:
             ids_gpu[:n].copy_(prev.sampled)
             return
         starts = np.cumsum(nsched, dtype=np.int64) - nsched
-        dst = torch.from_numpy(starts[rows]).to(self.device, non_blocking=True)
-        src_t = torch.from_numpy(np.ascontiguousarray(src, dtype=np.int64)).to(
-            self.device, non_blocking=True)
+        dst = self._to_device(starts[rows])
+        src_t = self._to_device(src)
         ids_gpu.index_copy_(0, dst, prev.sampled.index_select(0, src_t).to(ids_gpu.dtype))
+
+    def _to_device(self, values: np.ndarray) -> torch.Tensor:
+        """A small int64 host array on the device without a sync (through pinned memory on
+        CUDA: torch's caching host allocator keeps the block until the copy has run)."""
+        t = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _compute_logits(self, hidden: torch.Tensor, indices, widen: bool) -> torch.Tensor:
         if not widen and self._logits_widen_kw:

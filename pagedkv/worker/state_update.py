@@ -28,9 +28,10 @@ All state is passed explicitly: ``requests`` is the runner's ``req_id -> state``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Mapping, Sequence
 
-from pagedkv.core.output import SchedulerOutput
+from pagedkv.core.output import CachedRequestData, SchedulerOutput
 from pagedkv.errors import InvalidRequestError, UnknownRequestError
 from pagedkv.worker.input_batch import CachedRequestState, InputBatch
 
@@ -73,13 +74,16 @@ def update_states(
         batch.remove_request(req_id)
         out.finished.append(req_id)
 
-    # 3. unscheduled and resumed requests leave the batch (state kept)
+    # 3. unscheduled and resumed requests leave the batch (state kept). Usually every row is
+    # scheduled and nothing resumes: one set comparison instead of a per-row loop.
     scheduled = sched.num_scheduled_tokens
     resumed = cached.resumed_req_ids
-    for req_id in list(batch.req_id_to_index):
-        if req_id not in scheduled or req_id in resumed:
-            batch.remove_request(req_id)
-            out.removed_unscheduled.append(req_id)
+    index = batch.req_id_to_index
+    if resumed or not index.keys() <= scheduled.keys():
+        for req_id in list(index):
+            if req_id not in scheduled or req_id in resumed:
+                batch.remove_request(req_id)
+                out.removed_unscheduled.append(req_id)
 
     # 4. new requests
     to_add: list[CachedRequestState] = []
@@ -97,6 +101,33 @@ def update_states(
         to_add.append(state)
 
     # 5. cached requests
+    if cached.req_ids:
+        if cached.new_token_ids or resumed or len(cached.num_output_tokens) != len(cached.req_ids):
+            _update_cached_requests(requests, batch, cached, to_add)
+        else:
+            _update_running_requests(requests, batch, cached, to_add)
+
+    # 6. (re-)add, new requests first
+    for state in to_add:
+        batch.add_request(state)
+        out.added.append(state.req_id)
+
+    # 7. condense, reorder, refresh
+    batch.condense()
+    if reorder_threshold is not None:
+        out.reordered = batch.reorder_batch_to_split_decodes_and_prefills(scheduled, reorder_threshold)
+    out.batch_changed = batch.refresh_metadata()
+    return out
+
+
+def _update_cached_requests(
+    requests: dict[str, CachedRequestState],
+    batch: InputBatch,
+    cached: CachedRequestData,
+    to_add: list[CachedRequestState],
+) -> None:
+    """Step 5, general form (pipelined tokens, resumed requests, partial lists)."""
+    resumed = cached.resumed_req_ids
     for i, req_id in enumerate(cached.req_ids):
         state = requests[req_id]
         num_computed = cached.num_computed_tokens[i]
@@ -136,17 +167,40 @@ def update_states(
         if new_ids is not None:
             batch.block_table.append_row(new_ids, row)
 
-    # 6. (re-)add, new requests first
-    for state in to_add:
-        batch.add_request(state)
-        out.added.append(state.req_id)
 
-    # 7. condense, reorder, refresh
-    batch.condense()
-    if reorder_threshold is not None:
-        out.reordered = batch.reorder_batch_to_split_decodes_and_prefills(scheduled, reorder_threshold)
-    out.batch_changed = batch.refresh_metadata()
-    return out
+def _update_running_requests(
+    requests: dict[str, CachedRequestState],
+    batch: InputBatch,
+    cached: CachedRequestData,
+    to_add: list[CachedRequestState],
+) -> None:
+    """Step 5 for the scheduler's usual lists (no pipelined tokens, nothing resumed, one
+    ``num_output_tokens`` entry per request): the same effects as
+    :func:`_update_cached_requests`, in one tight loop (every step of every request)."""
+    index_get = batch.req_id_to_index.get
+    num_computed_cpu = batch.num_computed_tokens_cpu
+    append_row = batch.block_table.append_row
+    block_ids = cached.new_block_ids or repeat(None)  # validated: one entry each, or none
+    for req_id, num_computed, new_ids, n_out in zip(
+        cached.req_ids, cached.num_computed_tokens, block_ids, cached.num_output_tokens
+    ):
+        state = requests[req_id]
+        row = index_get(req_id)
+        state.num_computed_tokens = num_computed
+        if n_out < len(state.output_token_ids):
+            # Outputs the scheduler discarded: align our copy.
+            del state.output_token_ids[n_out:]
+            if row is not None:
+                batch.truncate_tokens(row, state.num_tokens)
+        if new_ids is not None:
+            for ids, extra in zip(state.block_ids, new_ids):
+                ids.extend(extra)
+        if row is None:
+            to_add.append(state)
+            continue
+        num_computed_cpu[row] = num_computed
+        if new_ids is not None:
+            append_row(new_ids, row)
 
 
 def _validate(requests: dict[str, CachedRequestState], batch: InputBatch, sched: SchedulerOutput) -> None:
@@ -167,6 +221,26 @@ def _validate(requests: dict[str, CachedRequestState], batch: InputBatch, sched:
             f"CachedRequestData lists disagree: {n} req_ids, {len(cached.num_computed_tokens)} "
             f"num_computed_tokens, {len(cached.new_block_ids)} new_block_ids"
         )
+    # The per-id walks below run only when a set-level check (C loops) finds something to
+    # report or a resumed request to check, so errors name the same first offending id.
+    if (
+        cached.resumed_req_ids
+        or not requests.keys() >= cached_ids
+        or not cached_ids.isdisjoint(finished)
+    ):
+        _validate_cached_ids(requests, cached, finished)
+    new_ids = {r.req_id for r in sched.scheduled_new_reqs}
+    scheduled = sched.num_scheduled_tokens.keys()
+    # Scheduled = cached + new exactly (disjoint, checked above): nothing more to check.
+    if not (
+        len(scheduled) == len(cached_ids) + len(new_ids)
+        and scheduled >= cached_ids
+        and scheduled >= new_ids
+    ):
+        _validate_scheduled_ids(requests, sched, new_ids)
+
+
+def _validate_cached_ids(requests, cached, finished) -> None:
     for i, req_id in enumerate(cached.req_ids):
         if req_id not in requests or req_id in finished:
             raise UnknownRequestError(
@@ -178,7 +252,11 @@ def _validate(requests: dict[str, CachedRequestState], batch: InputBatch, sched:
             raise InvalidRequestError(
                 f"resumed request {req_id!r} must carry its full block table in new_block_ids"
             )
-    new_ids = {r.req_id for r in sched.scheduled_new_reqs}
+
+
+def _validate_scheduled_ids(requests, sched, new_ids) -> None:
+    finished = sched.finished_req_ids
+    cached = sched.scheduled_cached_reqs
     for req_id in sched.num_scheduled_tokens:
         if req_id not in new_ids and (req_id not in requests or req_id in finished):
             raise UnknownRequestError(f"scheduled request {req_id!r} is not known to the worker")

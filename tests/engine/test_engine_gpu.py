@@ -121,3 +121,57 @@ def test_qwen3_0_6b_shape_w1_variant():
     res = run_throughput(llm, w1_workload(32, scale=0.25))
     assert res.output_tokens == res.requested_output_tokens
     assert res.cuda_graph_steps > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_async_scheduling_with_graphs_matches_sync(tiny_dir, family):
+    """Async scheduling on the GPU (pinned double-buffered sampled ids, step k-1's tokens written
+    into the graph's input-id buffer on the device): the synchronous engine's tokens, with CUDA
+    graphs and with chunked prefill mixed in."""
+    path = tiny_dir(family)
+    prompts = TEXTS + TEXTS[:3]
+    lens = [16, 5, 16, 9, 12, 16, 3]
+    params = [_greedy(n) for n in lens]
+    sync = _gpu_llm(path, max_num_batched_tokens=64)
+    asyn = _gpu_llm(path, max_num_batched_tokens=64, async_scheduling=True)
+    a = sync.generate(prompts, params, use_tqdm=False)
+    b = asyn.generate(prompts, params, use_tqdm=False)
+    assert asyn.get_kv_stats()["cuda_graph_steps"] > 0 and asyn.get_kv_stats()["async_scheduling"]
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    seeded = [SamplingParams(temperature=0.8, seed=i, max_tokens=12, ignore_eos=True)
+              for i in range(len(prompts))]
+    assert [o.outputs[0].token_ids for o in sync.generate(prompts, seeded, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in asyn.generate(prompts, seeded, use_tqdm=False)]
+
+
+def test_compiled_model_regions(tiny_dir):
+    """compile_model=True: the regions compile and pass their eager check (fp32), CUDA graphs
+    capture the compiled kernels, and greedy tokens agree with the eager model (fp32: exactly
+    in practice; a near-tie may flip a late token, so a few mismatches are tolerated)."""
+    path = tiny_dir("qwen3")
+    prompts = TEXTS + TEXTS[:3]
+    comp = _gpu_llm(path, compile_model=True, async_scheduling=True)
+    assert comp.engine.model.compiled and comp.get_kv_stats()["compiled_model"]
+    eager = _gpu_llm(path)
+    a = comp.generate(prompts, _greedy(16), use_tqdm=False)
+    b = eager.generate(prompts, _greedy(16), use_tqdm=False)
+    assert comp.get_kv_stats()["cuda_graph_steps"] > 0
+    ta = [t for o in a for t in o.outputs[0].token_ids]
+    tb = [t for o in b for t in o.outputs[0].token_ids]
+    assert len(ta) == len(tb) and [o.outputs[0].token_ids[0] for o in a] == \
+        [o.outputs[0].token_ids[0] for o in b]
+    assert sum(x == y for x, y in zip(ta, tb)) >= 0.9 * len(ta)
+
+
+@pytest.mark.slow
+def test_qwen3_0_6b_shape_w1_variant_fast_path():
+    """The W1 configuration of bench/bench_w1.py (async scheduling + compiled regions, bf16,
+    CUDA graphs) on a small W1 variant: every requested token is produced."""
+    from pagedkv.engine.benchmark import run_throughput, w1_workload
+
+    llm = LLM.from_shape("qwen3-0.6b", device="cuda", max_model_len=4096, gpu_memory_utilization=0.5,
+                         async_scheduling=True, compile_model=True)
+    assert llm.engine.model.compiled and llm.engine.async_scheduling
+    res = run_throughput(llm, w1_workload(32, scale=0.25))
+    assert res.output_tokens == res.requested_output_tokens
+    assert res.cuda_graph_steps > 0

@@ -122,11 +122,14 @@ def test_no_prefix_caching_same_tokens(tiny_dir, hf_ref):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the Triton backend on CPU tensors needs the Triton interpreter")
-def test_triton_backend_through_the_engine(tiny_dir, hf_ref):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_triton_backend_through_the_engine(tiny_dir, hf_ref, async_scheduling):
     """The Triton attention backend (interpreted on CPU) in the engine: chunked prefill, prompt
-    chunks over cached context, decode rows in mixed batches."""
+    chunks over cached context, decode rows in mixed batches (with and without async
+    scheduling)."""
     path = tiny_dir("qwen3")
-    llm = make_llm(path, attention_backend="triton", max_num_batched_tokens=16, max_num_seqs=4)
+    llm = make_llm(path, attention_backend="triton", max_num_batched_tokens=16, max_num_seqs=4,
+                   async_scheduling=async_scheduling)
     assert llm.engine.model.attn_backend.name == "triton"
     outs = llm.generate(TEXTS, greedy(8), use_tqdm=False)
     check_against_hf(hf_ref(path), outs, 8)

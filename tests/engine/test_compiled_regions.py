@@ -1,0 +1,74 @@
+"""``DecoderForCausalLM.compile_regions`` (``compile_model=True``): the per-layer regions around
+attention traced by dynamo without graph breaks and compiled by inductor (here its CPU backend;
+on the GPU the same graphs become Triton kernels), one compiled function for every layer and every
+token count, eager results when it is off, and the engine's greedy tokens unchanged (fp32)."""
+
+import pytest
+import torch
+from engine_helpers import TEXTS, make_llm
+
+from pagedkv import SamplingParams
+from pagedkv.models import decoder as dec
+
+
+def test_eager_split_layer_is_the_plain_layer(tiny_dir):
+    """forward_split + the residual add moved into the next layer's region is bit-identical to
+    the layer's plain forward (same ops in the same order)."""
+    from pagedkv.models.loader import load_checkpoint
+
+    model = load_checkpoint(tiny_dir("qwen3"), dtype="float32").model
+    layer = model.layers[0]
+    attn = layer.self_attn
+    t = 5
+    h = torch.randn(t, model.config.hidden_size)
+    cos, sin = model.rotary(torch.arange(t), None)
+    a = torch.randn(t, attn.num_heads, attn.head_dim)
+
+    class Fixed:
+        def forward(self, layer_idx, q, k, v, kv_cache, metadata, scale):
+            return a
+
+    ref = h + attn.o_proj(a.reshape(t, -1))
+    ref = ref + layer.mlp(layer.post_attention_layernorm(ref))
+    assert torch.equal(layer(h, cos, sin, None, None, Fixed()), ref)
+    assert not model.compiled and model.compile_regions() is False  # CPU: stays eager
+
+
+def test_compiled_regions_in_the_engine_on_cpu(tiny_dir, hf_ref):
+    path = tiny_dir("qwen3")
+    llm = make_llm(path, async_scheduling=True)
+    model = llm.engine.model
+    torch._dynamo.reset()
+    assert model.compile_regions(allow_cpu=True, fullgraph=True)  # also checks against eager
+    assert model.compiled and model._regions[0] is not dec.pre_attention
+    outs = llm.generate(TEXTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)
+    ref = hf_ref(path)
+    got = [t for o in outs for t in o.outputs[0].token_ids]
+    want = [t for o in outs for t in ref.greedy(o.prompt_token_ids, 8)]
+    assert sum(x == y for x, y in zip(got, want)) >= 0.9 * len(want)
+    # one graph per (layer-0 variant without a residual delta, T == 1 or not): every layer and
+    # every token count reuse them
+    stats = torch._dynamo.utils.counters["stats"]
+    assert stats["unique_graphs"] <= 6
+
+
+@pytest.mark.parametrize("where", ["compile", "check"])
+def test_compile_failure_falls_back_to_eager(tiny_dir, caplog, monkeypatch, where):
+    path = tiny_dir("llama")
+    llm = make_llm(path)
+    model = llm.engine.model
+
+    def bad(*a, **k):
+        raise RuntimeError("no compiler here")
+
+    if where == "compile":
+        monkeypatch.setattr(torch, "compile", bad)
+    else:  # the compiled regions disagree with eager
+        monkeypatch.setattr(torch, "compile", lambda fn, **kw: (lambda *a: tuple(
+            x + 1 if isinstance(x, torch.Tensor) else x for x in fn(*a))))
+    assert model.compile_regions(allow_cpu=True) is False
+    assert not model.compiled and "falling back to eager" in caplog.text
+    out = llm.generate([TEXTS[1]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
