@@ -78,6 +78,7 @@ class LLM:
         tokenizer: bool | str = "auto",
         async_scheduling: bool = False,
         compile_model: bool = False,
+        warmup: bool | None = None,
         _engine: LLMEngine | None = None,
     ) -> None:
         if _engine is None:
@@ -96,7 +97,7 @@ class LLM:
                 num_gpu_blocks_override=num_gpu_blocks_override, enforce_eager=enforce_eager,
                 seed=seed, kv_cache_memory_bytes=kv_cache_memory_bytes,
                 cuda_graph_sizes=cuda_graph_sizes, async_scheduling=async_scheduling,
-                compile_model=compile_model,
+                compile_model=compile_model, warmup=warmup,
             )
         self.engine = _engine
         self.model_name = os.fspath(model)

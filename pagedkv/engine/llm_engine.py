@@ -53,7 +53,7 @@ from pagedkv.engine.memory import (
     size_kv_cache,
 )
 from pagedkv.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagedkv.errors import ConfigError, InvalidRequestError, UnknownRequestError
+from pagedkv.errors import ConfigError, InvalidRequestError, InvariantError, UnknownRequestError
 from pagedkv.sampling.detokenizer import IncrementalDetokenizer
 from pagedkv.sampling.params import SamplingParams
 from pagedkv.worker.model_runner import (
@@ -457,6 +457,67 @@ class LLMEngine:
         st.metrics.finished_time = now
         st.metrics.num_preemptions = st.request.num_preemptions
 
+    # ----- warm-up ---------------------------------------------------------------------------
+    def warm_up(self, seed: int = 0) -> int:
+        """Run throw-away requests through every kind of step a real run can take, so that the
+        kernels are compiled before the first user request: Triton and ``torch.compile`` compile
+        on first use, which otherwise stalls the first mixed step of a run (1.3 s on the H200,
+        measured in W1's second step).
+
+        Per round: a short request alone (a step of fresh prefills), its decodes (graph replays
+        when captured), then a long request (``max_num_batched_tokens`` + 32 tokens, capped by
+        ``max_model_len``) joins: mixed steps (the short one decodes while the long one's
+        prompt prefills, chunked over cached context when it exceeds the budget) and decodes of
+        both. Round 1 is greedy; in round 2 the short request samples (temperature, top-k,
+        top-p, min-p, a seed, logprobs), for the sampler.
+
+        Afterwards nothing of it is left: the requests are gone, their blocks free, the prefix
+        cache reset, and the engine's and runner's counters as before. Returns the number of
+        steps run. Must be called with no requests in the engine."""
+        if self._requests or self._inflight is not None or self.scheduler.has_requests():
+            raise InvariantError("warm-up", "warm_up needs an idle engine",
+                                 requests=len(self._requests))
+        import random
+
+        sched, runner = self.scheduler, self.runner
+        saved = (dataclasses.replace(self.stats), sched.num_preemptions, runner.num_steps,
+                 runner.num_graph_steps)
+        rng = random.Random(seed)
+        budget = sched.scheduler_config.max_num_batched_tokens
+        long_len = max(2, min(budget + 32, self.max_model_len - 4))
+        short_len = max(1, min(8, long_len // 2))
+        greedy = dict(temperature=0.0, ignore_eos=True)
+        sampled = dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, seed=seed, logprobs=2,
+                       ignore_eos=True)
+        long_steps = -(-long_len // max(1, budget - 1)) + 3  # its prefill chunks, then decodes
+        steps = 0
+
+        def prompt(n: int) -> list[int]:
+            return [rng.randrange(self.vocab_size) for _ in range(n)]
+
+        def step() -> None:
+            nonlocal steps
+            self.step(finished_only=True)
+            steps += 1
+
+        for r, short_kw in enumerate((greedy, sampled)):
+            short = self.add_request(prompt(short_len),
+                                     SamplingParams(max_tokens=long_steps + 3, **short_kw),
+                                     request_id=f"__warmup-{r}-short")
+            step()  # the short request's prefill
+            step()  # its first decode
+            long = self.add_request(prompt(long_len), SamplingParams(max_tokens=3, **greedy),
+                                    request_id=f"__warmup-{r}-long")
+            while self.has_unfinished_requests():
+                step()
+            self.flush()
+            self.release(short)
+            self.release(long)
+        self._pending = []
+        sched.reset_prefix_cache()
+        self.stats, sched.num_preemptions, runner.num_steps, runner.num_graph_steps = saved
+        return steps
+
     # ----- introspection -------------------------------------------------------------------
     def kv_stats(self) -> dict:
         """Pool and cache statistics (blocks, usage, prefix-cache hits, preemptions)."""
@@ -522,13 +583,16 @@ def build_engine(
     long_prefill_token_threshold: int = 0,
     async_scheduling: bool = False,
     compile_model: bool = False,
+    warmup: bool | None = None,
 ) -> LLMEngine:
     """Everything around a loaded ``model`` (its attention backend already installed).
 
     ``async_scheduling``: schedule step k+1 while step k runs on the device (see
     ``pagedkv.engine.async_scheduler``); same tokens, outputs one step later.
     ``compile_model``: ``torch.compile`` the model's norm/rotary/MLP regions (CUDA only; see
-    ``DecoderForCausalLM.compile_regions``), before the CUDA graphs are captured."""
+    ``DecoderForCausalLM.compile_regions``), before the CUDA graphs are captured.
+    ``warmup``: run :meth:`LLMEngine.warm_up` before returning (default: on a GPU), so no
+    kernel compiles during the first requests."""
     device = model.device
     cfg = model.config
     user_max_model_len = max_model_len
@@ -585,7 +649,12 @@ def build_engine(
     if compile_model and hasattr(model, "compile_regions"):
         model.compile_regions()
     runner.capture_cuda_graphs()
-    return LLMEngine(model, tokenizer, scheduler, runner, sizing, async_scheduling=async_scheduling)
+    engine = LLMEngine(model, tokenizer, scheduler, runner, sizing, async_scheduling=async_scheduling)
+    if warmup is None:
+        warmup = device.type == "cuda"
+    if warmup:
+        engine.warm_up(seed)
+    return engine
 
 
 __all__ = ["ATTENTION_BACKENDS", "EngineStats", "LLMEngine", "build_engine", "make_attention_backend",
