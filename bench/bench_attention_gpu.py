@@ -230,8 +230,8 @@ def sdpa_decode(batch: int, ctx: int, backend_name: str) -> dict:
 
 
 DECODE_SWEEP = [  # (num_stages - 3) K/V buffers deep, per the sm_90 TTGIR (Triton 3.6)
-    DecodeConfig(tile_n=32, num_warps=4, num_stages=7, programs_per_sm=4),
-    DecodeConfig(tile_n=64, num_warps=4, num_stages=5, programs_per_sm=3),
+    DecodeConfig(tile_n=32, num_warps=4, num_stages=7),
+    DecodeConfig(tile_n=64, num_warps=4, num_stages=5),
 ]
 EXTRA_DECODE_SHAPES = [(32, 8192), (128, 8192)]  # --sweep only: check the split heuristic
 

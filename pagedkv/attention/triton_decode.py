@@ -16,23 +16,24 @@ Kernel (``_decode_kernel``), grid ``(num_reqs, Hkv, num_splits)``:
     columns past the table width are masked and never read), then ``S = Q K^T`` and
     ``acc += P V`` with ``tl.dot``, online softmax in base 2, all accumulation in fp32.
   * Split-KV: the context's tiles are dealt into ``num_splits`` contiguous ranges. The split
-    count launched is a host int (``choose_num_splits``: from batch x KV heads vs the device's
-    multiprocessors); inside, a request uses only ``min(num_splits, ceil(tiles / MIN_SPLIT_TILES))``
-    of them, so short contexts in a split launch do not pay for splitting. A request that ends
-    up in one split writes its normalized output directly; otherwise each split stores its
-    partial ``(max, sum, acc)`` in fp32 and ``_decode_reduce_kernel`` (grid ``(num_reqs, H)``)
+    count launched and the fewest positions per range are host values (``choose_split``: from
+    batch x KV heads vs the device's multiprocessors, see ``DecodeConfig``); inside, a request
+    uses only ``min(num_splits, ceil(tiles / min_split_tiles))`` ranges, so short contexts in a
+    split launch do not pay for splitting. A request that ends up in one range writes its
+    normalized output directly; otherwise each range stores its partial ``(max, sum, acc)`` in
+    fp32 and ``_decode_reduce_kernel`` (grid ``(num_reqs, H)``, a loop over the ranges used)
     merges them.
 
 CUDA graphs: the grid depends on host ints only (``num_reqs``, heads, the split count); lengths
-are read on the device; ``num_reqs`` and the split count are runtime arguments, not specialized
-(one compiled variant for every split count > 1, one for no split); the partial buffers are sized by
+are read on the device; ``num_reqs``, the split count and the split minimum are runtime
+arguments, not specialized (one compiled variant of each kernel for every split choice: a
+batch-size change in a running server compiles nothing new); the partial buffers are sized by
 the launched split count (allocated per call from torch's caching allocator, which a graph
 capture turns into fixed graph-pool memory). No host syncs.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -56,36 +57,55 @@ MAX_SPLITS = 64
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Launch parameters of the decode kernel.
+    """Launch parameters of the decode kernel and its split-KV policy.
 
-    ``tile_n``: KV positions per loop iteration (power of two >= 16); ``min_split_tokens``:
-    fewest positions a split covers; ``waves``: the split count aims for ``waves * SMs``
-    programs in all (batch x KV heads x splits); ``max_splits`` caps it;
-    ``programs_per_sm``: programs resident per multiprocessor (the default, 32 x 4 warps x 5
-    stages on sm_90: 96 registers and 38 KB shared memory -> 5).
+    ``tile_n``: KV positions per loop iteration (power of two >= 16); ``num_warps`` /
+    ``num_stages``: as Triton's. Defaults from the H200 sweep (bench/bench_attention_gpu.py
+    --sweep, bf16, 16/8 heads, head_dim 128): tile 32 x 4 warps x 5 stages was best or within 3%
+    at every equal-length shape but B256/L8192 (tile 64 x 5 stages 3% faster there, 12% slower
+    at B64/L2048).
 
-    Defaults from the H200 sweep (bench/bench_attention_gpu.py --sweep, bf16, 16/8 heads,
-    head_dim 128): tile 32 x 4 warps x 5 stages was best or within 3% at every shape but
-    B256/L8192 (tile 64 x 5 stages 3% faster there, 12% slower at B64/L2048); splits of
-    32 positions took B1/L512 from 12.8 us (splits of 256) to 7.2 us.
+    Split policy (``choose_split``), by the number of programs ``P = num_reqs x KV heads``
+    against the device's ``S`` multiprocessors; a request is split into at most ``splits``
+    contiguous ranges of at least ``min_split_tokens`` positions (shorter requests use fewer
+    ranges, down to one: no partials, no reduce):
+
+    * ``P < 2 S`` (few requests): ``splits = ceil(small_waves x S / P)`` (capped by
+      ``max_splits``), ranges of at least ``small_min_split_tokens``;
+    * ``2 S <= P < 4 S``: ``mid_splits`` ranges of at least ``mid_min_split_tokens``;
+    * ``P >= 4 S``: ``large_splits`` ranges of at least ``large_min_split_tokens``.
+
+    Measured on the H200 on batches of mixed lengths U[100, 2048] (bench/bench_decode_mixed.py,
+    graph replays, cold L2): against the former policy (split counts for equal lengths, ranges
+    of >= 32 positions) 3-18% faster at every batch size from 8 to 256; the regimes' values
+    are the sweep's best or within 1% of it. ``min_split_tokens`` (when set) overrides every
+    regime's minimum (sweeps, tests).
     """
 
     tile_n: int = 32
     num_warps: int = 4
     num_stages: int = 5
-    min_split_tokens: int = 32
-    waves: float = 2.0
     max_splits: int = 32
-    programs_per_sm: int = 5
+    small_waves: float = 8.0
+    small_min_split_tokens: int = 32
+    mid_splits: int = 8
+    mid_min_split_tokens: int = 256
+    large_splits: int = 4
+    large_min_split_tokens: int = 512
+    min_split_tokens: int | None = None
 
     def __post_init__(self):
         if self.tile_n < 16 or self.tile_n & (self.tile_n - 1):
             raise ConfigError(f"DecodeConfig.tile_n must be a power of two >= 16, got {self.tile_n}")
-        if self.min_split_tokens < 1 or not 1 <= self.max_splits <= MAX_SPLITS:
-            raise ConfigError("DecodeConfig: need min_split_tokens >= 1 and "
-                              f"1 <= max_splits <= {MAX_SPLITS}")
-        if self.num_warps < 1 or self.num_stages < 1 or self.waves <= 0:
-            raise ConfigError("DecodeConfig: num_warps, num_stages and waves must be positive")
+        if not 1 <= self.max_splits <= MAX_SPLITS:
+            raise ConfigError(f"DecodeConfig: need 1 <= max_splits <= {MAX_SPLITS}")
+        mins = (self.small_min_split_tokens, self.mid_min_split_tokens, self.large_min_split_tokens)
+        if min(mins) < 1 or (self.min_split_tokens is not None and self.min_split_tokens < 1):
+            raise ConfigError("DecodeConfig: split minimums must be >= 1")
+        if min(self.mid_splits, self.large_splits) < 1 or self.small_waves <= 0:
+            raise ConfigError("DecodeConfig: split counts and small_waves must be positive")
+        if self.num_warps < 1 or self.num_stages < 1:
+            raise ConfigError("DecodeConfig: num_warps and num_stages must be positive")
 
 
 INTERPRET_DECODE_CONFIG = DecodeConfig(tile_n=16, num_warps=1, num_stages=1, min_split_tokens=16)
@@ -95,42 +115,37 @@ def default_decode_config(device: torch.device) -> DecodeConfig:
     return DecodeConfig() if device.type == "cuda" else INTERPRET_DECODE_CONFIG
 
 
+def choose_split(num_reqs: int, num_kv_heads: int, max_seq_len: int | None,
+                 sms: int, config: DecodeConfig) -> tuple[int, int]:
+    """``(split count, min positions per split)`` of a launch, from host ints only (see
+    :class:`DecodeConfig`); the split count is further capped so that ``max_seq_len`` (when
+    known) fills every split with the minimum, and lies in ``[1, config.max_splits]``."""
+    programs = max(1, num_reqs * num_kv_heads)
+    if programs < 2 * sms:
+        splits, min_tokens = cdiv(int(config.small_waves * sms), programs), config.small_min_split_tokens
+    elif programs < 4 * sms:
+        splits, min_tokens = config.mid_splits, config.mid_min_split_tokens
+    else:
+        splits, min_tokens = config.large_splits, config.large_min_split_tokens
+    if config.min_split_tokens is not None:
+        min_tokens = config.min_split_tokens
+    if max_seq_len is not None:
+        splits = min(splits, cdiv(max(int(max_seq_len), 1), min_tokens))
+    return max(1, min(config.max_splits, splits)), min_tokens
+
+
 def choose_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int | None,
                       sms: int, config: DecodeConfig) -> int:
-    """Split count for a launch, from host ints only: enough programs for ``config.waves``
-    waves over ``sms`` multiprocessors, no more splits than ``max_seq_len`` (when known) fills
-    with ``min_split_tokens`` each, between 1 and ``config.max_splits``."""
-    programs = max(1, num_reqs * num_kv_heads)
-    target = int(config.waves * sms)
-    slots = config.programs_per_sm * sms
-    if programs < target:  # too few programs to fill the machine: split the context
-        splits = cdiv(target, programs)
-    elif programs <= slots or programs > 4 * slots:
-        splits = 1  # one resident wave, or so many waves that the last one costs little
-    else:
-        # between one and four waves of resident programs: the split count (<= 4) that
-        # leaves the least of the last wave empty
-        def loss(s: int) -> float:
-            w = programs * s / slots
-            return math.ceil(w) / w
-
-        best = min(range(1, 5), key=lambda s: (loss(s), s))
-        splits = best if loss(best) < loss(1) - 0.03 else 1
-    if max_seq_len is not None:
-        splits = min(splits, cdiv(max(int(max_seq_len), 1), config.min_split_tokens))
-    return max(1, min(config.max_splits, splits))
+    """The split count of :func:`choose_split`."""
+    return choose_split(num_reqs, num_kv_heads, max_seq_len, sms, config)[0]
 
 
 @triton.jit
-def _split_range(seq_len, s, num_splits, TILE_N: tl.constexpr, SPLIT: tl.constexpr,
-                 MIN_SPLIT_TILES: tl.constexpr):
+def _split_range(seq_len, s, num_splits, min_split_tiles, TILE_N: tl.constexpr):
     """Tiles ``[t0, t1)`` of split ``s``, the tiles per split and the tile count."""
     n_tiles = tl.cdiv(seq_len, TILE_N)
-    if SPLIT:
-        used = tl.maximum(tl.minimum(tl.cdiv(n_tiles, MIN_SPLIT_TILES), num_splits), 1)
-        per = tl.maximum(tl.cdiv(n_tiles, used), 1)
-    else:
-        per = n_tiles
+    used = tl.maximum(tl.minimum(tl.cdiv(n_tiles, min_split_tiles), num_splits), 1)
+    per = tl.maximum(tl.cdiv(n_tiles, used), 1)
     t0 = s * per
     t1 = tl.minimum(t0 + per, n_tiles)
     return t0, t1, per, n_tiles
@@ -162,12 +177,12 @@ def _decode_tile(acc, l_i, m_i, q, t, seq_len, k_ptr, v_ptr, bt_row, bt_width, c
     return acc, l_i, m_new
 
 
-@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
+@triton.jit(do_not_specialize=["num_reqs", "num_splits", "min_split_tiles", "zero_rows"])
 def _decode_kernel(
     q_ptr, q_s0, q_s1,
     k_ptr, v_ptr, c_sb, c_st, c_sh,
     bt_ptr, bt_s0, bt_width,
-    qsl_ptr, seq_ptr, num_reqs, num_splits,
+    qsl_ptr, seq_ptr, num_reqs, num_splits, min_split_tiles, zero_rows,
     out_ptr, o_s0, o_s1,
     m_ptr, l_ptr, acc_ptr,
     scale_log2,
@@ -178,26 +193,30 @@ def _decode_kernel(
     D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
-    SPLIT: tl.constexpr,
-    MIN_SPLIT_TILES: tl.constexpr,
     DOT_PREC: tl.constexpr,
     RANGE_LOOP: tl.constexpr,
 ):
     r = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
-    q_row = tl.load(qsl_ptr + r)
-    if tl.load(qsl_ptr + r + 1) - q_row != 1:
-        return
-    seq_len = tl.load(seq_ptr + r)
-    t0, t1, per, n_tiles = _split_range(seq_len, s, num_splits, TILE_N, SPLIT, MIN_SPLIT_TILES)
-    if t0 >= n_tiles:
-        return
-
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D_PAD)
     head = kvh * GROUP + g
     gd_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    q_row = tl.load(qsl_ptr + r)
+    q_len = tl.load(qsl_ptr + r + 1) - q_row
+    if q_len != 1:
+        if (zero_rows != 0) & (q_len == 0) & (s == 0):
+            # a padded request (no query rows) zeroes row r when no request owns it
+            if r >= tl.load(qsl_ptr + num_reqs):
+                tl.store(out_ptr + r.to(tl.int64) * o_s0 + head[:, None] * o_s1 + d[None, :],
+                         tl.zeros([GROUP_PAD, D_PAD], tl.float32).to(out_ptr.dtype.element_ty),
+                         mask=gd_mask)
+        return
+    seq_len = tl.load(seq_ptr + r)
+    t0, t1, per, n_tiles = _split_range(seq_len, s, num_splits, min_split_tiles, TILE_N)
+    if t0 >= n_tiles:
+        return
     q = tl.load(q_ptr + q_row.to(tl.int64) * q_s0 + head[:, None] * q_s1 + d[None, :],
                 mask=gd_mask, other=0.0)
     q = q.to(k_ptr.dtype.element_ty)
@@ -221,31 +240,25 @@ def _decode_kernel(
             t += 1
 
     out_rows = out_ptr + q_row.to(tl.int64) * o_s0 + head[:, None] * o_s1 + d[None, :]
-    if not SPLIT:
+    if per >= n_tiles:
+        # this request fits in one split: write the final output directly
         tl.store(out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=gd_mask)
     else:
-        if per >= n_tiles:
-            # this request fits in one split: write the final output directly
-            tl.store(out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
-                     mask=gd_mask)
-        else:
-            part = (r.to(tl.int64) * NUM_HEADS + head) * num_splits + s
-            tl.store(m_ptr + part, m_i, mask=g < GROUP)
-            tl.store(l_ptr + part, l_i, mask=g < GROUP)
-            tl.store(acc_ptr + part[:, None] * D_PAD + d[None, :], acc, mask=gd_mask)
+        part = (r.to(tl.int64) * NUM_HEADS + head) * num_splits + s
+        tl.store(m_ptr + part, m_i, mask=g < GROUP)
+        tl.store(l_ptr + part, l_i, mask=g < GROUP)
+        tl.store(acc_ptr + part[:, None] * D_PAD + d[None, :], acc, mask=gd_mask)
 
 
-@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
+@triton.jit(do_not_specialize=["num_reqs", "num_splits", "min_split_tiles"])
 def _decode_reduce_kernel(
-    qsl_ptr, seq_ptr, num_reqs, num_splits,
+    qsl_ptr, seq_ptr, num_reqs, num_splits, min_split_tiles,
     out_ptr, o_s0, o_s1,
     m_ptr, l_ptr, acc_ptr,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     TILE_N: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-    MIN_SPLIT_TILES: tl.constexpr,
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -253,23 +266,28 @@ def _decode_reduce_kernel(
     if tl.load(qsl_ptr + r + 1) - q_row != 1:
         return
     seq_len = tl.load(seq_ptr + r)
-    t0, t1, per, n_tiles = _split_range(seq_len, 0, num_splits, TILE_N, True, MIN_SPLIT_TILES)
+    t0, t1, per, n_tiles = _split_range(seq_len, 0, num_splits, min_split_tiles, TILE_N)
     if per >= n_tiles:
         return  # written directly by the split kernel
     used = tl.cdiv(n_tiles, per)
-    sp = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, D_PAD)
-    sp_ok = sp < used
-    part = (r.to(tl.int64) * NUM_HEADS + h) * num_splits + sp
-    m = tl.load(m_ptr + part, mask=sp_ok, other=float("-inf"))
-    l = tl.load(l_ptr + part, mask=sp_ok, other=0.0)
-    acc = tl.load(acc_ptr + part[:, None] * D_PAD + d[None, :],
-                  mask=sp_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
-    w = tl.exp2(m - tl.max(m, 0))
-    w = tl.where(sp_ok, w, 0.0)
-    o = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    base = (r.to(tl.int64) * NUM_HEADS + h) * num_splits
+    # two passes over the used splits (no padded split axis: one variant for every count)
+    m_max = tl.load(m_ptr + base)
+    sp = tl.full([], 1, tl.int32)
+    while sp < used:
+        m_max = tl.maximum(m_max, tl.load(m_ptr + base + sp))
+        sp += 1
+    acc = tl.zeros([D_PAD], tl.float32)
+    l_sum = tl.full([], 0.0, tl.float32)
+    sp = tl.full([], 0, tl.int32)
+    while sp < used:
+        w = tl.exp2(tl.load(m_ptr + base + sp) - m_max)
+        l_sum += w * tl.load(l_ptr + base + sp)
+        acc += w * tl.load(acc_ptr + (base + sp) * D_PAD + d, mask=d < HEAD_DIM, other=0.0)
+        sp += 1
     tl.store(out_ptr + q_row.to(tl.int64) * o_s0 + h.to(tl.int64) * o_s1 + d,
-             o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+             (acc / l_sum).to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 def paged_decode_attention(
@@ -285,6 +303,7 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
+    zero_padded_rows: bool = False,
 ) -> torch.Tensor:
     """Attention of each single-token request's query row over its paged context.
 
@@ -298,6 +317,10 @@ def paged_decode_attention(
         max_seq_len: host upper bound of the batch's ``seq_lens`` (optional; caps splitting).
         num_splits: force the split count (1 .. 64); default ``choose_num_splits``.
         config: launch parameters; default per device.
+        zero_padded_rows: a request ``r < num_reqs`` with no query rows (CUDA-graph padding)
+            zeroes row ``r`` of ``out`` when ``r >= query_start_loc[num_reqs]`` (no request owns
+            it): padding rows are zeroed inside the kernel, with no extra launch. Rows
+            ``>= num_reqs`` are never touched.
     Returns ``out``.
     """
     fn = "paged_decode_attention"
@@ -310,14 +333,15 @@ def paged_decode_attention(
         return out
     if not use_triton(_decode_kernel, q):
         return paged_decode_attention_ref(q, kv_cache, block_table, query_start_loc, seq_lens,
-                                          num_reqs, scale, out)
+                                          num_reqs, scale, out, zero_padded_rows=zero_padded_rows)
     cfg = config or default_decode_config(q.device)
+    auto_splits, min_split_tokens = choose_split(num_reqs, shape.num_kv_heads, max_seq_len,
+                                                 num_sms(q.device), cfg)
     if num_splits is None:
-        num_splits = choose_num_splits(num_reqs, shape.num_kv_heads, max_seq_len,
-                                       num_sms(q.device), cfg)
+        num_splits = auto_splits
     d_pad = max(16, next_pow2(shape.head_dim))
     group_pad = max(16, next_pow2(shape.group))
-    min_split_tiles = max(1, cdiv(cfg.min_split_tokens, cfg.tile_n))
+    min_split_tiles = max(1, cdiv(min_split_tokens, cfg.tile_n))
     if num_splits > 1:
         parts = num_reqs * shape.num_heads * num_splits
         m_buf = torch.empty(parts, dtype=torch.float32, device=q.device)
@@ -330,24 +354,23 @@ def paged_decode_attention(
         q, q.stride(0), q.stride(1),
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table, block_table.stride(0), block_table.shape[1],
-        query_start_loc, seq_lens, num_reqs, num_splits,
+        query_start_loc, seq_lens, num_reqs, num_splits, min_split_tiles, int(bool(zero_padded_rows)),
         out, out.stride(0), out.stride(1),
         m_buf, l_buf, acc_buf,
         float(scale) * LOG2E,
         NUM_HEADS=shape.num_heads, GROUP=shape.group, GROUP_PAD=group_pad,
         HEAD_DIM=shape.head_dim, D_PAD=d_pad, BLOCK_SIZE=shape.block_size,
-        TILE_N=cfg.tile_n, SPLIT=num_splits > 1, MIN_SPLIT_TILES=min_split_tiles,
+        TILE_N=cfg.tile_n,
         DOT_PREC=dot_precision(kv_cache.dtype), RANGE_LOOP=not interpreted(_decode_kernel),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_reqs, shape.num_heads)](
-            query_start_loc, seq_lens, num_reqs, num_splits,
+            query_start_loc, seq_lens, num_reqs, num_splits, min_split_tiles,
             out, out.stride(0), out.stride(1),
             m_buf, l_buf, acc_buf,
             NUM_HEADS=shape.num_heads, HEAD_DIM=shape.head_dim, D_PAD=d_pad,
-            TILE_N=cfg.tile_n, SPLITS_PAD=MAX_SPLITS,
-            MIN_SPLIT_TILES=min_split_tiles,
+            TILE_N=cfg.tile_n,
             num_warps=4 if d_pad >= 128 else 1,
         )
     return out
@@ -366,6 +389,7 @@ def paged_decode_attention_ref(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
+    zero_padded_rows: bool = False,
 ) -> torch.Tensor:
     """Plain torch twin of :func:`paged_decode_attention` (``paged_attention_ref`` on the
     single-token requests; reads lengths back to the host). The launch hints are ignored."""
@@ -375,6 +399,11 @@ def paged_decode_attention_ref(
         return out
     qsl = query_start_loc[: num_reqs + 1].cpu()
     lens = seq_lens[:num_reqs].cpu()
+    if zero_padded_rows:
+        end = int(qsl[num_reqs])
+        for r in range(min(num_reqs, out.shape[0])):
+            if int(qsl[r + 1]) == int(qsl[r]) and r >= end:
+                out[r] = 0
     rows = [int(qsl[r]) for r in range(num_reqs) if int(qsl[r + 1]) - int(qsl[r]) == 1]
     if not rows:
         return out
@@ -395,6 +424,7 @@ __all__ = [
     "INTERPRET_DECODE_CONFIG",
     "MAX_SPLITS",
     "choose_num_splits",
+    "choose_split",
     "default_decode_config",
     "paged_decode_attention",
     "paged_decode_attention_ref",

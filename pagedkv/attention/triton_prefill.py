@@ -120,12 +120,12 @@ def _attend_tile(
     return acc, l_i, m_new
 
 
-@triton.jit(do_not_specialize=["num_reqs"])
+@triton.jit(do_not_specialize=["num_reqs", "skip_decode"])
 def _prefill_kernel(
     q_ptr, q_s0, q_s1,
     k_ptr, v_ptr, c_sb, c_st, c_sh,
     bt_ptr, bt_s0, bt_width,
-    qsl_ptr, seq_ptr, num_reqs,
+    qsl_ptr, seq_ptr, num_reqs, skip_decode,
     out_ptr, o_s0, o_s1,
     scale_log2,
     GROUP: tl.constexpr,
@@ -134,7 +134,6 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SKIP_DECODE: tl.constexpr,
     DOT_PREC: tl.constexpr,
     RANGE_LOOP: tl.constexpr,
 ):
@@ -155,9 +154,8 @@ def _prefill_kernel(
     n_qt = tl.cdiv(q_len, BLOCK_M)
     if j >= n_qt:
         return
-    if SKIP_DECODE:
-        if q_len == 1:
-            return
+    if (skip_decode != 0) & (q_len == 1):
+        return
     j = n_qt - 1 - j  # last tile (most keys) first
     seq_len = tl.load(seq_ptr + r)
     ctx = seq_len - q_len
@@ -255,12 +253,12 @@ def paged_prefill_attention(
         q, q.stride(0), q.stride(1),
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table, block_table.stride(0), block_table.shape[1],
-        query_start_loc, seq_lens, num_reqs,
+        query_start_loc, seq_lens, num_reqs, int(bool(skip_decode)),
         out, out.stride(0), out.stride(1),
         float(scale) * LOG2E,
         GROUP=shape.group, HEAD_DIM=shape.head_dim,
         D_PAD=max(16, next_pow2(shape.head_dim)), BLOCK_SIZE=shape.block_size,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SKIP_DECODE=bool(skip_decode),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         DOT_PREC=dot_precision(kv_cache.dtype), RANGE_LOOP=not interpreted(_prefill_kernel),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -15,6 +15,7 @@ from test_triton_cases import (
 from pagedkv.attention.triton_decode import (
     DecodeConfig,
     choose_num_splits,
+    choose_split,
     paged_decode_attention,
     paged_decode_attention_ref,
 )
@@ -67,6 +68,27 @@ def test_decode_skips_other_rows_in_mixed_batch(kernel_device):
     assert torch.isnan(out[-2:].cpu()).all()
 
 
+@pytest.mark.parametrize("impl", ["kernel", "twin"])
+def test_decode_zero_padded_rows(kernel_device, impl):
+    """CUDA-graph padding (decode-only, rows == requests): padded requests own no rows; with
+    zero_padded_rows each zeroes row r (past query_start_loc[num_reqs]) inside the kernel;
+    decode rows are exact and rows >= num_reqs are never touched."""
+    case = make_case([(9, 1), (20, 1), (3, 1)], block_size=4, device=kernel_device,
+                     write_new=True, pad_tokens=3, padded_reqs=3, seed=8)
+    m = case["meta"]
+    out = poisoned_out(case)
+    extra = torch.full((2,) + tuple(out.shape[1:]), float("nan"), dtype=out.dtype, device=out.device)
+    out = torch.cat([out, extra])  # rows beyond the padded requests: must stay poisoned
+    q = torch.cat([case["q"], torch.zeros_like(extra)])
+    fn = paged_decode_attention if impl == "kernel" else paged_decode_attention_ref
+    fn(q, case["cache"], m.block_table_tensor, m.query_start_loc, m.seq_lens, m.num_reqs,
+       case["scale"], out, num_splits=2, zero_padded_rows=True)
+    assert m.num_reqs == 6 and int(m.query_start_loc[6]) == 3
+    check(case, out[: case["q"].shape[0]])  # decode rows exact
+    assert (out[3:6].cpu() == 0).all()
+    assert torch.isnan(out[6:].cpu()).all()
+
+
 def test_decode_head_dim_not_power_of_two(kernel_device):
     case = make_case([(18, 1), (3, 1)], block_size=5, head_dim=24, device=kernel_device,
                      write_new=True, seed=5)
@@ -84,18 +106,36 @@ def test_decode_twin_agrees(kernel_device):
     torch.testing.assert_close(a.nan_to_num(7.0), b.nan_to_num(7.0), atol=1e-4, rtol=1e-4)
 
 
-def test_choose_num_splits():
-    cfg = DecodeConfig(min_split_tokens=256, waves=2.0, max_splits=32)
-    assert choose_num_splits(1, 8, 8192, 132, cfg) == 32  # 264 programs wanted, 8 present
-    assert choose_num_splits(1, 8, 512, 132, cfg) == 2  # capped by 512 / 256
-    assert choose_num_splits(1, 8, None, 132, cfg) == 32
-    assert choose_num_splits(64, 8, 8192, 132, cfg) == 1  # 512 programs: one resident wave
-    assert choose_num_splits(16, 8, 8192, 132, cfg) == 3
-    assert choose_num_splits(0, 8, 8192, 132, cfg) == 32
-    # 2048 programs = 3.1 waves of 660 resident: 4 splits leave the last wave 95% full
+def test_choose_split_regimes():
+    cfg = DecodeConfig()  # H200 policy, 132 multiprocessors, 8 KV heads
+    # few programs (< 2 x 132): ceil(8 x 132 / programs) splits of >= 32 positions, <= 32
+    assert choose_split(1, 8, 8192, 132, cfg) == (32, 32)  # 1056 / 8 -> 132, capped at 32
+    assert choose_split(1, 8, 512, 132, cfg) == (16, 32)  # capped: 512 / 32
+    assert choose_split(1, 8, None, 132, cfg) == (32, 32)
+    assert choose_split(8, 8, None, 132, cfg) == (17, 32)  # 1056 / 64 = 16.5
+    assert choose_split(32, 8, None, 132, cfg) == (5, 32)  # 256 programs
+    assert choose_split(0, 8, 8192, 132, cfg) == (32, 32)
+    # 2 x 132 <= programs < 4 x 132: 8 splits of >= 256 positions
+    assert choose_split(33, 8, None, 132, cfg) == (8, 256)
+    assert choose_split(64, 8, None, 132, cfg) == (8, 256)
+    assert choose_split(64, 8, 1000, 132, cfg) == (4, 256)  # capped: ceil(1000 / 256)
+    # >= 4 x 132 programs: 4 splits of >= 512 positions
+    assert choose_split(66, 8, None, 132, cfg) == (4, 512)
+    assert choose_split(256, 8, 8192, 132, cfg) == (4, 512)
+    assert choose_split(256, 8, 600, 132, cfg) == (2, 512)
+    assert choose_split(1024, 8, 100, 132, cfg) == (1, 512)
+    # an explicit minimum overrides every regime's; choose_num_splits is the count alone
+    forced = DecodeConfig(min_split_tokens=256, max_splits=8)
+    assert choose_split(1, 8, 8192, 132, forced) == (8, 256)
+    assert choose_split(1, 8, 512, 132, forced) == (2, 256)
     assert choose_num_splits(256, 8, 8192, 132, cfg) == 4
-    assert choose_num_splits(256, 8, 512, 132, cfg) == 2  # capped: 256 positions per split
-    assert choose_num_splits(1024, 8, 8192, 132, cfg) == 1  # 12 waves: splitting gains little
+
+
+def test_decode_config_errors():
+    for bad in (dict(tile_n=24), dict(max_splits=65), dict(mid_splits=0), dict(small_waves=0),
+                dict(large_min_split_tokens=0), dict(min_split_tokens=0), dict(num_stages=0)):
+        with pytest.raises(ConfigError):
+            DecodeConfig(**bad)
 
 
 def test_decode_argument_errors():

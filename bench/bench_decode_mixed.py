@@ -1,0 +1,124 @@
+#!/usr/bin/env python
+"""GPU benchmark: paged decode attention on batches of *mixed* context lengths (W1-like).
+
+``bench_attention_gpu.py`` times equal lengths (PERF.md's anchors). In a serving batch lengths
+differ (W1: prompts U[100, 1024] plus up to 1024 generated tokens), programs of one launch do
+unequal work, and the split-KV choice that is best for equal lengths need not be best here.
+This sweep times ``paged_decode_attention`` on random lengths U[lo, hi] for batch sizes B,
+forced split counts and ``min_split_tokens`` values, as CUDA-graph replays over disjoint pages
+(cold L2, same method as ``bench_attention_gpu.py``), and reports microseconds per call, the
+fraction of 4.27 TB/s for the K/V bytes actually read (sum of lengths), and what the default
+``choose_num_splits`` picks (with ``max_seq_len=None``, as a captured decode graph does).
+
+Run on the GPU machine from the repository root (no installs):
+    python3 bench/bench_decode_mixed.py --out $OUT/decode_mixed.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from bench_attention_gpu import BS, COPY_TBPS, D, DTYPE, H, HKV, SCALE, rel_err, time_graph  # noqa: E402
+from pagedkv.attention._triton_common import num_sms  # noqa: E402
+from pagedkv.attention.torch_ref import paged_attention_ref  # noqa: E402
+from pagedkv.attention.triton_decode import DecodeConfig, choose_num_splits, paged_decode_attention  # noqa: E402
+
+COLD_BYTES = 512 << 20
+
+
+class MixedSetup:
+    """R rotations of (query, block table, output) over disjoint pages; lengths U[lo, hi]."""
+
+    def __init__(self, batch: int, lo: int, hi: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.lens = torch.randint(lo, hi + 1, (batch,), generator=g, dtype=torch.int32)
+        self.batch = batch
+        self.max_len = int(self.lens.max())
+        self.kv_bytes = 2 * int(self.lens.sum()) * HKV * D * 2
+        self.rot = max(2, min(64, math.ceil(COLD_BYTES / self.kv_bytes)))
+        width = -(-self.max_len // BS)
+        per_rot = batch * width
+        num_blocks = 1 + self.rot * per_rot
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        self.cache = torch.randn((2, num_blocks, BS, HKV, D), generator=gen, device="cuda", dtype=DTYPE)
+        perm = torch.randperm(num_blocks - 1, generator=gen, device="cuda").to(torch.int32) + 1
+        self.tables = [perm[i * per_rot:(i + 1) * per_rot].view(batch, width) for i in range(self.rot)]
+        self.qs = [torch.randn((batch, H, D), generator=gen, device="cuda", dtype=DTYPE)
+                   for _ in range(self.rot)]
+        self.outs = [torch.empty_like(q) for q in self.qs]
+        self.qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+        self.seq = self.lens.cuda()
+
+    def call(self, i, **kw):
+        return lambda: paged_decode_attention(self.qs[i], self.cache, self.tables[i], self.qsl,
+                                              self.seq, self.batch, SCALE, self.outs[i], **kw)
+
+    def check(self, **kw) -> float:
+        self.outs[0].fill_(float("nan"))
+        self.call(0, **kw)()
+        torch.cuda.synchronize()
+        n = min(6, self.batch)
+        meta = type("M", (), {})()
+        meta.query_start_loc_cpu = torch.arange(n + 1, dtype=torch.int32)
+        meta.num_reqs = n
+        meta.seq_lens_cpu = self.lens[:n]
+        meta.block_table_tensor = self.tables[0][:n]
+        ref = paged_attention_ref(self.qs[0][:n].float(), self.cache, meta, SCALE)
+        return rel_err(self.outs[0][:n], ref)
+
+    def time(self, **kw) -> float:
+        return time_graph([self.call(i, **kw) for i in range(self.rot)], min_ms=10.0, trials=5)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", default="8,16,32,64,96,128,160,192,224,256")
+    p.add_argument("--splits", default="1,2,3,4,6,8,12,16")
+    p.add_argument("--min-split-tokens", default="32,128,256,512")
+    p.add_argument("--lo", type=int, default=100)
+    p.add_argument("--hi", type=int, default=2048)
+    p.add_argument("--out", default="decode_mixed.json")
+    args = p.parse_args()
+    sms = num_sms(torch.device("cuda"))
+    base = DecodeConfig()
+    rows = []
+    for b in [int(x) for x in args.batches.split(",")]:
+        s = MixedSetup(b, args.lo, args.hi)
+        default = choose_num_splits(b, HKV, None, sms, base)
+        err = s.check()
+        res = {"batch": b, "sum_len": int(s.lens.sum()), "max_len": s.max_len, "default_splits": default,
+               "rel_err": err, "times": {}}
+        t_def = s.time()
+        res["default_us"] = t_def
+        for mst in [int(x) for x in args.min_split_tokens.split(",")]:
+            cfg = DecodeConfig(min_split_tokens=mst)
+            for sp in [int(x) for x in args.splits.split(",")]:
+                if sp == 1 and mst != 32:
+                    continue
+                res["times"][f"{sp}/{mst}"] = s.time(num_splits=sp, config=cfg)
+        best = min(res["times"], key=res["times"].get)
+        frac = lambda us: s.kv_bytes / (us * 1e-6) / (COPY_TBPS * 1e12)  # noqa: E731
+        res["best"] = best
+        res["best_us"] = res["times"][best]
+        print(f"B{b:4d} sum_len {res['sum_len']:7d} default {default} splits: {t_def:8.1f} us "
+              f"({frac(t_def):.0%}); best {best}: {res['best_us']:8.1f} us ({frac(res['best_us']):.0%}); "
+              f"err {err:.1e}", flush=True)
+        print("      " + "  ".join(f"{k}:{v:.1f}" for k, v in res["times"].items()), flush=True)
+        rows.append(res)
+        del s
+        torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump({"sms": sms, "lo": args.lo, "hi": args.hi, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
