@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedkv.kernels.activation import silu_and_mul_op
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / rms(x)``; the statistics in float32, the product in ``x``'s dtype."""
@@ -25,7 +27,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dimension."""
+    """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dimension: on CUDA one
+    Triton kernel (``pagedkv.kernels.activation``, a custom op that compiled regions keep as one
+    launch), elsewhere the eager expression ``F.silu(gate) * up``."""
+    if gate_up.device.type == "cuda" and gate_up.dim() == 2:
+        return silu_and_mul_op(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
