@@ -42,9 +42,14 @@ class AttentionMetadataLike(Protocol):
 
 
 class AttentionBackend(ABC):
-    """Paged attention for one step of one layer."""
+    """Paged attention for one step of one layer.
+
+    ``fused_kv_write``: True when ``forward`` also accepts ``k = v = None``, meaning the caller
+    has already written the step's K/V into ``kv_cache`` at ``metadata.slot_mapping`` (the
+    decoder then fuses q/k norms, RoPE and the KV write into one kernel)."""
 
     name: str = "abstract"
+    fused_kv_write: bool = False
 
     @abstractmethod
     def forward(

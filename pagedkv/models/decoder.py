@@ -98,6 +98,23 @@ def pre_attention(
     return hidden, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
 
+def pre_attention_qkv(
+    hidden: torch.Tensor,
+    delta: torch.Tensor | None,
+    ln_weight: torch.Tensor,
+    eps: float,
+    qkv_weight: torch.Tensor,
+    qkv_bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer up to its fused QKV projection: ``hidden += delta`` (when given), input RMSNorm,
+    QKV GEMM. Returns ``(hidden, qkv [T, (H + 2 Hkv) D])``. The fused-KV-write path: the q/k
+    norms, RoPE and the KV-cache write follow in one kernel
+    (``pagedkv.kernels.qk_norm_rope_cache``)."""
+    if delta is not None:
+        hidden = hidden + delta
+    return hidden, F.linear(rms_norm(hidden, ln_weight, eps), qkv_weight, qkv_bias)
+
+
 def post_attention(
     hidden: torch.Tensor,
     attn_out: torch.Tensor,
@@ -131,19 +148,37 @@ class DecoderLayer(nn.Module):
         return hidden + delta
 
     def forward_split(self, hidden, delta, cos, sin, kv_cache, metadata, backend,
-                      pre=pre_attention, post=post_attention) -> tuple[torch.Tensor, torch.Tensor]:
+                      pre=pre_attention, post=post_attention,
+                      pre_qkv=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(hidden, mlp_out)`` of this layer for ``hidden + delta`` (see
-        :func:`pre_attention` / :func:`post_attention`, or compiled versions of them)."""
+        :func:`pre_attention` / :func:`post_attention`, or compiled versions of them).
+
+        With ``pre_qkv`` (:func:`pre_attention_qkv` or its compiled version; for backends with
+        ``fused_kv_write``), the q/k norms, RoPE and the KV write run as one kernel
+        (``qk_norm_rope_cache``) and the backend is called with ``k = v = None``."""
         attn, mlp = self.self_attn, self.mlp
         qkv = attn.qkv_proj
         qn = attn.q_norm
-        hidden, q, k, v = pre(
-            hidden, delta, self.input_layernorm.weight, self.input_layernorm.eps,
-            qkv.weight, qkv.bias,
-            None if qn is None else qn.weight, None if qn is None else attn.k_norm.weight,
-            0.0 if qn is None else qn.eps,
-            cos, sin, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-        )
+        if pre_qkv is not None:
+            from pagedkv.kernels.qk_norm_rope_cache import qk_norm_rope_cache
+
+            hidden, qkv_out = pre_qkv(hidden, delta, self.input_layernorm.weight,
+                                      self.input_layernorm.eps, qkv.weight, qkv.bias)
+            slots = metadata.slot_mapping[: int(metadata.num_actual_tokens)]
+            q = qk_norm_rope_cache(
+                qkv_out, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                None if qn is None else qn.weight, None if qn is None else attn.k_norm.weight,
+                0.0 if qn is None else qn.eps, cos, sin, slots, kv_cache[0], kv_cache[1],
+                check=attn.layer_idx == 0)  # every layer has layer 0's shapes
+            k = v = None
+        else:
+            hidden, q, k, v = pre(
+                hidden, delta, self.input_layernorm.weight, self.input_layernorm.eps,
+                qkv.weight, qkv.bias,
+                None if qn is None else qn.weight, None if qn is None else attn.k_norm.weight,
+                0.0 if qn is None else qn.eps,
+                cos, sin, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+            )
         out = backend.forward(attn.layer_idx, q, k, v, kv_cache, metadata, attn.scale)
         return post(
             hidden, out, attn.o_proj.weight, attn.o_proj.bias,
@@ -184,6 +219,8 @@ class DecoderForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             config.head_dim, config.rope, config.max_position_embeddings, device=device
         )
+        # layers use the fused q/k-norm + RoPE + KV-write kernel when the backend allows it
+        self.fuse_kv_write = True
 
     # ---- properties
     @property
@@ -220,19 +257,33 @@ class DecoderForCausalLM(nn.Module):
         cos, sin = self._rope(positions, seq_lens)
         hidden = F.embedding(input_ids, self.embed_tokens)
         backend = self.attn_backend
-        pre, post = self._regions
+        pre, post, pre_qkv = self._regions
+        if not (kv_caches and self.fused_kv_write_usable(kv_caches[0])):
+            pre_qkv = None
         delta = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, delta = layer.forward_split(hidden, delta, cos, sin, kv_cache, attn_metadata,
-                                                backend, pre, post)
+                                                backend, pre, post, pre_qkv)
         if delta is not None:
             hidden = hidden + delta
         return self.norm(hidden)
 
+    def fused_kv_write_usable(self, kv_cache: torch.Tensor) -> bool:
+        """Whether layers take the fused path (q/k norms + RoPE + KV write in one kernel): the
+        backend accepts K/V written by the caller (``fused_kv_write``), the kernel runs on this
+        cache's device (CUDA, or the Triton interpreter) and ``fuse_kv_write`` is not off."""
+        if not (self.fuse_kv_write and getattr(self.attn_backend, "fused_kv_write", False)):
+            return False
+        from pagedkv.kernels._common import use_triton
+        from pagedkv.kernels.qk_norm_rope_cache import _qk_norm_rope_cache_kernel
+
+        return use_triton(_qk_norm_rope_cache_kernel, kv_cache)
+
     # ---- torch.compile
     @property
     def _regions(self):
-        return self.__dict__.get("_compiled_regions") or (pre_attention, post_attention)
+        return self.__dict__.get("_compiled_regions") or (pre_attention, post_attention,
+                                                          pre_attention_qkv)
 
     @property
     def compiled(self) -> bool:
@@ -240,8 +291,9 @@ class DecoderForCausalLM(nn.Module):
 
     def compile_regions(self, *, check: bool = True, allow_cpu: bool = False, **compile_kwargs) -> bool:
         """``torch.compile`` the pointwise regions of every layer (:func:`pre_attention`: residual
-        add + RMSNorm + QKV + q/k norms + RoPE; :func:`post_attention`: o_proj + residual add +
-        RMSNorm + gated MLP) so their many small kernels fuse; attention stays outside. One
+        add + RMSNorm + QKV + q/k norms + RoPE; :func:`pre_attention_qkv`, its fused-KV-write
+        variant, up to the QKV GEMM; :func:`post_attention`: o_proj + residual add + RMSNorm +
+        gated MLP) so their many small kernels fuse; attention stays outside. One
         compiled function serves every layer (weights are arguments); the token dimension is
         dynamic (one graph for T >= 2, one for T == 1, one more for layer 0, which has no residual
         delta). Inductor keeps intermediate values in float32 where eager rounds each op to the
@@ -269,17 +321,18 @@ class DecoderForCausalLM(nn.Module):
         try:
             pre = _dynamic_tokens(torch.compile(pre_attention, **compile_kwargs), (0, 1, 9, 10))
             post = _dynamic_tokens(torch.compile(post_attention, **compile_kwargs), (0, 1))
+            pre_qkv = _dynamic_tokens(torch.compile(pre_attention_qkv, **compile_kwargs), (0, 1))
             if check:
-                self._check_regions(pre, post)
+                self._check_regions(pre, post, pre_qkv)
         except Exception as e:  # compilation problems must not take the engine down
             log.warning("compile_regions: falling back to eager (%s: %s)", type(e).__name__, e)
             self.__dict__.pop("_compiled_regions", None)
             return False
-        self.__dict__["_compiled_regions"] = (pre, post)
+        self.__dict__["_compiled_regions"] = (pre, post, pre_qkv)
         return True
 
     @torch.inference_mode()
-    def _check_regions(self, pre, post) -> None:
+    def _check_regions(self, pre, post, pre_qkv) -> None:
         layer = self.layers[0]
         attn = layer.self_attn
         cfg = self.config
@@ -302,6 +355,11 @@ class DecoderForCausalLM(nn.Module):
                 ref = layer.forward_split(h, delta, cos, sin, None, None, ref_b)
                 got = layer.forward_split(h, delta, cos, sin, None, None, got_b, pre, post)
                 for x, y in zip(ref + ref_b.qkv, got + got_b.qkv):
+                    _close(x, y)
+                qkv = attn.qkv_proj
+                args = (h, delta, layer.input_layernorm.weight, layer.input_layernorm.eps,
+                        qkv.weight, qkv.bias)
+                for x, y in zip(pre_attention_qkv(*args), pre_qkv(*args)):
                     _close(x, y)
 
     def _rope(self, positions: torch.Tensor, seq_lens: torch.Tensor | None):
@@ -418,4 +476,5 @@ def _dynamic_tokens(fn, token_args: tuple[int, ...]):
     return call
 
 
-__all__ = ["Attention", "DecoderForCausalLM", "DecoderLayer", "post_attention", "pre_attention"]
+__all__ = ["Attention", "DecoderForCausalLM", "DecoderLayer", "post_attention", "pre_attention",
+           "pre_attention_qkv"]

@@ -47,10 +47,11 @@ def test_compiled_regions_in_the_engine_on_cpu(tiny_dir, hf_ref):
     got = [t for o in outs for t in o.outputs[0].token_ids]
     want = [t for o in outs for t in ref.greedy(o.prompt_token_ids, 8)]
     assert sum(x == y for x, y in zip(got, want)) >= 0.9 * len(want)
-    # one graph per (layer-0 variant without a residual delta, T == 1 or not): every layer and
-    # every token count reuse them
+    # one graph per (layer-0 variant without a residual delta, T == 1 or not) and region
+    # (pre_attention 4, post_attention 2, pre_attention_qkv 4, the last compiled by the
+    # check): every layer and every token count reuse them
     stats = torch._dynamo.utils.counters["stats"]
-    assert stats["unique_graphs"] <= 6
+    assert stats["unique_graphs"] <= 10
 
 
 @pytest.mark.parametrize("where", ["compile", "check"])

@@ -122,15 +122,21 @@ def test_no_prefix_caching_same_tokens(tiny_dir, hf_ref):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the Triton backend on CPU tensors needs the Triton interpreter")
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_triton_backend_through_the_engine(tiny_dir, hf_ref, async_scheduling):
+@pytest.mark.parametrize("family,async_scheduling,fused", [
+    ("qwen3", False, True), ("qwen3", True, True), ("qwen3", False, False), ("llama", True, True),
+])
+def test_triton_backend_through_the_engine(tiny_dir, hf_ref, family, async_scheduling, fused):
     """The Triton attention backend (interpreted on CPU) in the engine: chunked prefill, prompt
     chunks over cached context, decode rows in mixed batches (with and without async
-    scheduling)."""
-    path = tiny_dir("qwen3")
+    scheduling); with the fused q/k-norm + RoPE + KV-write kernel (Qwen3: with q/k norms,
+    Llama: without) and without it (the backend's own KV write)."""
+    path = tiny_dir(family)
     llm = make_llm(path, attention_backend="triton", max_num_batched_tokens=16, max_num_seqs=4,
                    async_scheduling=async_scheduling)
-    assert llm.engine.model.attn_backend.name == "triton"
+    model = llm.engine.model
+    assert model.attn_backend.name == "triton"
+    model.fuse_kv_write = fused
+    assert model.fused_kv_write_usable(llm.engine.runner.kv_caches[0]) is fused
     outs = llm.generate(TEXTS, greedy(8), use_tqdm=False)
     check_against_hf(hf_ref(path), outs, 8)
     assert pool_is_idle(llm)
