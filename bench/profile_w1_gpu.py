@@ -124,6 +124,9 @@ def main(argv=None) -> int:
     p.add_argument("--phases", action="store_true",
                    help="host milliseconds per engine phase (bench/profile_engine_step.py's "
                         "wrappers), for prefill-like and decode steps of the timeline run")
+    p.add_argument("--cprofile-steps", default=None,
+                   help="A:B: cProfile engine steps [A, B) of the timeline run and print the "
+                        "functions with the most own time (host cost of those steps)")
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--scale", type=float, default=1.0)
     args = p.parse_args(argv)
@@ -173,7 +176,23 @@ def main(argv=None) -> int:
                 timer.end_step(True)
 
         llm.engine.step = timed_step
-    dt, nsteps = run_w1(llm, wl)
+    hook = None
+    if args.cprofile_steps:
+        import cProfile
+        import pstats
+
+        a, b = (int(x) for x in args.cprofile_steps.split(":"))
+        cprof = cProfile.Profile()
+
+        def hook(n):
+            if n == a:
+                cprof.enable()
+            elif n == b:
+                cprof.disable()
+                st = pstats.Stats(cprof)
+                st.sort_stats("tottime").print_stats(45)
+                st.sort_stats("cumulative").print_stats(45)
+    dt, nsteps = run_w1(llm, wl, hook)
     out_tokens = wl.requested_output_tokens  # ignore_eos: all are generated
     print(f"timeline run: {dt:.3f} s, {nsteps} steps, {out_tokens / dt:,.0f} output tok/s "
           f"(build {t_build:.1f} s)", flush=True)

@@ -80,6 +80,13 @@ def check_attention_inputs(
     return AttnShape(num_heads, num_kv_heads, num_heads // num_kv_heads, head_dim, block_size)
 
 
+def attn_shape(q: torch.Tensor, kv_cache: torch.Tensor) -> AttnShape:
+    """The :class:`AttnShape` of already validated ``q`` / ``kv_cache`` (no checks)."""
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    num_heads = q.shape[1]
+    return AttnShape(num_heads, num_kv_heads, num_heads // num_kv_heads, head_dim, block_size)
+
+
 def interpreted(kernel) -> bool:
     """True when ``kernel`` runs under the Triton interpreter (``TRITON_INTERPRET=1`` at import).
 
@@ -106,5 +113,5 @@ def num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-__all__ = ["ATTN_DTYPES", "AttnShape", "LOG2E", "check_attention_inputs", "dot_precision",
+__all__ = ["ATTN_DTYPES", "AttnShape", "LOG2E", "attn_shape", "check_attention_inputs", "dot_precision",
            "interpreted", "num_sms"]

@@ -3,7 +3,8 @@
 ``TritonAttentionBackend.forward`` (conventions in ``backend.py``):
   1. writes the step's K/V into the layer's cache with the index layer's writer
      (``pagedkv.kernels.reshape_and_cache``; slots < 0 skipped, token count from the slot
-     mapping);
+     mapping), unless ``k``/``v`` are None: the caller wrote them already (``fused_kv_write``:
+     the model's fused q/k-norm + RoPE + KV-write kernel);
   2. serves the batch, whatever the order of its rows:
        * requests with one query token -> ``paged_decode_attention`` (GQA-packed, split-KV);
        * requests with more -> ``paged_prefill_attention`` (causal, context through the block
@@ -84,45 +85,103 @@ class TritonAttentionBackend(AttentionBackend):
         self.decode_config = decode_config
         self.prefill_config = prefill_config
 
+    @property
+    def fused_kv_write(self) -> bool:
+        """``forward`` accepts ``k = v = None`` when the caller has already written the step's
+        K/V at ``metadata.slot_mapping`` (the model's fused q/k-norm + RoPE + KV-write kernel):
+        every kernel here reads K/V from the paged cache, except the varlen fresh-prefill path,
+        which needs the K/V tensors."""
+        return self.fresh_prefill != "varlen"
+
     def forward(
         self,
         layer_idx: int,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadataLike,
         scale: float,
     ) -> torch.Tensor:
+        plan = self._plan
+        if plan is None or not plan.serves(metadata, q, kv_cache):
+            plan = self._plan = _StepPlan(self, metadata, q, kv_cache)
+            check = True  # first layer of a step: the launchers validate the shapes
+        else:
+            check = False  # later layers: same shapes, same metadata
+        if k is not None:
+            reshape_and_cache(k, v, kv_cache[0], kv_cache[1], plan.slots)
+        elif not self.fused_kv_write:
+            raise InvariantError("kv-write", "k/v are None but this backend's fresh-prefill path "
+                                 "needs them (fresh_prefill='varlen')")
+        if not plan.triton:
+            return paged_attention_ref(q, kv_cache, metadata, scale)
+
+        n = plan.n
+        out = torch.empty_like(q)
+        if n == 0:
+            return out.zero_()
+        qsl = metadata.query_start_loc
+        seq_lens = metadata.seq_lens
+        table = metadata.block_table_tensor
+        if plan.decode_only:  # decode-only batch: host ints only
+            # padded requests zero their rows inside the decode kernel (in a CUDA graph the
+            # host's `end` is the capture's, not the replay's); rows past num_reqs here
+            if n < q.shape[0]:
+                out[n:].zero_()
+            paged_decode_attention(q, kv_cache, table, qsl, seq_lens, n, scale, out,
+                                   max_seq_len=plan.max_seq_len, config=self.decode_config,
+                                   zero_padded_rows=True, check=check, workspace=plan.workspace)
+            return out
+        if plan.end < q.shape[0]:
+            out[plan.end:].zero_()
+        if plan.varlen:
+            varlen_prefill_attention(q, k, v, qsl[: n + 1], plan.end, plan.max_q, scale, out)
+            return out
+        if plan.has_decode:
+            paged_decode_attention(q, kv_cache, table, qsl, seq_lens, n, scale, out,
+                                   max_seq_len=plan.max_seq_len, config=self.decode_config,
+                                   check=check, workspace=plan.workspace)
+        paged_prefill_attention(q, kv_cache, table, qsl, seq_lens, n, scale, out,
+                                num_tokens=plan.end, skip_decode=plan.has_decode,
+                                config=self.prefill_config, check=check)
+        return out
+
+    _plan: "_StepPlan | None" = None
+
+
+class _StepPlan:
+    """What :meth:`TritonAttentionBackend.forward` derives from one step's metadata, once for
+    all layers: host ints, length checks, the path (decode-only, varlen, mixed) and a workspace
+    for the decode kernel's split partials. Reused while the same metadata object comes with
+    queries and caches of the same shape (the layers of one step)."""
+
+    def __init__(self, backend: TritonAttentionBackend, metadata, q: torch.Tensor,
+                 kv_cache: torch.Tensor):
         if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
             raise InvariantError("kv-cache-shape",
                                  "KV cache must be [2, num_blocks, block_size, num_kv_heads, head_dim]",
                                  cache_shape=tuple(kv_cache.shape))
+        self.metadata = metadata
+        self.key = self._key(metadata, q, kv_cache)
         num_actual = int(metadata.num_actual_tokens)
-        reshape_and_cache(k, v, kv_cache[0], kv_cache[1], metadata.slot_mapping[:num_actual])
-        if not use_triton(_decode_kernel, kv_cache):
-            return paged_attention_ref(q, kv_cache, metadata, scale)
-
-        n = int(metadata.num_reqs)
-        out = torch.empty_like(q)
-        if n == 0:
-            return out.zero_()
-        end = int(_host_ints(metadata.query_start_loc_cpu, n + 1)[n])
+        self.slots = metadata.slot_mapping[:num_actual]
+        self.triton = use_triton(_decode_kernel, kv_cache)
+        self.workspace: dict = {}
+        n = self.n = int(metadata.num_reqs)
+        self.decode_only = self.varlen = self.has_decode = False
+        self.end = self.max_q = self.max_seq_len = 0
+        if not self.triton or n == 0:
+            return
+        end = self.end = int(_host_ints(metadata.query_start_loc_cpu, n + 1)[n])
         if end > q.shape[0]:
             raise InvariantError("attention-token-count", "query_start_loc ends past the query rows",
                                  end=end, rows=q.shape[0])
-        if end < q.shape[0]:
-            out[end:].zero_()
-        qsl = metadata.query_start_loc
-        seq_lens = metadata.seq_lens
-        table = metadata.block_table_tensor
-        max_q = int(metadata.max_query_len)
-        if max_q <= 1:  # decode-only batch: host ints only
-            paged_decode_attention(q, kv_cache, table, qsl, seq_lens, n, scale, out,
-                                   max_seq_len=int(metadata.max_seq_len),
-                                   config=self.decode_config)
-            return out
-
+        self.max_q = int(metadata.max_query_len)
+        self.max_seq_len = int(metadata.max_seq_len)
+        if self.max_q <= 1:
+            self.decode_only = True
+            return
         qsl_h = _host_ints(metadata.query_start_loc_cpu, n + 1)
         q_lens = np.diff(qsl_h)
         seq_h = _host_ints(metadata.seq_lens_cpu, n)
@@ -130,19 +189,18 @@ class TritonAttentionBackend(AttentionBackend):
             r = int(np.flatnonzero((q_lens < 0) | (seq_h < q_lens))[0])
             raise InvariantError("attention-lengths", "need 0 <= query_len <= seq_len",
                                  request=r, query_len=int(q_lens[r]), seq_len=int(seq_h[r]))
-        if (self.fresh_prefill == "varlen" and varlen_available(q)
-                and np.array_equal(seq_h, q_lens)):
-            varlen_prefill_attention(q, k, v, qsl[: n + 1], end, max_q, scale, out)
-            return out
-        has_decode = bool((q_lens == 1).any())
-        if has_decode:
-            paged_decode_attention(q, kv_cache, table, qsl, seq_lens, n, scale, out,
-                                   max_seq_len=int(metadata.max_seq_len),
-                                   config=self.decode_config)
-        paged_prefill_attention(q, kv_cache, table, qsl, seq_lens, n, scale, out,
-                                num_tokens=end, skip_decode=has_decode,
-                                config=self.prefill_config)
-        return out
+        self.varlen = (backend.fresh_prefill == "varlen" and varlen_available(q)
+                       and np.array_equal(seq_h, q_lens))
+        self.has_decode = bool((q_lens == 1).any())
+
+    @staticmethod
+    def _key(metadata, q: torch.Tensor, kv_cache: torch.Tensor) -> tuple:
+        return (q.shape, q.dtype, q.device, kv_cache.shape, kv_cache.dtype,
+                int(metadata.num_reqs), int(metadata.num_actual_tokens),
+                int(metadata.max_query_len), int(metadata.max_seq_len))
+
+    def serves(self, metadata, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        return metadata is self.metadata and self._key(metadata, q, kv_cache) == self.key
 
 
 __all__ = ["AUTO_FRESH_PREFILL", "FRESH_PREFILL_CHOICES", "TritonAttentionBackend"]

@@ -43,6 +43,7 @@ import triton.language as tl
 
 from pagedkv.attention._triton_common import (
     LOG2E,
+    attn_shape,
     check_attention_inputs,
     dot_precision,
     interpreted,
@@ -304,6 +305,8 @@ def paged_decode_attention(
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
     zero_padded_rows: bool = False,
+    check: bool = True,
+    workspace: dict | None = None,
 ) -> torch.Tensor:
     """Attention of each single-token request's query row over its paged context.
 
@@ -321,14 +324,23 @@ def paged_decode_attention(
             zeroes row ``r`` of ``out`` when ``r >= query_start_loc[num_reqs]`` (no request owns
             it): padding rows are zeroed inside the kernel, with no extra launch. Rows
             ``>= num_reqs`` are never touched.
+        check: validate the arguments (False: the caller validated the same shapes already,
+            e.g. the backend for every layer after the first of a step).
+        workspace: a dict that keeps the split partial buffers between calls of one step
+            (every layer reuses them; calls are stream-ordered).
     Returns ``out``.
     """
     fn = "paged_decode_attention"
-    shape = check_attention_inputs(fn, q, kv_cache, block_table, query_start_loc, seq_lens,
-                                   out, num_reqs)
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
-                                   or not 1 <= num_splits <= MAX_SPLITS):
-        raise ConfigError(f"{fn}: num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
+    if check:
+        shape = check_attention_inputs(fn, q, kv_cache, block_table, query_start_loc, seq_lens,
+                                       out, num_reqs)
+        if num_splits is not None and (isinstance(num_splits, bool)
+                                       or not isinstance(num_splits, int)
+                                       or not 1 <= num_splits <= MAX_SPLITS):
+            raise ConfigError(f"{fn}: num_splits must be an int in [1, {MAX_SPLITS}], got "
+                              f"{num_splits!r}")
+    else:
+        shape = attn_shape(q, kv_cache)
     if num_reqs == 0:
         return out
     if not use_triton(_decode_kernel, q):
@@ -344,9 +356,15 @@ def paged_decode_attention(
     min_split_tiles = max(1, cdiv(min_split_tokens, cfg.tile_n))
     if num_splits > 1:
         parts = num_reqs * shape.num_heads * num_splits
-        m_buf = torch.empty(parts, dtype=torch.float32, device=q.device)
-        l_buf = torch.empty(parts, dtype=torch.float32, device=q.device)
-        acc_buf = torch.empty(parts, d_pad, dtype=torch.float32, device=q.device)
+        bufs = None if workspace is None else workspace.get("decode_partials")
+        if bufs is None or bufs[0].shape[0] < parts or bufs[2].shape[1] != d_pad \
+                or bufs[0].device != q.device:
+            bufs = (torch.empty(parts, dtype=torch.float32, device=q.device),
+                    torch.empty(parts, dtype=torch.float32, device=q.device),
+                    torch.empty(parts, d_pad, dtype=torch.float32, device=q.device))
+            if workspace is not None:
+                workspace["decode_partials"] = bufs
+        m_buf, l_buf, acc_buf = bufs
     else:
         m_buf = l_buf = acc_buf = out  # never touched: every request fits its one split
     k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -390,6 +408,8 @@ def paged_decode_attention_ref(
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
     zero_padded_rows: bool = False,
+    check: bool = True,
+    workspace: dict | None = None,
 ) -> torch.Tensor:
     """Plain torch twin of :func:`paged_decode_attention` (``paged_attention_ref`` on the
     single-token requests; reads lengths back to the host). The launch hints are ignored."""

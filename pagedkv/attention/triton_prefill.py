@@ -38,6 +38,7 @@ import triton.language as tl
 
 from pagedkv.attention._triton_common import (
     LOG2E,
+    attn_shape,
     check_attention_inputs,
     dot_precision,
     interpreted,
@@ -220,6 +221,7 @@ def paged_prefill_attention(
     num_tokens: int | None = None,
     skip_decode: bool = False,
     config: PrefillConfig | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """Causal attention of every request's query rows over its paged context.
 
@@ -232,11 +234,15 @@ def paged_prefill_attention(
         num_tokens: host upper bound of ``query_start_loc[num_reqs]`` (default ``T``).
         skip_decode: leave requests with exactly one query token alone.
         config: launch parameters; default per device.
+        check: validate the arguments (False: the caller validated the same shapes already).
     Returns ``out``.
     """
     fn = "paged_prefill_attention"
-    shape = check_attention_inputs(fn, q, kv_cache, block_table, query_start_loc, seq_lens,
-                                   out, num_reqs)
+    if check:
+        shape = check_attention_inputs(fn, q, kv_cache, block_table, query_start_loc, seq_lens,
+                                       out, num_reqs)
+    else:
+        shape = attn_shape(q, kv_cache)
     if num_tokens is None:
         num_tokens = q.shape[0]
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:

@@ -301,6 +301,7 @@ class ModelRunner:
         mgr = CudaGraphManager(self, sizes)
         mgr.capture()
         self.cuda_graphs = mgr
+        self.warm_logits_shapes()
         return len(mgr.sizes)
 
     # ----- one step ------------------------------------------------------------------------
@@ -361,9 +362,11 @@ class ModelRunner:
             positions = seq.astype(np.int64)
             sampled_req_ids = out_ids
             if num_tokens == n:  # one token per row: row i's last token is hidden row i
-                hidden, logits_indices = hidden[:n], None
+                # a graph replay projects all its (padded) rows: one GEMM shape per graph size
+                m_rows = n if graph_size is None else graph_size
+                hidden, logits_indices = hidden[:m_rows], None
             else:
-                logits_indices = step.logits_indices
+                logits_indices = self._logits_rows(self.preparer.logits_indices.np[:n])
         else:
             rows = np.flatnonzero(sample)
             if rows.size == 0:
@@ -371,19 +374,19 @@ class ModelRunner:
             positions = seq[rows].astype(np.int64)
             sampled_req_ids = [out_ids[r] for r in rows.tolist()]
             ends = np.cumsum(nsched, dtype=np.int64) - 1
-            logits_indices = self._to_device(ends[rows])
+            logits_indices = self._logits_rows(ends[rows])
+        m = len(sampled_req_ids)
 
         if self._plain_greedy():
             # Every row greedy and no logprobs: one argmax over the model-dtype logits (the
             # float32 widening is exact and order-preserving, so the argmax is the same).
             logits = self._compute_logits(hidden, logits_indices, widen=False)
-            sampled, logprobs, want = logits.argmax(dim=-1), None, None
+            sampled, logprobs, want = logits.argmax(dim=-1)[:m], None, None
         else:
-            logits = self._compute_logits(hidden, logits_indices, widen=True)
+            logits = self._compute_logits(hidden, logits_indices, widen=True)[:m]
             out = self._sample(logits, rows, n)
             sampled, logprobs = out.sampled_token_ids, out.logprobs
             want = self._sampling_wants_logprobs if logprobs is not None else None
-        m = len(sampled_req_ids)
         host, event = sampled, None
         if self._host_bufs is not None:  # CUDA: pinned double buffer, one event per step
             i = self._buf_i
@@ -502,6 +505,33 @@ class ModelRunner:
         dst = self._to_device(starts[rows])
         src_t = self._to_device(src)
         ids_gpu.index_copy_(0, dst, prev.sampled.index_select(0, src_t).to(ids_gpu.dtype))
+
+    def _logits_rows(self, rows: np.ndarray) -> torch.Tensor:
+        """Device indices of the hidden rows to project, padded (with the last row) to the
+        next CUDA-graph size: the LM-head GEMM then sees the few shapes warmed at capture
+        instead of a new row count in most steps (cuBLAS picks its kernel per shape, which
+        costs milliseconds on the host the first time, measured in W1's prefill steps).
+        Callers use the first ``len(rows)`` rows of the result."""
+        graphs = self.cuda_graphs
+        m = rows.shape[0]
+        if graphs is not None:
+            size = graphs.padded_size(m)
+            if size is not None and size > m:
+                rows = np.concatenate([rows, np.full(size - m, rows[-1], dtype=np.int64)])
+        return self._to_device(rows)
+
+    def warm_logits_shapes(self) -> None:
+        """Run the LM-head projection (and the greedy argmax) once for every CUDA-graph size,
+        so no new GEMM shape appears during serving (see ``_logits_rows``)."""
+        if self.cuda_graphs is None:
+            return
+        hidden = torch.zeros(self.cuda_graphs.sizes[-1], self.model.config.hidden_size,
+                             dtype=self.model.dtype, device=self.device)
+        for size in self.cuda_graphs.sizes:
+            with torch.inference_mode():
+                self._compute_logits(hidden[:size], None, widen=False).argmax(dim=-1)
+                self._compute_logits(hidden[:size], None, widen=True)
+        torch.cuda.synchronize(self.device)
 
     def _to_device(self, values: np.ndarray) -> torch.Tensor:
         """A small int64 host array on the device without a sync (through pinned memory on
