@@ -154,7 +154,9 @@ class _StepPlan:
     """What :meth:`TritonAttentionBackend.forward` derives from one step's metadata, once for
     all layers: host ints, length checks, the path (decode-only, varlen, mixed) and a workspace
     for the decode kernel's split partials. Reused while the same metadata object comes with
-    queries and caches of the same shape (the layers of one step)."""
+    queries and caches of the same shape (the layers of one step), and never across the start
+    or the end of a CUDA-graph capture (a graph must own the workspace it writes: buffers
+    allocated before the capture would be freed and reused while the graph still writes them)."""
 
     def __init__(self, backend: TritonAttentionBackend, metadata, q: torch.Tensor,
                  kv_cache: torch.Tensor):
@@ -195,7 +197,10 @@ class _StepPlan:
 
     @staticmethod
     def _key(metadata, q: torch.Tensor, kv_cache: torch.Tensor) -> tuple:
-        return (q.shape, q.dtype, q.device, kv_cache.shape, kv_cache.dtype,
+        # A plan never crosses into or out of a CUDA-graph capture: its workspace must be
+        # allocated inside the capture (graph memory) to be valid at every replay.
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        return (q.shape, q.dtype, q.device, kv_cache.shape, kv_cache.dtype, capturing,
                 int(metadata.num_reqs), int(metadata.num_actual_tokens),
                 int(metadata.max_query_len), int(metadata.max_seq_len))
 

@@ -63,6 +63,18 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(hidden.shape[0], self.num_heads * self.head_dim))
 
 
+def residual_add(hidden: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """``hidden + delta``. Inside a compiled region, for bf16/fp16, written as a float32 add
+    with one rounding, which is bitwise what the eager half-precision add computes (torch adds
+    half types in float32 and rounds once) but keeps inductor from folding the add into the
+    preceding GEMM (``addmm``: cuBLAS then first copies ``hidden`` into the output, an extra
+    kernel per residual, measured 1.6 us per layer on the H200); the add fuses into the
+    following RMSNorm kernel instead."""
+    if hidden.dtype in (torch.bfloat16, torch.float16) and torch.compiler.is_compiling():
+        return (hidden.float() + delta.float()).to(hidden.dtype)
+    return hidden + delta
+
+
 def pre_attention(
     hidden: torch.Tensor,
     delta: torch.Tensor | None,
@@ -83,7 +95,7 @@ def pre_attention(
     given), input RMSNorm, fused QKV projection, per-head q/k RMSNorm (Qwen3), RoPE. Returns
     ``(hidden, q, k, v)``. Plain tensor code: ``DecoderForCausalLM.compile_regions`` compiles it."""
     if delta is not None:
-        hidden = hidden + delta
+        hidden = residual_add(hidden, delta)
     x = rms_norm(hidden, ln_weight, eps)
     qkv = F.linear(x, qkv_weight, qkv_bias)
     t = x.shape[0]
@@ -111,7 +123,7 @@ def pre_attention_qkv(
     norms, RoPE and the KV-cache write follow in one kernel
     (``pagedkv.kernels.qk_norm_rope_cache``)."""
     if delta is not None:
-        hidden = hidden + delta
+        hidden = residual_add(hidden, delta)
     return hidden, F.linear(rms_norm(hidden, ln_weight, eps), qkv_weight, qkv_bias)
 
 
@@ -130,9 +142,35 @@ def post_attention(
     """A layer after attention: ``hidden += o_proj(attn_out)``, post-attention RMSNorm, the
     gated MLP. Returns ``(hidden, mlp_out)``; the residual add of ``mlp_out`` is done by the next
     layer's :func:`pre_attention` (or the final norm), so it fuses with that norm."""
-    hidden = hidden + F.linear(attn_out.reshape(hidden.shape[0], -1), o_weight, o_bias)
+    hidden = residual_add(hidden, F.linear(attn_out.reshape(hidden.shape[0], -1), o_weight, o_bias))
     x = rms_norm(hidden, ln_weight, eps)
     return hidden, F.linear(silu_and_mul(F.linear(x, gate_up_weight, gate_up_bias)), down_weight, down_bias)
+
+
+def post_pre_qkv(
+    hidden: torch.Tensor,
+    attn_out: torch.Tensor,
+    o_weight: torch.Tensor,
+    o_bias: torch.Tensor | None,
+    ln_weight: torch.Tensor,
+    eps: float,
+    gate_up_weight: torch.Tensor,
+    gate_up_bias: torch.Tensor | None,
+    down_weight: torch.Tensor,
+    down_bias: torch.Tensor | None,
+    next_ln_weight: torch.Tensor,
+    next_eps: float,
+    next_qkv_weight: torch.Tensor,
+    next_qkv_bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Everything between two attention calls on the fused-KV-write path: layer i's
+    :func:`post_attention` then layer i+1's :func:`pre_attention_qkv`. Returns ``(hidden,
+    qkv)`` of layer i+1. One compiled region per layer boundary instead of two: half the
+    per-call host cost of compiled regions in eager (prefill) steps."""
+    hidden, delta = post_attention(hidden, attn_out, o_weight, o_bias, ln_weight, eps,
+                                   gate_up_weight, gate_up_bias, down_weight, down_bias)
+    return pre_attention_qkv(hidden, delta, next_ln_weight, next_eps, next_qkv_weight,
+                             next_qkv_bias)
 
 
 class DecoderLayer(nn.Module):
@@ -147,6 +185,33 @@ class DecoderLayer(nn.Module):
         hidden, delta = self.forward_split(hidden, None, cos, sin, kv_cache, metadata, backend)
         return hidden + delta
 
+    def pre_qkv_args(self) -> tuple:
+        """The weights :func:`pre_attention_qkv` takes for this layer."""
+        qkv = self.self_attn.qkv_proj
+        return (self.input_layernorm.weight, self.input_layernorm.eps, qkv.weight, qkv.bias)
+
+    def post_args(self) -> tuple:
+        """The weights :func:`post_attention` takes for this layer."""
+        attn, mlp = self.self_attn, self.mlp
+        return (attn.o_proj.weight, attn.o_proj.bias, self.post_attention_layernorm.weight,
+                self.post_attention_layernorm.eps, mlp.gate_up_proj.weight,
+                mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias)
+
+    def attend_fused(self, qkv_out, cos, sin, kv_cache, metadata, backend) -> torch.Tensor:
+        """The fused path's attention: q/k norms + RoPE + KV write in one kernel
+        (``qk_norm_rope_cache``), then the backend with ``k = v = None``."""
+        from pagedkv.kernels.qk_norm_rope_cache import qk_norm_rope_cache
+
+        attn = self.self_attn
+        qn = attn.q_norm
+        slots = metadata.slot_mapping[: int(metadata.num_actual_tokens)]
+        q = qk_norm_rope_cache(
+            qkv_out, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+            None if qn is None else qn.weight, None if qn is None else attn.k_norm.weight,
+            0.0 if qn is None else qn.eps, cos, sin, slots, kv_cache[0], kv_cache[1],
+            check=attn.layer_idx == 0)  # every layer has layer 0's shapes
+        return backend.forward(attn.layer_idx, q, None, None, kv_cache, metadata, attn.scale)
+
     def forward_split(self, hidden, delta, cos, sin, kv_cache, metadata, backend,
                       pre=pre_attention, post=post_attention,
                       pre_qkv=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,21 +221,12 @@ class DecoderLayer(nn.Module):
         With ``pre_qkv`` (:func:`pre_attention_qkv` or its compiled version; for backends with
         ``fused_kv_write``), the q/k norms, RoPE and the KV write run as one kernel
         (``qk_norm_rope_cache``) and the backend is called with ``k = v = None``."""
-        attn, mlp = self.self_attn, self.mlp
+        attn = self.self_attn
         qkv = attn.qkv_proj
         qn = attn.q_norm
         if pre_qkv is not None:
-            from pagedkv.kernels.qk_norm_rope_cache import qk_norm_rope_cache
-
-            hidden, qkv_out = pre_qkv(hidden, delta, self.input_layernorm.weight,
-                                      self.input_layernorm.eps, qkv.weight, qkv.bias)
-            slots = metadata.slot_mapping[: int(metadata.num_actual_tokens)]
-            q = qk_norm_rope_cache(
-                qkv_out, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                None if qn is None else qn.weight, None if qn is None else attn.k_norm.weight,
-                0.0 if qn is None else qn.eps, cos, sin, slots, kv_cache[0], kv_cache[1],
-                check=attn.layer_idx == 0)  # every layer has layer 0's shapes
-            k = v = None
+            hidden, qkv_out = pre_qkv(hidden, delta, *self.pre_qkv_args())
+            out = self.attend_fused(qkv_out, cos, sin, kv_cache, metadata, backend)
         else:
             hidden, q, k, v = pre(
                 hidden, delta, self.input_layernorm.weight, self.input_layernorm.eps,
@@ -179,12 +235,8 @@ class DecoderLayer(nn.Module):
                 0.0 if qn is None else qn.eps,
                 cos, sin, attn.num_heads, attn.num_kv_heads, attn.head_dim,
             )
-        out = backend.forward(attn.layer_idx, q, k, v, kv_cache, metadata, attn.scale)
-        return post(
-            hidden, out, attn.o_proj.weight, attn.o_proj.bias,
-            self.post_attention_layernorm.weight, self.post_attention_layernorm.eps,
-            mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias,
-        )
+            out = backend.forward(attn.layer_idx, q, k, v, kv_cache, metadata, attn.scale)
+        return post(hidden, out, *self.post_args())
 
 
 class DecoderForCausalLM(nn.Module):
@@ -257,13 +309,25 @@ class DecoderForCausalLM(nn.Module):
         cos, sin = self._rope(positions, seq_lens)
         hidden = F.embedding(input_ids, self.embed_tokens)
         backend = self.attn_backend
-        pre, post, pre_qkv = self._regions
-        if not (kv_caches and self.fused_kv_write_usable(kv_caches[0])):
-            pre_qkv = None
+        pre, post, pre_qkv, mid = self._regions
+        layers = self.layers
+        if kv_caches and self.fused_kv_write_usable(kv_caches[0]):
+            # fused path: one region between two attention calls (post_i + pre_qkv_{i+1})
+            hidden, qkv = pre_qkv(hidden, None, *layers[0].pre_qkv_args())
+            last = len(layers) - 1
+            for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches)):
+                out = layer.attend_fused(qkv, cos, sin, kv_cache, attn_metadata, backend)
+                if i < last:
+                    hidden, qkv = mid(hidden, out, *layer.post_args(),
+                                      *layers[i + 1].pre_qkv_args())
+                else:
+                    hidden, delta = post(hidden, out, *layer.post_args())
+                    hidden = hidden + delta
+            return self.norm(hidden)
         delta = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(layers, kv_caches):
             hidden, delta = layer.forward_split(hidden, delta, cos, sin, kv_cache, attn_metadata,
-                                                backend, pre, post, pre_qkv)
+                                                backend, pre, post)
         if delta is not None:
             hidden = hidden + delta
         return self.norm(hidden)
@@ -283,7 +347,7 @@ class DecoderForCausalLM(nn.Module):
     @property
     def _regions(self):
         return self.__dict__.get("_compiled_regions") or (pre_attention, post_attention,
-                                                          pre_attention_qkv)
+                                                          pre_attention_qkv, post_pre_qkv)
 
     @property
     def compiled(self) -> bool:
@@ -293,7 +357,8 @@ class DecoderForCausalLM(nn.Module):
         """``torch.compile`` the pointwise regions of every layer (:func:`pre_attention`: residual
         add + RMSNorm + QKV + q/k norms + RoPE; :func:`pre_attention_qkv`, its fused-KV-write
         variant, up to the QKV GEMM; :func:`post_attention`: o_proj + residual add + RMSNorm +
-        gated MLP) so their many small kernels fuse; attention stays outside. One
+        gated MLP; :func:`post_pre_qkv`: the two fused-path regions between two attention calls
+        as one) so their many small kernels fuse; attention stays outside. One
         compiled function serves every layer (weights are arguments); the token dimension is
         dynamic (one graph for T >= 2, one for T == 1, one more for layer 0, which has no residual
         delta). Inductor keeps intermediate values in float32 where eager rounds each op to the
@@ -322,17 +387,18 @@ class DecoderForCausalLM(nn.Module):
             pre = _dynamic_tokens(torch.compile(pre_attention, **compile_kwargs), (0, 1, 9, 10))
             post = _dynamic_tokens(torch.compile(post_attention, **compile_kwargs), (0, 1))
             pre_qkv = _dynamic_tokens(torch.compile(pre_attention_qkv, **compile_kwargs), (0, 1))
+            mid = _dynamic_tokens(torch.compile(post_pre_qkv, **compile_kwargs), (0, 1))
             if check:
-                self._check_regions(pre, post, pre_qkv)
+                self._check_regions(pre, post, pre_qkv, mid)
         except Exception as e:  # compilation problems must not take the engine down
             log.warning("compile_regions: falling back to eager (%s: %s)", type(e).__name__, e)
             self.__dict__.pop("_compiled_regions", None)
             return False
-        self.__dict__["_compiled_regions"] = (pre, post, pre_qkv)
+        self.__dict__["_compiled_regions"] = (pre, post, pre_qkv, mid)
         return True
 
     @torch.inference_mode()
-    def _check_regions(self, pre, post, pre_qkv) -> None:
+    def _check_regions(self, pre, post, pre_qkv, mid) -> None:
         layer = self.layers[0]
         attn = layer.self_attn
         cfg = self.config
@@ -356,11 +422,12 @@ class DecoderForCausalLM(nn.Module):
                 got = layer.forward_split(h, delta, cos, sin, None, None, got_b, pre, post)
                 for x, y in zip(ref + ref_b.qkv, got + got_b.qkv):
                     _close(x, y)
-                qkv = attn.qkv_proj
-                args = (h, delta, layer.input_layernorm.weight, layer.input_layernorm.eps,
-                        qkv.weight, qkv.bias)
+                args = (h, delta, *layer.pre_qkv_args())
                 for x, y in zip(pre_attention_qkv(*args), pre_qkv(*args)):
                     _close(x, y)
+            args = (h, a, *layer.post_args(), *layer.pre_qkv_args())
+            for x, y in zip(post_pre_qkv(*args), mid(*args)):
+                _close(x, y)
 
     def _rope(self, positions: torch.Tensor, seq_lens: torch.Tensor | None):
         """cos/sin of ``positions`` in the model dtype: ``apply_rotary`` casts them to q/k's
@@ -476,5 +543,5 @@ def _dynamic_tokens(fn, token_args: tuple[int, ...]):
     return call
 
 
-__all__ = ["Attention", "DecoderForCausalLM", "DecoderLayer", "post_attention", "pre_attention",
-           "pre_attention_qkv"]
+__all__ = ["Attention", "DecoderForCausalLM", "DecoderLayer", "post_attention", "post_pre_qkv",
+           "pre_attention", "pre_attention_qkv"]

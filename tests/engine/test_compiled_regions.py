@@ -3,6 +3,8 @@ attention traced by dynamo without graph breaks and compiled by inductor (here i
 on the GPU the same graphs become Triton kernels), one compiled function for every layer and every
 token count, eager results when it is off, and the engine's greedy tokens unchanged (fp32)."""
 
+import os
+
 import pytest
 import torch
 from engine_helpers import TEXTS, make_llm
@@ -48,10 +50,10 @@ def test_compiled_regions_in_the_engine_on_cpu(tiny_dir, hf_ref):
     want = [t for o in outs for t in ref.greedy(o.prompt_token_ids, 8)]
     assert sum(x == y for x, y in zip(got, want)) >= 0.9 * len(want)
     # one graph per (layer-0 variant without a residual delta, T == 1 or not) and region
-    # (pre_attention 4, post_attention 2, pre_attention_qkv 4, the last compiled by the
-    # check): every layer and every token count reuse them
+    # (pre_attention 4, post_attention 2, pre_attention_qkv 4, post_pre_qkv 2; the last two
+    # compiled by the check): every layer and every token count reuse them
     stats = torch._dynamo.utils.counters["stats"]
-    assert stats["unique_graphs"] <= 10
+    assert stats["unique_graphs"] <= 12
 
 
 @pytest.mark.parametrize("where", ["compile", "check"])
@@ -73,3 +75,37 @@ def test_compile_failure_falls_back_to_eager(tiny_dir, caplog, monkeypatch, wher
     out = llm.generate([TEXTS[1]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton backend on CPU tensors needs the Triton interpreter")
+def test_compiled_fused_path_in_the_engine_on_cpu(tiny_dir, hf_ref):
+    """Compiled regions on the fused-KV-write path (Triton backend, interpreted): layer 0's
+    pre_attention_qkv, then one post_pre_qkv region between two attention calls, the last
+    layer's post_attention; greedy tokens follow transformers."""
+    path = tiny_dir("qwen3")
+    llm = make_llm(path, attention_backend="triton", max_num_batched_tokens=32, max_num_seqs=4)
+    model = llm.engine.model
+    torch._dynamo.reset()
+    assert model.compile_regions(allow_cpu=True)
+    assert model.fused_kv_write_usable(llm.engine.runner.kv_caches[0])
+    calls = []
+    pre, post, pre_qkv, mid = model._regions
+
+    def counted(name, fn):
+        def call(*a):
+            calls.append(name)
+            return fn(*a)
+        return call
+
+    model.__dict__["_compiled_regions"] = (pre, counted("post", post), counted("pre_qkv", pre_qkv),
+                                           counted("mid", mid))
+    outs = llm.generate(TEXTS[:3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                        use_tqdm=False)
+    ref = hf_ref(path)
+    got = [t for o in outs for t in o.outputs[0].token_ids]
+    want = [t for o in outs for t in ref.greedy(o.prompt_token_ids, 6)]
+    assert sum(x == y for x, y in zip(got, want)) >= 0.9 * len(want)
+    layers = len(model.layers)
+    steps = calls.count("pre_qkv")
+    assert steps > 0 and calls.count("mid") == steps * (layers - 1) and calls.count("post") == steps
