@@ -180,6 +180,18 @@ class LLMEngine:
         self._ids = itertools.count()
         self.stats = EngineStats()
 
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The EOS ids requests stop on (unless ``ignore_eos``); the runner keeps them from
+        being sampled before a request's ``min_tokens``."""
+        return self._eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids) -> None:
+        self._eos_token_ids = list(ids)
+        self.runner.eos_token_ids = tuple(self._eos_token_ids)
+        self.runner._sampling_key = None  # rebuild the per-row stop ids
+
     # ----- requests ------------------------------------------------------------------------
     def new_request_id(self) -> str:
         rid = str(next(self._ids))

@@ -76,16 +76,24 @@ class Sampler:
         self.logprobs_mode = logprobs_mode
         self.generator = generator
 
-    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        return self.forward(logits, metadata)
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata,
+                 banned: tuple[torch.Tensor, torch.Tensor] | None = None) -> SamplerOutput:
+        return self.forward(logits, metadata, banned)
 
-    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata,
+                banned: tuple[torch.Tensor, torch.Tensor] | None = None) -> SamplerOutput:
+        """Sample one token per row. ``banned``: ``(rows, token_ids)`` (int64, same length)
+        pairs that cannot be sampled this step (``min_tokens``: a request's stop tokens before
+        its minimum length); their logits become ``-inf`` after the raw logprobs are taken
+        (as vLLM's min-tokens logits processor: raw logprobs are those of the model)."""
         self._check(logits, metadata)
         logits = logits.float()  # no copy when already float32; never modified below
         k = metadata.max_num_logprobs
         raw_logprobs = None
         if k is not None and self.logprobs_mode == "raw_logprobs":
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if banned is not None:
+            logits = logits.index_put(banned, torch.tensor(float("-inf"), device=logits.device))
 
         greedy = None if metadata.all_random else logits.argmax(dim=-1)
         processed = logits

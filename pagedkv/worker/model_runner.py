@@ -20,7 +20,9 @@
    otherwise the :class:`~pagedkv.sampling.sampler.Sampler` with each request's
    :class:`~pagedkv.sampling.params.SamplingParams` (the sampling metadata is rebuilt only when
    the set of sampled rows changes; seeded requests keep their own generator in their
-   :class:`CachedRequestState` for their whole life, preemptions included);
+   :class:`CachedRequestState` for their whole life, preemptions included; a request below its
+   ``min_tokens`` cannot sample its stop tokens, ``stop_token_ids`` and EOS unless
+   ``ignore_eos``, as in vLLM);
 6. the sampled ids go to one of two pinned host buffers (non-blocking copy + a CUDA event);
    ``get_output`` waits for that event (the step's one device -> host sync), writes the tokens
    into the batch's token table (vectorised) and the request states, and returns a
@@ -228,6 +230,10 @@ class ModelRunner:
         self._sampling_key: tuple[str, ...] | None = None
         self._sampling_md: SamplingMetadata | None = None
         self._sampling_wants_logprobs: list[int | None] = []
+        self._min_tokens_rows: list[tuple[int, int, int, list[int]]] = []
+        # EOS ids that min_tokens keeps from being sampled early (the engine sets the ids it
+        # stops on; default: the model config's)
+        self.eos_token_ids: tuple[int, ...] = tuple(getattr(model.config, "eos_token_ids", ()) or ())
         # Output row lists, reused while the batch does not change.
         self._out_ids: list[str] = []
         self._out_index: dict[str, int] = {}
@@ -384,7 +390,7 @@ class ModelRunner:
             sampled, logprobs, want = logits.argmax(dim=-1)[:m], None, None
         else:
             logits = self._compute_logits(hidden, logits_indices, widen=True)[:m]
-            out = self._sample(logits, rows, n)
+            out = self._sample(logits, rows, n, positions)
             sampled, logprobs = out.sampled_token_ids, out.logprobs
             want = self._sampling_wants_logprobs if logprobs is not None else None
         host, event = sampled, None
@@ -555,7 +561,8 @@ class ModelRunner:
             for rid in self._out_ids:
                 p = requests[rid].sampling_params
                 if isinstance(p, SamplingParams) and (p.temperature >= GREEDY_EPS
-                                                      or p.logprobs is not None):
+                                                      or p.logprobs is not None
+                                                      or p.min_tokens > 0):
                     plain = False
                     break
             self._greedy_plain = plain
@@ -574,7 +581,8 @@ class ModelRunner:
             for kv in self.kv_caches:
                 kv[:, dst] = kv[:, src]
 
-    def _sample(self, logits: torch.Tensor, rows: np.ndarray | None, n: int):
+    def _sample(self, logits: torch.Tensor, rows: np.ndarray | None, n: int,
+                positions: np.ndarray | None = None):
         ids = self._out_ids
         key = tuple(ids) if rows is None else tuple(ids[r] for r in rows.tolist())
         if key != self._sampling_key:
@@ -590,7 +598,38 @@ class ModelRunner:
             self._sampling_key = key
             self._sampling_md = md
             self._sampling_wants_logprobs = [p.logprobs for p in params]
-        return self.sampler(logits, self._sampling_md)
+            # rows with a min_tokens bound: (row, prompt length, min_tokens, stop ids)
+            self._min_tokens_rows = [
+                (j, len(st.prompt_token_ids), p.min_tokens, self.stop_token_ids_of(p))
+                for j, (st, p) in enumerate(zip(states, params)) if p.min_tokens > 0
+            ]
+        banned = None
+        if self._min_tokens_rows and positions is not None:
+            banned = self._min_tokens_banned(positions)
+        return self.sampler(logits, self._sampling_md, banned)
+
+    def stop_token_ids_of(self, params: SamplingParams) -> list[int]:
+        """The tokens that end ``params``' request: its ``stop_token_ids`` and, unless
+        ``ignore_eos``, every EOS id of the model (``eos_token_ids``), within the vocabulary."""
+        ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            ids.update(self.eos_token_ids)
+        vocab = self.model.config.vocab_size
+        return sorted(t for t in ids if 0 <= t < vocab)
+
+    def _min_tokens_banned(self, positions: np.ndarray):
+        """``(rows, token_ids)`` device tensors of the stop tokens banned this step: a request
+        whose new token would be output number ``positions[row] - prompt length`` (0-based)
+        below its ``min_tokens`` cannot end there (vLLM's min-tokens rule). None if none."""
+        rows: list[int] = []
+        toks: list[int] = []
+        for j, prompt_len, min_tokens, stop_ids in self._min_tokens_rows:
+            if stop_ids and int(positions[j]) - prompt_len < min_tokens:
+                rows.extend([j] * len(stop_ids))
+                toks.extend(stop_ids)
+        if not rows:
+            return None
+        return self._to_device(np.asarray(rows)), self._to_device(np.asarray(toks))
 
     def _logprobs(self, h: StepHandle) -> dict[str, SampledLogprobs]:
         token_ids, values, ranks = h.logprobs.tolists()

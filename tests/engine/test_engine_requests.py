@@ -249,3 +249,39 @@ def test_prompt_forms(llm):
     assert [o.outputs[0].token_ids for o in outs] == [want] * len(forms)
     with pytest.raises(InvalidRequestError, match="one key"):
         llm.generate({"prompt": "a", "x": 1}, p, use_tqdm=False)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_min_tokens_keeps_stop_tokens_out_until_reached(tiny_dir, async_scheduling):
+    """min_tokens (vLLM semantics): before a request has min_tokens outputs its stop tokens
+    (stop_token_ids, and EOS unless ignore_eos) cannot be sampled; greedy then takes the best
+    other token; from min_tokens on they stop the request as usual."""
+    llm = make_llm(tiny_dir("qwen3"), max_model_len=64, async_scheduling=async_scheduling)
+    free = llm.scheduler.kv_cache_manager.num_free_blocks
+    base = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    ref = llm.generate(TEXTS[1], base, use_tqdm=False)[0].outputs[0]
+    stop_tok = ref.token_ids[0]  # greedy's first token
+    runner_up = next(t for t in ref.logprobs[0] if t != stop_tok)  # best other first token
+    # without min_tokens the request stops at once
+    c = llm.generate(TEXTS[1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                              stop_token_ids=[stop_tok]), use_tqdm=False)[0].outputs[0]
+    assert c.token_ids == [stop_tok] and c.finish_reason == "stop"
+    # with min_tokens=3 the first three outputs avoid it; the first is the runner-up
+    for kw in (dict(stop_token_ids=[stop_tok], ignore_eos=True), dict()):
+        if not kw:  # the same token as EOS (not ignored) instead of a stop token id
+            llm.engine.eos_token_ids = [stop_tok]
+        try:
+            out = llm.generate(TEXTS[1], SamplingParams(temperature=0, max_tokens=12, min_tokens=3,
+                                                        logprobs=1, **kw), use_tqdm=False)[0]
+        finally:
+            llm.engine.eos_token_ids = list(llm.engine.config.eos_token_ids)
+        toks = out.outputs[0].token_ids
+        assert len(toks) >= 3 and stop_tok not in toks[:3], (kw, toks)
+        assert toks[0] == runner_up
+        # raw logprobs are the model's: the banned token keeps its finite logprob
+        assert math.isfinite(out.outputs[0].logprobs[0][toks[0]].logprob)
+        if out.outputs[0].finish_reason == "stop":
+            assert toks[-1] == stop_tok and stop_tok not in toks[3:-1]
+        else:
+            assert len(toks) == 12 and stop_tok not in toks
+    assert llm.scheduler.kv_cache_manager.num_free_blocks == free

@@ -349,3 +349,26 @@ def test_cuda_sampling_is_seeded_and_sync_free():
     # Logprobs on the device agree with log_softmax at the sampled ids.
     lp = torch.log_softmax(logits, dim=-1).gather(1, out.sampled_token_ids[:, None])[:, 0]
     assert torch.allclose(out.logprobs.logprobs[:, 0], lp, atol=1e-5)
+
+
+def test_banned_tokens_are_never_sampled_and_raw_logprobs_unchanged():
+    """``banned`` (min_tokens): the listed (row, token) pairs cannot be sampled, greedy takes
+    the best remaining token, random rows never draw them; raw logprobs are the model's."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 12, generator=g)
+    logits[0, 5] = 50.0  # row 0's greedy token
+    logits[1, 7] = 50.0  # row 1 would draw 7 almost surely
+    params = [SamplingParams(temperature=0.0, logprobs=1), SamplingParams(temperature=1.0, seed=3, logprobs=1),
+              SamplingParams(temperature=0.0, logprobs=1)]
+    banned = (torch.tensor([0, 1, 1]), torch.tensor([5, 7, 2]))
+    md = SamplingMetadata.build(params, "cpu")
+    for _ in range(20):
+        out = Sampler()(logits, md, banned)
+        ids = out.sampled_token_ids.tolist()
+        masked = logits.clone()
+        masked[0, 5] = float("-inf")
+        assert ids[0] == int(masked[0].argmax()) and ids[1] not in (7, 2)
+        assert ids[2] == int(logits[2].argmax())  # row 2 untouched
+        raw = torch.log_softmax(logits, -1)
+        tok, lp, _ = out.logprobs.tolists()
+        assert tok[0][1] == 5 and math.isclose(lp[0][1], float(raw[0, 5]), rel_tol=1e-5)
