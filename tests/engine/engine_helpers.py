@@ -58,3 +58,17 @@ def pool_is_idle(llm) -> bool:
     sched = llm.scheduler
     return (sched.kv_cache_manager.num_free_blocks == sched.kv_cache_config.num_blocks - 1
             and not sched.has_unfinished_requests())
+
+
+def log_scheduled_steps(scheduler) -> list[dict]:
+    """Wrap ``scheduler.schedule`` to record every SchedulerOutput's num_scheduled_tokens."""
+    inner = scheduler.schedule
+    log: list[dict] = []
+
+    def schedule():
+        so = inner()
+        log.append(dict(so.num_scheduled_tokens))
+        return so
+
+    scheduler.schedule = schedule
+    return log

@@ -5,7 +5,7 @@ prefix-cache hits, preemption), seeded sampling and logprobs against the synchro
 stop tokens / stop strings / aborts, and the CUDA-graph path (CPU stand-in)."""
 
 import pytest
-from engine_helpers import FAMILIES, TEXTS, make_llm, pool_is_idle
+from engine_helpers import FAMILIES, TEXTS, log_scheduled_steps, make_llm, pool_is_idle
 
 from pagedkv import SamplingParams
 from pagedkv.engine.async_scheduler import AsyncScheduler
@@ -24,21 +24,6 @@ def check_against_hf(ref, outs, n=NEW):
         assert o.outputs[0].finish_reason == "length" and o.finished
 
 
-def _log_steps(llm):
-    """Every SchedulerOutput's num_scheduled_tokens, in order."""
-    sched = llm.scheduler
-    inner = sched.schedule
-    log = []
-
-    def schedule():
-        so = inner()
-        log.append(dict(so.num_scheduled_tokens))
-        return so
-
-    sched.schedule = schedule
-    return log
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_async_greedy_matches_transformers(tiny_dir, hf_ref, family):
     path = tiny_dir(family)
@@ -54,7 +39,7 @@ def test_async_no_step_after_max_tokens(tiny_dir):
     """A request is never scheduled once its in-flight tokens reach max_tokens: it computes
     exactly prompt + max_tokens - 1 tokens, and the pipeline keeps one step in flight."""
     llm = make_llm(tiny_dir("llama"), async_scheduling=True)
-    log = _log_steps(llm)
+    log = log_scheduled_steps(llm.scheduler)
     lens = [3, 7, 12, 5]
     outs = llm.generate(TEXTS, [greedy(n) for n in lens], use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == lens
@@ -68,7 +53,7 @@ def test_async_no_step_after_max_tokens(tiny_dir):
 def test_async_chunked_prefill_small_budget(tiny_dir, hf_ref, family):
     path = tiny_dir(family)
     llm = make_llm(path, max_num_batched_tokens=16, max_num_seqs=4, async_scheduling=True)
-    log = _log_steps(llm)
+    log = log_scheduled_steps(llm.scheduler)
     outs = llm.generate(TEXTS, greedy(), use_tqdm=False)
     check_against_hf(hf_ref(path), outs)
     assert all(sum(s.values()) <= 16 for s in log)

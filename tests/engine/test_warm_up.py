@@ -2,24 +2,10 @@
 decode + chunked-extend step, decodes; greedy and sampled), then nothing of them is left."""
 
 import pytest
-from engine_helpers import make_llm, pool_is_idle
+from engine_helpers import log_scheduled_steps, make_llm, pool_is_idle
 
 from pagedkv import SamplingParams
 from pagedkv.errors import InvariantError
-
-
-def _log_steps(engine):
-    sched = engine.scheduler
-    inner = sched.schedule
-    log = []
-
-    def schedule():
-        so = inner()
-        log.append({rid: n for rid, n in so.num_scheduled_tokens.items()})
-        return so
-
-    sched.schedule = schedule
-    return log
 
 
 @pytest.mark.parametrize("max_model_len", [256, 48])
@@ -30,7 +16,7 @@ def test_warm_up_covers_prefill_mixed_and_decode_steps_and_leaves_nothing(tiny_d
                    async_scheduling=async_scheduling, warmup=False)
     engine = llm.engine
     before = engine.kv_stats()
-    log = _log_steps(engine)
+    log = log_scheduled_steps(engine.scheduler)
     steps = engine.warm_up()
     assert steps >= 4 and len(log) >= 4
     kinds = set()
