@@ -112,3 +112,36 @@ def test_decode_batch_gpu_bf16():
     reqs = [(int(c), 1) for c in torch.randint(0, 4000, (100,))]
     check(reqs, block_size=16, num_heads=16, num_kv_heads=8, head_dim=128,
           dtype=torch.bfloat16, device="cuda", pad_tokens=28, padded_reqs=28, seed=5)
+
+
+@pytest.mark.parametrize("reqs", [MIXED, [(30, 1), (0, 1), (15, 1)]])
+def test_step_plan_serves_every_layer_of_a_step_and_no_other(kernel_device, reqs):
+    """The backend derives its per-step plan (validation, host ints, split workspace) once for
+    all layers of a step: a second layer with the same metadata reuses it and still gets its
+    own exact result; another metadata object gets a new plan."""
+    import copy
+
+    base = make_case(reqs, block_size=4, device=kernel_device, seed=1)
+    meta = base["meta"]
+    g = torch.Generator().manual_seed(7)
+
+    def layer_inputs(i):  # layer i: same metadata, its own q/k/v and cache contents
+        if i == 0:
+            return base["q"], base["k"], base["v"], base["cache"]
+        noise = lambda t: (t.cpu() + torch.randn(t.shape, generator=g, dtype=t.dtype)).to(t.device)  # noqa: E731
+        return noise(base["q"]), noise(base["k"]), noise(base["v"]), noise(base["cache"])
+
+    inputs = [layer_inputs(i) for i in range(2)]
+    backend = TritonAttentionBackend()
+    outs = []
+    for i, (q, k, v, cache) in enumerate(inputs):
+        outs.append(backend.forward(i, q, k, v, cache.clone(), meta, base["scale"]))
+        if i == 0:
+            plan = backend._plan
+        assert backend._plan is plan  # the second layer reused the first layer's plan
+    for (q, k, v, cache), out in zip(inputs, outs):  # as a fresh backend computes it
+        ref = TritonAttentionBackend().forward(0, q, k, v, cache.clone(), meta, base["scale"])
+        torch.testing.assert_close(out, ref, atol=0, rtol=0, equal_nan=True)
+    q, k, v, cache = inputs[0]
+    backend.forward(0, q, k, v, cache.clone(), copy.copy(meta), base["scale"])
+    assert backend._plan is not plan  # another metadata object: a new plan
