@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import platform
 import random
 import time
@@ -183,7 +184,35 @@ def environment() -> dict:
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(0)
         env["cuda"] = torch.version.cuda
+        env["gpu_state"] = _gpu_state()
+    env["cpu"] = _cpu_model()
     return env
+
+
+def _gpu_state() -> str | None:
+    """Clocks, power and temperature from nvidia-smi (best effort): runs on different machine
+    leases differ, and these say by how much the device did."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,"
+             "temperature.gpu", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip() + f" x {os.cpu_count()}"
+    except OSError:
+        pass
+    return platform.processor() or None
 
 
 def format_table(rows: list[tuple[str, str]], title: str = "") -> str:
