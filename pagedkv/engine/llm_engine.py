@@ -242,11 +242,16 @@ class LLMEngine:
         else:
             text = None
             raw = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
-            bad = [t for t in raw if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
-            if bad:
-                raise InvalidRequestError(f"prompt token ids must be ints, got {bad[:5]!r}")
-            ids = [int(t) for t in raw]
-            out = [t for t in ids if not 0 <= t < self.vocab_size]
+            if raw and set(map(type, raw)) == {int}:  # the common case: plain ints, checked in C
+                ids = raw  # already a copy of the caller's sequence
+                in_vocab = 0 <= min(ids) and max(ids) < self.vocab_size
+            else:
+                bad = [t for t in raw if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+                if bad:
+                    raise InvalidRequestError(f"prompt token ids must be ints, got {bad[:5]!r}")
+                ids = [int(t) for t in raw]
+                in_vocab = all(0 <= t < self.vocab_size for t in ids)
+            out = [] if in_vocab else [t for t in ids if not 0 <= t < self.vocab_size]
             if out:
                 raise InvalidRequestError(
                     f"prompt token ids {out[:5]} are outside the vocabulary [0, {self.vocab_size})"
