@@ -14,7 +14,9 @@
    slot-mapping row), the forward pass (or the graph replay);
 4. logits only for rows that complete their known tokens this step: a partial-prefill chunk
    samples nothing and reports ``[]``; a pure-decode step projects the hidden rows as they are
-   (no gather);
+   (no gather). With CUDA graphs the projected row count is padded to a graph size (a replay
+   projects its padded rows; gathered rows repeat the last one), so the LM-head GEMM only sees
+   shapes warmed at capture; the extra rows are dropped before sampling;
 5. sampling: when every request of the batch is greedy without logprobs (cached per batch
    composition), one argmax over the model-dtype logits (no float32 copy, no metadata);
    otherwise the :class:`~pagedkv.sampling.sampler.Sampler` with each request's
