@@ -8,6 +8,12 @@ Inputs are flat packed tokens of a mixed batch (``input_ids [T]``, ``positions [
 one KV cache per layer and an attention-metadata object; attention goes through an
 ``AttentionBackend``. ``forward`` returns hidden states ``[T, hidden]``;
 ``compute_logits(hidden, indices)`` projects only the rows that get sampled.
+
+Two layer paths, same results up to rounding: the plain one (``forward_split``: QKV, q/k norms,
+RoPE in torch, the backend writes K/V) and, when the backend has ``fused_kv_write`` and the
+Triton kernels can run, the fused one (QKV GEMM, then one kernel for q/k norms + RoPE + the
+paged KV write, the backend only attends; between two attention calls one region
+``post_pre_qkv``). ``compile_regions`` compiles the torch parts of both.
 """
 
 from __future__ import annotations
