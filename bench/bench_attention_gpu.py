@@ -279,7 +279,12 @@ def bench_decode_shape(batch: int, ctx: int, sweep: bool, sms: int, base: Decode
                                              "splits": choose_num_splits(batch, HKV, ctx, sms, cfg)}
             forced, splits = DecodeConfig(min_split_tokens=16), [1, 4, 8, 16]
         else:
-            forced, splits = base, [1, 2, 3, 4]
+            # the regime's split count with longer minimum ranges (fewer, longer splits)
+            for ms in (512, 1024):
+                cfg = DecodeConfig(min_split_tokens=ms)
+                variants[f"minsplit{ms}"] = {"us": st.time(config=cfg),
+                                             "splits": choose_num_splits(batch, HKV, ctx, sms, cfg)}
+            forced, splits = base, [1, 2, 4, 8]
         for sp in splits:
             variants[f"splits{sp}"] = {"us": st.time(num_splits=sp, config=forced)}
         row["variants"] = variants

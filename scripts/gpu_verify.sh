@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One GPU call for the issue's proof items (device machine: torch 2.11, triton 3.6,
+# transformers 5.17; installs nothing): the decode/prefill attention anchors with config and
+# split variants, the bf16 engine parity test, W1 in both harnesses on the same machine lease
+# (so the harness difference is separated from lease variance), then the attention GPU tests.
+# Logs under $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/pagedkv-gpu-out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader | tee "$OUT/env.txt"
+lscpu | grep -m1 "Model name" | tee -a "$OUT/env.txt"
+git rev-parse HEAD 2>/dev/null | tee -a "$OUT/env.txt"
+if [ -z "${SKIP_ATTN_BENCH:-}" ]; then
+  echo "== attention anchors (sweep)"
+  timeout ${ATTN_TIMEOUT:-150} python3 bench/bench_attention_gpu.py --sweep --out "$OUT/attention_gpu.json" \
+    2>&1 | tee "$OUT/attention_gpu.log" | tail -32
+fi
+if [ -z "${SKIP_W1:-}" ]; then
+  echo "== W1 official harness"
+  timeout ${W1_TIMEOUT:-150} python3 bench/bench_w1.py ${W1_ARGS:-} --json "$OUT/w1.json" 2>&1 | grep -v -i warn \
+    | tee "$OUT/w1.log" | tail -16
+  echo "== W1 engine-loop timeline (same lease)"
+  timeout ${W1_TIMEOUT:-150} python3 bench/profile_w1_gpu.py --out "$OUT/prof" --skip-profile ${PROF_ARGS:-} \
+    2>&1 | grep -v -i "warn" | tee "$OUT/profile_w1.log" | tail -${PROF_TAIL:-12}
+fi
+if [ -z "${SKIP_PARITY:-}" ]; then
+  echo "== bf16 engine parity vs transformers"
+  timeout ${PARITY_TIMEOUT:-150} python3 -m pytest -q -s -p no:cacheprovider -m gpu \
+    "tests/engine/test_engine_gpu.py::test_qwen3_0_6b_shape_bf16_engine_matches_transformers" \
+    2>&1 | grep -v -i warn | tee "$OUT/engine_bf16_parity.log" | tail -8
+fi
+if [ -n "${TESTS:-}" ]; then
+  echo "== GPU tests: $TESTS"
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=8 $TESTS \
+    2>&1 | tee "$OUT/gpu_pytest.log" | tail -20
+fi
