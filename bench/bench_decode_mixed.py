@@ -33,6 +33,12 @@ from pagedkv.attention.torch_ref import paged_attention_ref  # noqa: E402
 from pagedkv.attention.triton_decode import DecodeConfig, choose_num_splits, paged_decode_attention  # noqa: E402
 
 COLD_BYTES = 512 << 20
+VARIANTS = {
+    "unfused": DecodeConfig(fused_reduce=False),
+    "balance": DecodeConfig(mid_balance=True),
+    "nobalance": DecodeConfig(mid_balance=False),
+    "mid1": DecodeConfig(mid_splits=1),
+}
 
 
 class MixedSetup:
@@ -86,6 +92,9 @@ def main() -> None:
     p.add_argument("--min-split-tokens", default="32,128,256,512")
     p.add_argument("--lo", type=int, default=100)
     p.add_argument("--hi", type=int, default=2048)
+    p.add_argument("--variants", default="unfused,balance,mid1",
+                   help="DecodeConfig variants timed against the default: unfused (separate "
+                        "reduce kernel), balance (mid_balance), mid1 (mid regime unsplit)")
     p.add_argument("--out", default="decode_mixed.json")
     args = p.parse_args()
     sms = num_sms(torch.device("cuda"))
@@ -99,20 +108,28 @@ def main() -> None:
                "rel_err": err, "times": {}}
         t_def = s.time()
         res["default_us"] = t_def
-        for mst in [int(x) for x in args.min_split_tokens.split(",")]:
+        res["variants"] = {}
+        for name in filter(None, args.variants.split(",")):
+            cfg = VARIANTS[name]
+            res["variants"][name] = {"us": s.time(config=cfg), "rel_err": s.check(config=cfg)}
+        for mst in filter(None, args.min_split_tokens.split(",")):
+            mst = int(mst)
             cfg = DecodeConfig(min_split_tokens=mst)
-            for sp in [int(x) for x in args.splits.split(",")]:
+            for sp in [int(x) for x in filter(None, args.splits.split(","))]:
                 if sp == 1 and mst != 32:
                     continue
                 res["times"][f"{sp}/{mst}"] = s.time(num_splits=sp, config=cfg)
-        best = min(res["times"], key=res["times"].get)
         frac = lambda us: s.kv_bytes / (us * 1e-6) / (COPY_TBPS * 1e12)  # noqa: E731
-        res["best"] = best
-        res["best_us"] = res["times"][best]
-        print(f"B{b:4d} sum_len {res['sum_len']:7d} default {default} splits: {t_def:8.1f} us "
-              f"({frac(t_def):.0%}); best {best}: {res['best_us']:8.1f} us ({frac(res['best_us']):.0%}); "
-              f"err {err:.1e}", flush=True)
-        print("      " + "  ".join(f"{k}:{v:.1f}" for k, v in res["times"].items()), flush=True)
+        line = (f"B{b:4d} sum_len {res['sum_len']:7d} default {default} splits: {t_def:8.1f} us "
+                f"({frac(t_def):.0%}), err {err:.1e}; "
+                + "  ".join(f"{k} {v['us']:.1f} ({frac(v['us']):.0%})" for k, v in res["variants"].items()))
+        if res["times"]:
+            best = min(res["times"], key=res["times"].get)
+            res["best"], res["best_us"] = best, res["times"][best]
+            line += f"; best forced {best}: {res['best_us']:.1f} us ({frac(res['best_us']):.0%})"
+        print(line, flush=True)
+        if res["times"]:
+            print("      " + "  ".join(f"{k}:{v:.1f}" for k, v in res["times"].items()), flush=True)
         rows.append(res)
         del s
         torch.cuda.empty_cache()

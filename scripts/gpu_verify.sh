@@ -16,6 +16,11 @@ if [ -z "${SKIP_ATTN_BENCH:-}" ]; then
   timeout ${ATTN_TIMEOUT:-150} python3 bench/bench_attention_gpu.py --sweep --out "$OUT/attention_gpu.json" \
     2>&1 | tee "$OUT/attention_gpu.log" | tail -32
 fi
+if [ -n "${MIXED:-}" ]; then
+  echo "== decode attention on mixed lengths"
+  timeout ${MIXED_TIMEOUT:-150} python3 bench/bench_decode_mixed.py $MIXED --out "$OUT/decode_mixed.json" \
+    2>&1 | tee "$OUT/decode_mixed.log" | tail -24
+fi
 if [ -z "${SKIP_W1:-}" ]; then
   echo "== W1 official harness"
   timeout ${W1_TIMEOUT:-150} python3 bench/bench_w1.py ${W1_ARGS:-} --json "$OUT/w1.json" 2>&1 | grep -v -i warn \

@@ -94,6 +94,8 @@ class DecodeConfig:
     large_splits: int = 4
     large_min_split_tokens: int = 512
     min_split_tokens: int | None = None
+    mid_balance: bool = False
+    fused_reduce: bool = True
 
     def __post_init__(self):
         if self.tile_n < 16 or self.tile_n & (self.tile_n - 1):
@@ -135,6 +137,12 @@ def choose_split(num_reqs: int, num_kv_heads: int, max_seq_len: int | None,
     return max(1, min(config.max_splits, splits)), min_tokens
 
 
+def balanced_split(num_reqs: int, num_kv_heads: int, sms: int, config: DecodeConfig) -> bool:
+    """Whether a launch caps its ranges by the batch's mean length (``mid_balance``, mid
+    regime only; see :class:`DecodeConfig`)."""
+    return config.mid_balance and 2 * sms <= num_reqs * num_kv_heads < 4 * sms
+
+
 def choose_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int | None,
                       sms: int, config: DecodeConfig) -> int:
     """The split count of :func:`choose_split`."""
@@ -150,6 +158,22 @@ def _split_range(seq_len, s, num_splits, min_split_tiles, TILE_N: tl.constexpr):
     t0 = s * per
     t1 = tl.minimum(t0 + per, n_tiles)
     return t0, t1, per, n_tiles
+
+
+@triton.jit
+def _balanced_min_tiles(seq_ptr, num_reqs, min_split_tiles, TILE_N: tl.constexpr):
+    """``max(min_split_tiles, mean tiles per request)``: a request splits only as far as the
+    batch's mean length (equal lengths: no split; a long request among short ones: its
+    ranges are about the mean), read from ``seq_lens`` on the device."""
+    offs = tl.arange(0, 128)
+    total = tl.zeros([128], tl.int32)
+    i = tl.full([], 0, tl.int32)
+    while i < num_reqs:
+        lens = tl.load(seq_ptr + i + offs, mask=i + offs < num_reqs, other=0)
+        total += (lens + TILE_N - 1) // TILE_N
+        i += 128
+    mean = tl.cdiv(tl.sum(total), tl.maximum(num_reqs, 1))
+    return tl.maximum(min_split_tiles, mean)
 
 
 @triton.jit
@@ -178,15 +202,16 @@ def _decode_tile(acc, l_i, m_i, q, t, seq_len, k_ptr, v_ptr, bt_row, bt_width, c
     return acc, l_i, m_new
 
 
-@triton.jit(do_not_specialize=["num_reqs", "num_splits", "min_split_tiles", "zero_rows"])
+@triton.jit(do_not_specialize=["num_reqs", "num_splits", "min_split_tiles", "zero_rows", "balance"])
 def _decode_kernel(
     q_ptr, q_s0, q_s1,
     k_ptr, v_ptr, c_sb, c_st, c_sh,
     bt_ptr, bt_s0, bt_width,
-    qsl_ptr, seq_ptr, num_reqs, num_splits, min_split_tiles, zero_rows,
+    qsl_ptr, seq_ptr, num_reqs, num_splits, min_split_tiles, zero_rows, balance,
     out_ptr, o_s0, o_s1,
-    m_ptr, l_ptr, acc_ptr,
+    m_ptr, l_ptr, acc_ptr, cnt_ptr,
     scale_log2,
+    NUM_KV_HEADS: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -196,6 +221,7 @@ def _decode_kernel(
     TILE_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
     RANGE_LOOP: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr,
 ):
     r = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -215,6 +241,8 @@ def _decode_kernel(
                          mask=gd_mask)
         return
     seq_len = tl.load(seq_ptr + r)
+    if balance != 0:
+        min_split_tiles = _balanced_min_tiles(seq_ptr, num_reqs, min_split_tiles, TILE_N)
     t0, t1, per, n_tiles = _split_range(seq_len, s, num_splits, min_split_tiles, TILE_N)
     if t0 >= n_tiles:
         return
@@ -249,11 +277,42 @@ def _decode_kernel(
         tl.store(m_ptr + part, m_i, mask=g < GROUP)
         tl.store(l_ptr + part, l_i, mask=g < GROUP)
         tl.store(acc_ptr + part[:, None] * D_PAD + d[None, :], acc, mask=gd_mask)
+        if FUSED_REDUCE:
+            # The last range of (r, kvh) to finish merges all of them: every thread's
+            # partial stores complete (barrier) before the ticket is taken with release
+            # semantics; the last taker acquires and reads the others' partials from L2.
+            tl.debug_barrier()
+            cnt = cnt_ptr + r * NUM_KV_HEADS + kvh
+            used = tl.cdiv(n_tiles, per)
+            ticket = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+            if ticket == used - 1:
+                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
+                base = (r.to(tl.int64) * NUM_HEADS + head) * num_splits
+                m_all = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+                sp = tl.full([], 0, tl.int32)
+                while sp < used:
+                    m_all = tl.maximum(m_all, tl.load(m_ptr + base + sp, mask=g < GROUP,
+                                                      other=0.0, cache_modifier=".cg"))
+                    sp += 1
+                l_all = tl.zeros([GROUP_PAD], tl.float32)
+                acc_all = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+                sp = tl.full([], 0, tl.int32)
+                while sp < used:
+                    w = tl.exp2(tl.load(m_ptr + base + sp, mask=g < GROUP, other=0.0,
+                                        cache_modifier=".cg") - m_all)
+                    l_all += w * tl.load(l_ptr + base + sp, mask=g < GROUP, other=1.0,
+                                         cache_modifier=".cg")
+                    acc_all += w[:, None] * tl.load(
+                        acc_ptr + (base + sp)[:, None] * D_PAD + d[None, :], mask=gd_mask,
+                        other=0.0, cache_modifier=".cg")
+                    sp += 1
+                tl.store(out_rows, (acc_all / l_all[:, None]).to(out_ptr.dtype.element_ty),
+                         mask=gd_mask)
 
 
-@triton.jit(do_not_specialize=["num_reqs", "num_splits", "min_split_tiles"])
+@triton.jit(do_not_specialize=["num_reqs", "num_splits", "min_split_tiles", "balance"])
 def _decode_reduce_kernel(
-    qsl_ptr, seq_ptr, num_reqs, num_splits, min_split_tiles,
+    qsl_ptr, seq_ptr, num_reqs, num_splits, min_split_tiles, balance,
     out_ptr, o_s0, o_s1,
     m_ptr, l_ptr, acc_ptr,
     NUM_HEADS: tl.constexpr,
@@ -267,6 +326,8 @@ def _decode_reduce_kernel(
     if tl.load(qsl_ptr + r + 1) - q_row != 1:
         return
     seq_len = tl.load(seq_ptr + r)
+    if balance != 0:
+        min_split_tiles = _balanced_min_tiles(seq_ptr, num_reqs, min_split_tiles, TILE_N)
     t0, t1, per, n_tiles = _split_range(seq_len, 0, num_splits, min_split_tiles, TILE_N)
     if per >= n_tiles:
         return  # written directly by the split kernel
@@ -354,37 +415,44 @@ def paged_decode_attention(
     d_pad = max(16, next_pow2(shape.head_dim))
     group_pad = max(16, next_pow2(shape.group))
     min_split_tiles = max(1, cdiv(min_split_tokens, cfg.tile_n))
+    balance = int(balanced_split(num_reqs, shape.num_kv_heads, num_sms(q.device), cfg))
     if num_splits > 1:
         parts = num_reqs * shape.num_heads * num_splits
+        tickets = num_reqs * shape.num_kv_heads
         bufs = None if workspace is None else workspace.get("decode_partials")
         if bufs is None or bufs[0].shape[0] < parts or bufs[2].shape[1] != d_pad \
-                or bufs[0].device != q.device:
+                or bufs[3].shape[0] < tickets or bufs[0].device != q.device:
+            # the tickets start at zero and every launch leaves them at zero (the last range
+            # of each request resets its own)
             bufs = (torch.empty(parts, dtype=torch.float32, device=q.device),
                     torch.empty(parts, dtype=torch.float32, device=q.device),
-                    torch.empty(parts, d_pad, dtype=torch.float32, device=q.device))
+                    torch.empty(parts, d_pad, dtype=torch.float32, device=q.device),
+                    torch.zeros(tickets, dtype=torch.int32, device=q.device))
             if workspace is not None:
                 workspace["decode_partials"] = bufs
-        m_buf, l_buf, acc_buf = bufs
+        m_buf, l_buf, acc_buf, cnt_buf = bufs
     else:
-        m_buf = l_buf = acc_buf = out  # never touched: every request fits its one split
+        m_buf = l_buf = acc_buf = cnt_buf = out  # never touched: every request fits one split
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _decode_kernel[(num_reqs, shape.num_kv_heads, num_splits)](
         q, q.stride(0), q.stride(1),
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table, block_table.stride(0), block_table.shape[1],
         query_start_loc, seq_lens, num_reqs, num_splits, min_split_tiles, int(bool(zero_padded_rows)),
+        balance,
         out, out.stride(0), out.stride(1),
-        m_buf, l_buf, acc_buf,
+        m_buf, l_buf, acc_buf, cnt_buf,
         float(scale) * LOG2E,
-        NUM_HEADS=shape.num_heads, GROUP=shape.group, GROUP_PAD=group_pad,
+        NUM_KV_HEADS=shape.num_kv_heads, NUM_HEADS=shape.num_heads, GROUP=shape.group, GROUP_PAD=group_pad,
         HEAD_DIM=shape.head_dim, D_PAD=d_pad, BLOCK_SIZE=shape.block_size,
         TILE_N=cfg.tile_n,
         DOT_PREC=dot_precision(kv_cache.dtype), RANGE_LOOP=not interpreted(_decode_kernel),
+        FUSED_REDUCE=cfg.fused_reduce,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not cfg.fused_reduce:
         _decode_reduce_kernel[(num_reqs, shape.num_heads)](
-            query_start_loc, seq_lens, num_reqs, num_splits, min_split_tiles,
+            query_start_loc, seq_lens, num_reqs, num_splits, min_split_tiles, balance,
             out, out.stride(0), out.stride(1),
             m_buf, l_buf, acc_buf,
             NUM_HEADS=shape.num_heads, HEAD_DIM=shape.head_dim, D_PAD=d_pad,
@@ -443,6 +511,7 @@ __all__ = [
     "DecodeConfig",
     "INTERPRET_DECODE_CONFIG",
     "MAX_SPLITS",
+    "balanced_split",
     "choose_num_splits",
     "choose_split",
     "default_decode_config",
