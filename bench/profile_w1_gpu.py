@@ -127,11 +127,26 @@ def main(argv=None) -> int:
     p.add_argument("--cprofile-steps", default=None,
                    help="A:B: cProfile engine steps [A, B) of the timeline run and print the "
                         "functions with the most own time (host cost of those steps)")
+    p.add_argument("--decode-config", default="",
+                   help="k=v,... DecodeConfig fields for this run's decode attention (A/B "
+                        "runs, e.g. fused_reduce=0 or mid_balance=1)")
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--scale", type=float, default=1.0)
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
 
+    if args.decode_config:
+        import dataclasses
+
+        import pagedkv.attention.triton_decode as td
+        types = {f.name: f.type for f in dataclasses.fields(td.DecodeConfig)}
+        kw = {}
+        for item in args.decode_config.split(","):
+            k, v = item.split("=")
+            kw[k] = bool(int(v)) if types[k] in (bool, "bool") else type(getattr(td.DecodeConfig(), k))(v)
+        cfg = td.DecodeConfig(**kw)
+        td.default_decode_config = lambda device: cfg
+        print(f"decode config for this run: {cfg}")
     t_build = time.perf_counter()
     llm = LLM.from_shape(args.shape, block_size=16, max_num_seqs=256, max_num_batched_tokens=8192,
                          max_model_len=4096, gpu_memory_utilization=0.9,

@@ -432,7 +432,9 @@ def paged_decode_attention(
                 workspace["decode_partials"] = bufs
         m_buf, l_buf, acc_buf, cnt_buf = bufs
     else:
-        m_buf = l_buf = acc_buf = cnt_buf = out  # never touched: every request fits one split
+        # never touched: every request fits its one split (int32 for the ticket pointer)
+        m_buf = l_buf = acc_buf = out
+        cnt_buf = seq_lens
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _decode_kernel[(num_reqs, shape.num_kv_heads, num_splits)](
         q, q.stride(0), q.stride(1),
