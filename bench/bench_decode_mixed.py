@@ -34,7 +34,6 @@ from pagedkv.attention.triton_decode import DecodeConfig, choose_num_splits, pag
 
 COLD_BYTES = 512 << 20
 VARIANTS = {
-    "unfused": DecodeConfig(fused_reduce=False),
     "balance": DecodeConfig(mid_balance=True),
     "nobalance": DecodeConfig(mid_balance=False),
     "mid1": DecodeConfig(mid_splits=1),
@@ -92,9 +91,9 @@ def main() -> None:
     p.add_argument("--min-split-tokens", default="32,128,256,512")
     p.add_argument("--lo", type=int, default=100)
     p.add_argument("--hi", type=int, default=2048)
-    p.add_argument("--variants", default="unfused,balance,mid1",
-                   help="DecodeConfig variants timed against the default: unfused (separate "
-                        "reduce kernel), balance (mid_balance), mid1 (mid regime unsplit)")
+    p.add_argument("--variants", default="nobalance,mid1",
+                   help="DecodeConfig variants timed against the default: balance / nobalance "
+                        "(mid_balance on / off), mid1 (mid regime unsplit)")
     p.add_argument("--out", default="decode_mixed.json")
     args = p.parse_args()
     sms = num_sms(torch.device("cuda"))

@@ -19,7 +19,8 @@ Kernel (``_decode_kernel``), grid ``(num_reqs, Hkv, num_splits)``:
     count launched and the fewest positions per range are host values (``choose_split``: from
     batch x KV heads vs the device's multiprocessors, see ``DecodeConfig``); inside, a request
     uses only ``min(num_splits, ceil(tiles / min_split_tiles))`` ranges, so short contexts in a
-    split launch do not pay for splitting. A request that ends up in one range writes its
+    split launch do not pay for splitting (with ``balance``, ``min_split_tiles`` is raised to
+    the batch's mean tiles per request, computed on the device). A request that ends up in one range writes its
     normalized output directly; otherwise each range stores its partial ``(max, sum, acc)`` in
     fp32 and ``_decode_reduce_kernel`` (grid ``(num_reqs, H)``, a loop over the ranges used)
     merges them.
@@ -76,6 +77,12 @@ class DecodeConfig:
     * ``2 S <= P < 4 S``: ``mid_splits`` ranges of at least ``mid_min_split_tokens``;
     * ``P >= 4 S``: ``large_splits`` ranges of at least ``large_min_split_tokens``.
 
+    ``mid_balance`` (mid regime only): a range is also at least the batch's mean length (in
+    tiles, summed over ``seq_lens`` on the device by every program, so it holds inside CUDA
+    graphs): equal lengths stay unsplit and only requests longer than the mean split. On the
+    H200 at equal lengths, B64/L2048: 8 ranges of 256 took 142.8-151.7 us (83-88% of 4.27 TB/s),
+    balanced 131.6 (95%), unsplit 126-129; B64/L8192: 503-514 vs balanced 501.
+
     Measured on the H200 on batches of mixed lengths U[100, 2048] (bench/bench_decode_mixed.py,
     graph replays, cold L2): against the former policy (split counts for equal lengths, ranges
     of >= 32 positions) 3-18% faster at every batch size from 8 to 256; the regimes' values
@@ -94,8 +101,7 @@ class DecodeConfig:
     large_splits: int = 4
     large_min_split_tokens: int = 512
     min_split_tokens: int | None = None
-    mid_balance: bool = False
-    fused_reduce: bool = True
+    mid_balance: bool = True
 
     def __post_init__(self):
         if self.tile_n < 16 or self.tile_n & (self.tile_n - 1):
@@ -209,9 +215,8 @@ def _decode_kernel(
     bt_ptr, bt_s0, bt_width,
     qsl_ptr, seq_ptr, num_reqs, num_splits, min_split_tiles, zero_rows, balance,
     out_ptr, o_s0, o_s1,
-    m_ptr, l_ptr, acc_ptr, cnt_ptr,
+    m_ptr, l_ptr, acc_ptr,
     scale_log2,
-    NUM_KV_HEADS: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -221,7 +226,6 @@ def _decode_kernel(
     TILE_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
     RANGE_LOOP: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr,
 ):
     r = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -277,37 +281,6 @@ def _decode_kernel(
         tl.store(m_ptr + part, m_i, mask=g < GROUP)
         tl.store(l_ptr + part, l_i, mask=g < GROUP)
         tl.store(acc_ptr + part[:, None] * D_PAD + d[None, :], acc, mask=gd_mask)
-        if FUSED_REDUCE:
-            # The last range of (r, kvh) to finish merges all of them: every thread's
-            # partial stores complete (barrier) before the ticket is taken with release
-            # semantics; the last taker acquires and reads the others' partials from L2.
-            tl.debug_barrier()
-            cnt = cnt_ptr + r * NUM_KV_HEADS + kvh
-            used = tl.cdiv(n_tiles, per)
-            ticket = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-            if ticket == used - 1:
-                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
-                base = (r.to(tl.int64) * NUM_HEADS + head) * num_splits
-                m_all = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-                sp = tl.full([], 0, tl.int32)
-                while sp < used:
-                    m_all = tl.maximum(m_all, tl.load(m_ptr + base + sp, mask=g < GROUP,
-                                                      other=0.0, cache_modifier=".cg"))
-                    sp += 1
-                l_all = tl.zeros([GROUP_PAD], tl.float32)
-                acc_all = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-                sp = tl.full([], 0, tl.int32)
-                while sp < used:
-                    w = tl.exp2(tl.load(m_ptr + base + sp, mask=g < GROUP, other=0.0,
-                                        cache_modifier=".cg") - m_all)
-                    l_all += w * tl.load(l_ptr + base + sp, mask=g < GROUP, other=1.0,
-                                         cache_modifier=".cg")
-                    acc_all += w[:, None] * tl.load(
-                        acc_ptr + (base + sp)[:, None] * D_PAD + d[None, :], mask=gd_mask,
-                        other=0.0, cache_modifier=".cg")
-                    sp += 1
-                tl.store(out_rows, (acc_all / l_all[:, None]).to(out_ptr.dtype.element_ty),
-                         mask=gd_mask)
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_splits", "min_split_tiles", "balance"])
@@ -418,23 +391,17 @@ def paged_decode_attention(
     balance = int(balanced_split(num_reqs, shape.num_kv_heads, num_sms(q.device), cfg))
     if num_splits > 1:
         parts = num_reqs * shape.num_heads * num_splits
-        tickets = num_reqs * shape.num_kv_heads
         bufs = None if workspace is None else workspace.get("decode_partials")
         if bufs is None or bufs[0].shape[0] < parts or bufs[2].shape[1] != d_pad \
-                or bufs[3].shape[0] < tickets or bufs[0].device != q.device:
-            # the tickets start at zero and every launch leaves them at zero (the last range
-            # of each request resets its own)
+                or bufs[0].device != q.device:
             bufs = (torch.empty(parts, dtype=torch.float32, device=q.device),
                     torch.empty(parts, dtype=torch.float32, device=q.device),
-                    torch.empty(parts, d_pad, dtype=torch.float32, device=q.device),
-                    torch.zeros(tickets, dtype=torch.int32, device=q.device))
+                    torch.empty(parts, d_pad, dtype=torch.float32, device=q.device))
             if workspace is not None:
                 workspace["decode_partials"] = bufs
-        m_buf, l_buf, acc_buf, cnt_buf = bufs
+        m_buf, l_buf, acc_buf = bufs
     else:
-        # never touched: every request fits its one split (int32 for the ticket pointer)
-        m_buf = l_buf = acc_buf = out
-        cnt_buf = seq_lens
+        m_buf = l_buf = acc_buf = out  # never touched: every request fits its one split
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _decode_kernel[(num_reqs, shape.num_kv_heads, num_splits)](
         q, q.stride(0), q.stride(1),
@@ -443,16 +410,15 @@ def paged_decode_attention(
         query_start_loc, seq_lens, num_reqs, num_splits, min_split_tiles, int(bool(zero_padded_rows)),
         balance,
         out, out.stride(0), out.stride(1),
-        m_buf, l_buf, acc_buf, cnt_buf,
+        m_buf, l_buf, acc_buf,
         float(scale) * LOG2E,
-        NUM_KV_HEADS=shape.num_kv_heads, NUM_HEADS=shape.num_heads, GROUP=shape.group, GROUP_PAD=group_pad,
+        NUM_HEADS=shape.num_heads, GROUP=shape.group, GROUP_PAD=group_pad,
         HEAD_DIM=shape.head_dim, D_PAD=d_pad, BLOCK_SIZE=shape.block_size,
         TILE_N=cfg.tile_n,
         DOT_PREC=dot_precision(kv_cache.dtype), RANGE_LOOP=not interpreted(_decode_kernel),
-        FUSED_REDUCE=cfg.fused_reduce,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if num_splits > 1 and not cfg.fused_reduce:
+    if num_splits > 1:
         _decode_reduce_kernel[(num_reqs, shape.num_heads)](
             query_start_loc, seq_lens, num_reqs, num_splits, min_split_tiles, balance,
             out, out.stride(0), out.stride(1),
