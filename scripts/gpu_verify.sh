@@ -26,7 +26,7 @@ if [ -z "${SKIP_W1:-}" ]; then
   timeout ${W1_TIMEOUT:-150} python3 bench/bench_w1.py ${W1_ARGS:-} --json "$OUT/w1.json" 2>&1 | grep -v -i warn \
     | tee "$OUT/w1.log" | tail -16
   echo "== W1 engine-loop timeline (same lease)"
-  timeout ${W1_TIMEOUT:-150} python3 bench/profile_w1_gpu.py --out "$OUT/prof" --skip-profile ${PROF_ARGS:-} \
+  timeout ${W1_TIMEOUT:-150} python3 bench/profile_w1_gpu.py --out "$OUT/prof" ${PROF_ARGS:---skip-profile} \
     2>&1 | grep -v -i "warn" | tee "$OUT/profile_w1.log" | tail -${PROF_TAIL:-12}
 fi
 if [ -z "${SKIP_PARITY:-}" ]; then
@@ -37,6 +37,6 @@ if [ -z "${SKIP_PARITY:-}" ]; then
 fi
 if [ -n "${TESTS:-}" ]; then
   echo "== GPU tests: $TESTS"
-  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=8 $TESTS \
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m "${TEST_MARK:-gpu}" --durations=8 $TESTS \
     2>&1 | tee "$OUT/gpu_pytest.log" | tail -20
 fi
