@@ -284,9 +284,6 @@ def bench_decode_shape(batch: int, ctx: int, sweep: bool, sms: int, base: Decode
                 cfg = DecodeConfig(min_split_tokens=ms)
                 variants[f"minsplit{ms}"] = {"us": st.time(config=cfg),
                                              "splits": choose_num_splits(batch, HKV, ctx, sms, cfg)}
-            for name, cfg in (("balance", DecodeConfig(mid_balance=True)),
-                              ("nobalance", DecodeConfig(mid_balance=False))):
-                variants[name] = {"us": st.time(config=cfg)}
             forced, splits = base, [1, 2, 4, 8]
         for sp in splits:
             variants[f"splits{sp}"] = {"us": st.time(num_splits=sp, config=forced)}

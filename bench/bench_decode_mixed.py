@@ -34,8 +34,6 @@ from pagedkv.attention.triton_decode import DecodeConfig, choose_num_splits, pag
 
 COLD_BYTES = 512 << 20
 VARIANTS = {
-    "balance": DecodeConfig(mid_balance=True),
-    "nobalance": DecodeConfig(mid_balance=False),
     "mid1": DecodeConfig(mid_splits=1),
 }
 
@@ -91,9 +89,9 @@ def main() -> None:
     p.add_argument("--min-split-tokens", default="32,128,256,512")
     p.add_argument("--lo", type=int, default=100)
     p.add_argument("--hi", type=int, default=2048)
-    p.add_argument("--variants", default="nobalance,mid1",
-                   help="DecodeConfig variants timed against the default: balance / nobalance "
-                        "(mid_balance on / off), mid1 (mid regime unsplit)")
+    p.add_argument("--variants", default="mid1",
+                   help="DecodeConfig variants timed against the default: mid1 (mid regime "
+                        "unsplit)")
     p.add_argument("--out", default="decode_mixed.json")
     args = p.parse_args()
     sms = num_sms(torch.device("cuda"))

@@ -129,7 +129,7 @@ def main(argv=None) -> int:
                         "functions with the most own time (host cost of those steps)")
     p.add_argument("--decode-config", default="",
                    help="k=v,... DecodeConfig fields for this run's decode attention (A/B "
-                        "runs, e.g. fused_reduce=0 or mid_balance=1)")
+                        "runs, e.g. mid_splits=1 or large_splits=8)")
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--scale", type=float, default=1.0)
     args = p.parse_args(argv)

@@ -19,11 +19,11 @@ Kernel (``_decode_kernel``), grid ``(num_reqs, Hkv, num_splits)``:
     count launched and the fewest positions per range are host values (``choose_split``: from
     batch x KV heads vs the device's multiprocessors, see ``DecodeConfig``); inside, a request
     uses only ``min(num_splits, ceil(tiles / min_split_tiles))`` ranges, so short contexts in a
-    split launch do not pay for splitting (with ``balance``, ``min_split_tiles`` is raised to
-    the batch's mean tiles per request, computed on the device). A request that ends up in one range writes its
+    split launch do not pay for splitting. A request that ends up in one range writes its
     normalized output directly; otherwise each range stores its partial ``(max, sum, acc)`` in
-    fp32 and ``_decode_reduce_kernel`` (grid ``(num_reqs, H)``, a loop over the ranges used)
-    merges them.
+    fp32 and ``_decode_reduce_kernel`` (grid ``(num_reqs, H)``) merges them, loading 8 ranges
+    per iteration at once (a while loop of dependent single-range loads cost about one memory
+    round trip per range: 14 us at B64 x 8 ranges on the H200).
 
 CUDA graphs: the grid depends on host ints only (``num_reqs``, heads, the split count); lengths
 are read on the device; ``num_reqs``, the split count and the split minimum are runtime
@@ -77,12 +77,6 @@ class DecodeConfig:
     * ``2 S <= P < 4 S``: ``mid_splits`` ranges of at least ``mid_min_split_tokens``;
     * ``P >= 4 S``: ``large_splits`` ranges of at least ``large_min_split_tokens``.
 
-    ``mid_balance`` (mid regime only): a range is also at least the batch's mean length (in
-    tiles, summed over ``seq_lens`` on the device by every program, so it holds inside CUDA
-    graphs): equal lengths stay unsplit and only requests longer than the mean split. On the
-    H200 at equal lengths, B64/L2048: 8 ranges of 256 took 142.8-151.7 us (83-88% of 4.27 TB/s),
-    balanced 131.6 (95%), unsplit 126-129; B64/L8192: 503-514 vs balanced 501.
-
     Measured on the H200 on batches of mixed lengths U[100, 2048] (bench/bench_decode_mixed.py,
     graph replays, cold L2): against the former policy (split counts for equal lengths, ranges
     of >= 32 positions) 3-18% faster at every batch size from 8 to 256; the regimes' values
@@ -101,7 +95,6 @@ class DecodeConfig:
     large_splits: int = 4
     large_min_split_tokens: int = 512
     min_split_tokens: int | None = None
-    mid_balance: bool = True
 
     def __post_init__(self):
         if self.tile_n < 16 or self.tile_n & (self.tile_n - 1):
@@ -143,12 +136,6 @@ def choose_split(num_reqs: int, num_kv_heads: int, max_seq_len: int | None,
     return max(1, min(config.max_splits, splits)), min_tokens
 
 
-def balanced_split(num_reqs: int, num_kv_heads: int, sms: int, config: DecodeConfig) -> bool:
-    """Whether a launch caps its ranges by the batch's mean length (``mid_balance``, mid
-    regime only; see :class:`DecodeConfig`)."""
-    return config.mid_balance and 2 * sms <= num_reqs * num_kv_heads < 4 * sms
-
-
 def choose_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int | None,
                       sms: int, config: DecodeConfig) -> int:
     """The split count of :func:`choose_split`."""
@@ -164,22 +151,6 @@ def _split_range(seq_len, s, num_splits, min_split_tiles, TILE_N: tl.constexpr):
     t0 = s * per
     t1 = tl.minimum(t0 + per, n_tiles)
     return t0, t1, per, n_tiles
-
-
-@triton.jit
-def _balanced_min_tiles(seq_ptr, num_reqs, min_split_tiles, TILE_N: tl.constexpr):
-    """``max(min_split_tiles, mean tiles per request)``: a request splits only as far as the
-    batch's mean length (equal lengths: no split; a long request among short ones: its
-    ranges are about the mean), read from ``seq_lens`` on the device."""
-    offs = tl.arange(0, 128)
-    total = tl.zeros([128], tl.int32)
-    i = tl.full([], 0, tl.int32)
-    while i < num_reqs:
-        lens = tl.load(seq_ptr + i + offs, mask=i + offs < num_reqs, other=0)
-        total += (lens + TILE_N - 1) // TILE_N
-        i += 128
-    mean = tl.cdiv(tl.sum(total), tl.maximum(num_reqs, 1))
-    return tl.maximum(min_split_tiles, mean)
 
 
 @triton.jit
@@ -208,12 +179,12 @@ def _decode_tile(acc, l_i, m_i, q, t, seq_len, k_ptr, v_ptr, bt_row, bt_width, c
     return acc, l_i, m_new
 
 
-@triton.jit(do_not_specialize=["num_reqs", "num_splits", "min_split_tiles", "zero_rows", "balance"])
+@triton.jit(do_not_specialize=["num_reqs", "num_splits", "min_split_tiles", "zero_rows"])
 def _decode_kernel(
     q_ptr, q_s0, q_s1,
     k_ptr, v_ptr, c_sb, c_st, c_sh,
     bt_ptr, bt_s0, bt_width,
-    qsl_ptr, seq_ptr, num_reqs, num_splits, min_split_tiles, zero_rows, balance,
+    qsl_ptr, seq_ptr, num_reqs, num_splits, min_split_tiles, zero_rows,
     out_ptr, o_s0, o_s1,
     m_ptr, l_ptr, acc_ptr,
     scale_log2,
@@ -245,8 +216,6 @@ def _decode_kernel(
                          mask=gd_mask)
         return
     seq_len = tl.load(seq_ptr + r)
-    if balance != 0:
-        min_split_tiles = _balanced_min_tiles(seq_ptr, num_reqs, min_split_tiles, TILE_N)
     t0, t1, per, n_tiles = _split_range(seq_len, s, num_splits, min_split_tiles, TILE_N)
     if t0 >= n_tiles:
         return
@@ -283,15 +252,16 @@ def _decode_kernel(
         tl.store(acc_ptr + part[:, None] * D_PAD + d[None, :], acc, mask=gd_mask)
 
 
-@triton.jit(do_not_specialize=["num_reqs", "num_splits", "min_split_tiles", "balance"])
+@triton.jit(do_not_specialize=["num_reqs", "num_splits", "min_split_tiles"])
 def _decode_reduce_kernel(
-    qsl_ptr, seq_ptr, num_reqs, num_splits, min_split_tiles, balance,
+    qsl_ptr, seq_ptr, num_reqs, num_splits, min_split_tiles,
     out_ptr, o_s0, o_s1,
     m_ptr, l_ptr, acc_ptr,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     TILE_N: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -299,28 +269,34 @@ def _decode_reduce_kernel(
     if tl.load(qsl_ptr + r + 1) - q_row != 1:
         return
     seq_len = tl.load(seq_ptr + r)
-    if balance != 0:
-        min_split_tiles = _balanced_min_tiles(seq_ptr, num_reqs, min_split_tiles, TILE_N)
     t0, t1, per, n_tiles = _split_range(seq_len, 0, num_splits, min_split_tiles, TILE_N)
     if per >= n_tiles:
         return  # written directly by the split kernel
     used = tl.cdiv(n_tiles, per)
     d = tl.arange(0, D_PAD)
     base = (r.to(tl.int64) * NUM_HEADS + h) * num_splits
-    # two passes over the used splits (no padded split axis: one variant for every count)
-    m_max = tl.load(m_ptr + base)
-    sp = tl.full([], 1, tl.int32)
-    while sp < used:
-        m_max = tl.maximum(m_max, tl.load(m_ptr + base + sp))
-        sp += 1
+    # SPLIT_CHUNK ranges per iteration, loaded at once (one variant for every split count;
+    # up to SPLIT_CHUNK ranges cost one round trip to memory), merged online in base 2
+    c = tl.arange(0, SPLIT_CHUNK)
+    m_run = tl.full([], float("-inf"), tl.float32)
+    l_run = tl.full([], 0.0, tl.float32)
     acc = tl.zeros([D_PAD], tl.float32)
-    l_sum = tl.full([], 0.0, tl.float32)
     sp = tl.full([], 0, tl.int32)
     while sp < used:
-        w = tl.exp2(tl.load(m_ptr + base + sp) - m_max)
-        l_sum += w * tl.load(l_ptr + base + sp)
-        acc += w * tl.load(acc_ptr + (base + sp) * D_PAD + d, mask=d < HEAD_DIM, other=0.0)
-        sp += 1
+        idx = sp + c
+        ok = idx < used
+        m = tl.load(m_ptr + base + idx, mask=ok, other=float("-inf"))
+        l = tl.load(l_ptr + base + idx, mask=ok, other=0.0)
+        a = tl.load(acc_ptr + (base + idx)[:, None] * D_PAD + d[None, :],
+                    mask=ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m, 0))
+        alpha = tl.exp2(m_run - m_new)
+        w = tl.exp2(m - m_new)
+        l_run = l_run * alpha + tl.sum(w * l, 0)
+        acc = acc * alpha + tl.sum(w[:, None] * a, 0)
+        m_run = m_new
+        sp += SPLIT_CHUNK
+    l_sum = l_run
     tl.store(out_ptr + q_row.to(tl.int64) * o_s0 + h.to(tl.int64) * o_s1 + d,
              (acc / l_sum).to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
@@ -388,7 +364,6 @@ def paged_decode_attention(
     d_pad = max(16, next_pow2(shape.head_dim))
     group_pad = max(16, next_pow2(shape.group))
     min_split_tiles = max(1, cdiv(min_split_tokens, cfg.tile_n))
-    balance = int(balanced_split(num_reqs, shape.num_kv_heads, num_sms(q.device), cfg))
     if num_splits > 1:
         parts = num_reqs * shape.num_heads * num_splits
         bufs = None if workspace is None else workspace.get("decode_partials")
@@ -408,7 +383,6 @@ def paged_decode_attention(
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table, block_table.stride(0), block_table.shape[1],
         query_start_loc, seq_lens, num_reqs, num_splits, min_split_tiles, int(bool(zero_padded_rows)),
-        balance,
         out, out.stride(0), out.stride(1),
         m_buf, l_buf, acc_buf,
         float(scale) * LOG2E,
@@ -420,11 +394,11 @@ def paged_decode_attention(
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_reqs, shape.num_heads)](
-            query_start_loc, seq_lens, num_reqs, num_splits, min_split_tiles, balance,
+            query_start_loc, seq_lens, num_reqs, num_splits, min_split_tiles,
             out, out.stride(0), out.stride(1),
             m_buf, l_buf, acc_buf,
             NUM_HEADS=shape.num_heads, HEAD_DIM=shape.head_dim, D_PAD=d_pad,
-            TILE_N=cfg.tile_n,
+            TILE_N=cfg.tile_n, SPLIT_CHUNK=8,
             num_warps=4 if d_pad >= 128 else 1,
         )
     return out
@@ -479,7 +453,6 @@ __all__ = [
     "DecodeConfig",
     "INTERPRET_DECODE_CONFIG",
     "MAX_SPLITS",
-    "balanced_split",
     "choose_num_splits",
     "choose_split",
     "default_decode_config",
