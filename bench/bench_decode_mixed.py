@@ -35,6 +35,14 @@ from pagedkv.attention.triton_decode import DecodeConfig, choose_num_splits, pag
 COLD_BYTES = 512 << 20
 VARIANTS = {
     "mid1": DecodeConfig(mid_splits=1),
+    # launch-parameter variants (every regime)
+    "s3": DecodeConfig(num_stages=3),
+    "s4": DecodeConfig(num_stages=4),
+    "s6": DecodeConfig(num_stages=6),
+    "t16s5": DecodeConfig(tile_n=16),
+    "t64s4": DecodeConfig(tile_n=64, num_stages=4),
+    "w2": DecodeConfig(num_warps=2),
+    "w8": DecodeConfig(num_warps=8),
 }
 
 
@@ -90,8 +98,8 @@ def main() -> None:
     p.add_argument("--lo", type=int, default=100)
     p.add_argument("--hi", type=int, default=2048)
     p.add_argument("--variants", default="mid1",
-                   help="DecodeConfig variants timed against the default: mid1 (mid regime "
-                        "unsplit)")
+                   help="DecodeConfig variants timed against the default (names in VARIANTS): "
+                        "mid1 (mid regime unsplit), launch parameters (s3, t16s5, w8, ...)")
     p.add_argument("--out", default="decode_mixed.json")
     args = p.parse_args()
     sms = num_sms(torch.device("cuda"))
