@@ -26,16 +26,17 @@ Prefill, 8 requests x 2048 new tokens, causal, no cached context:
 Every kernel's output is checked against the torch reference (fp32) on a sample first:
 ``||out - ref|| / ||ref||`` is reported and must stay under 2e-2 (bf16).
 
-Measured on the H200 (torch 2.11.0+cu130, triton 3.6.0; second run, us per call):
+Measured on the H200 (torch 2.11.0+cu130, triton 3.6.0; commit 7f2dad2, us per call; raw in
+bench/records/h200_attention_gpu.{json,log}, table in BENCHMARKS.md):
 
-    decode      ours (frac of 4.27 TB/s)   SDPA cuDNN     SDPA flash     vLLM split-K (PERF.md)
-    B1/L512       7.2 (min_split 32: the default now; 12.8 with splits of 256)  8.4   9.4   -
-    B1/L8192     16.2 (48%)                15.0 (52%)     22.5 (35%)     28.1
-    B64/L2048   126.1 (100%)              122.3 (103%)   216.9 (58%)    147
-    B64/L8192   483.0 (104%)              470.7 (107%)   859.6 (59%)    533
-    B256/L8192 1951.3 (103%, 4 splits)   1852.7 (109%)  3446.8 (58%)   2034
-    prefill 8 x 2048 causal: ours 511 us (269 TFLOP/s), varlen_attn 676 (203; 500 / 275 without
-    the K/V head repeat), SDPA cuDNN 282 (487), SDPA flash 483 (285).
+    decode      ours, default policy (ranges)  one range   SDPA cuDNN     SDPA flash     vLLM split-K
+    B1/L512       8.0 (16)                     17.3        8.4            9.2            -
+    B1/L8192     18.7 (42%, 32)               226.7       15.1 (52%)     22.8 (34%)     28.1
+    B64/L2048   146.3 (86%, 8)                128.9       124.8 (101%)   219.5 (57%)    147
+    B64/L8192   517.6 (97%, 8)                506.3       480.9 (105%)   888.3 (57%)    533
+    B256/L8192 1995.2 (101%, 4)              2059.0      1901.0 (106%)  3519.2 (57%)   2034
+    prefill 8 x 2048 causal: ours 510 us (270 TFLOP/s), varlen_attn 671 (205; 501 / 274 without
+    the K/V head repeat), SDPA cuDNN 284 (485), SDPA flash 483 (285).
 
 Run on the GPU machine from the repository root (torch 2.11 + triton 3.6, no installs):
     python bench/bench_attention_gpu.py --out bench/results/attention_gpu.json [--sweep]

@@ -22,8 +22,10 @@ Kernel (``_decode_kernel``), grid ``(num_reqs, Hkv, num_splits)``:
     split launch do not pay for splitting. A request that ends up in one range writes its
     normalized output directly; otherwise each range stores its partial ``(max, sum, acc)`` in
     fp32 and ``_decode_reduce_kernel`` (grid ``(num_reqs, H)``) merges them, loading 8 ranges
-    per iteration at once (a while loop of dependent single-range loads cost about one memory
-    round trip per range: 14 us at B64 x 8 ranges on the H200).
+    per iteration at once (one compiled variant for every split count; on the H200 as fast as
+    a loop over single ranges within lease variance, with fewer dependent loads for 16-32
+    ranges). Merging inside the split kernel (the last range of a request merges, after an
+    atomic ticket) was measured slower (BENCHMARKS.md) and is not used.
 
 CUDA graphs: the grid depends on host ints only (``num_reqs``, heads, the split count); lengths
 are read on the device; ``num_reqs``, the split count and the split minimum are runtime
