@@ -12,9 +12,15 @@ wait costs one attribute check when no copy is pending.
 
 On a CPU-only machine ``.gpu`` is a *separate* CPU tensor, so "device rows beyond the
 committed ones keep their old values" stays observable and testable.
+
+``StagingArea``: several 1-D staging arrays laid out in one host buffer and one device buffer,
+each exposed as a ``CpuGpuBuffer`` of views, so that a step moves them all with ONE copy (each
+copy has a fixed host cost: about 5 us to issue on the H200's host, 3-5 us on a CPU device).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -92,3 +98,70 @@ class CpuGpuBuffer:
         if ev is not None:
             ev.synchronize()
             self._pending = None
+
+
+def _views(raw: CpuGpuBuffer, offset: int, length: int, dtype: torch.dtype) -> CpuGpuBuffer:
+    """A ``CpuGpuBuffer`` whose ``.cpu``/``.gpu`` are ``length`` elements of ``dtype`` at byte
+    ``offset`` of ``raw``'s uint8 buffers."""
+    size = torch.empty((), dtype=dtype).element_size()
+    buf = CpuGpuBuffer.__new__(CpuGpuBuffer)
+    buf.device = raw.device
+    buf.cpu = raw.cpu[offset: offset + length * size].view(dtype)
+    buf.np = buf.cpu.numpy()
+    buf.gpu = raw.gpu[offset: offset + length * size].view(dtype)
+    buf._pending = None
+    return buf
+
+
+class StagingArea:
+    """1-D staging arrays in one host buffer (pinned on CUDA) and one device buffer.
+
+    ``fields``: ``(name, length, dtype)`` in layout order; each starts at a 64-byte boundary.
+    ``area[name]`` is a ``CpuGpuBuffer`` of views (write ``.np``, kernels read ``.gpu``).
+    ``copy_to_gpu(used)`` moves, in one non-blocking copy, the bytes from the start of the
+    area to the end of the last field's used rows: the rows each field uses, plus whatever
+    lies between them (unused tails of earlier fields, written on the device as they are on
+    the host: no kernel reads past the rows it is given). ``wait_for_copy()`` before writing.
+    """
+
+    ALIGN = 64
+
+    def __init__(self, fields, *, device: torch.device | str, pin_memory: bool = False) -> None:
+        self._layout: dict[str, tuple[int, int, int]] = {}
+        end = 0
+        for name, length, dtype in fields:
+            if name in self._layout or not isinstance(length, int) or length < 0:
+                raise ConfigError(f"StagingArea: bad or repeated field {name!r} (length {length!r})")
+            size = torch.empty((), dtype=dtype).element_size()
+            off = -(-end // self.ALIGN) * self.ALIGN
+            self._layout[name] = (off, length, size)
+            end = off + length * size
+        self.nbytes = end
+        self._raw = CpuGpuBuffer(max(end, 1), dtype=torch.uint8, device=device, pin_memory=pin_memory)
+        self._fields = {name: _views(self._raw, off, length, dtype)
+                        for (name, length, dtype), (off, _, _) in zip(fields, self._layout.values())}
+        # CPU device: copy through numpy views (a cold torch slice + copy costs tens of us)
+        self._host_pair = ((self._raw.np, self._raw.gpu.numpy())
+                           if self._raw.device.type == "cpu" else None)
+
+    def __getitem__(self, name: str) -> CpuGpuBuffer:
+        return self._fields[name]
+
+    def copy_to_gpu(self, used: Mapping[str, int]) -> None:
+        """One non-blocking copy covering ``used[name]`` leading rows of each named field."""
+        end = 0
+        for name, n in used.items():
+            off, length, size = self._layout[name]
+            if not 0 <= n <= length:
+                raise ConfigError(f"StagingArea.copy_to_gpu: {name} rows {n} outside [0, {length}]")
+            end = max(end, off + n * size)
+        if not end:
+            return
+        if self._host_pair is not None:
+            src, dst = self._host_pair
+            dst[:end] = src[:end]
+        else:
+            self._raw.copy_to_gpu(end)
+
+    def wait_for_copy(self) -> None:
+        self._raw.wait_for_copy()

@@ -8,7 +8,7 @@ Order of work (V1 ``_prepare_inputs``):
    tokens from 0), ``req_indices`` (token -> row), ``positions = num_computed[row] + i``,
    ``input_ids`` (gathered from the token table), ``seq_lens = num_computed + scheduled``,
    ``logits_indices`` (last token of each request), ``is_prefilling``;
-3. non-blocking copies to the device;
+3. ONE non-blocking copy to the device (the fields share one staging area, ``StagingArea``);
 4. CUDA-graph padding (reference sec. 13), rewritten every step because the buffers are
    persistent: device block-table rows ``[num_reqs, num_reqs_padded)`` -> 0 (null block),
    ``query_start_loc[num_reqs+1:]`` -> the last cumulative value, ``seq_lens[num_reqs:]`` -> 0,
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from pagedkv.errors import InvalidRequestError, InvariantError
-from pagedkv.worker.buffers import CpuGpuBuffer
+from pagedkv.worker.buffers import StagingArea
 from pagedkv.worker.input_batch import InputBatch
 
 
@@ -82,25 +82,26 @@ class InputPreparer:
         self.max_num_reqs = max_num_reqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.device = torch.device(device)
-        buf = lambda n, dt: CpuGpuBuffer(n, dtype=dt, device=device, pin_memory=pin_memory)  # noqa: E731
-        self.query_start_loc = buf(max_num_reqs + 1, torch.int32)
-        self.seq_lens = buf(max_num_reqs, torch.int32)
+        # One staging area: the step's inputs go to the device in one copy. Per-request
+        # fields first, per-token fields last (a decode step copies ~5 KB of request fields,
+        # the positions' unused tail and its input ids).
+        R, T = max_num_reqs, max_num_batched_tokens
+        self._area = StagingArea(
+            [("query_start_loc", R + 1, torch.int32), ("seq_lens", R, torch.int32),
+             ("logits_indices", R, torch.int64), ("is_prefilling", R, torch.bool),
+             ("dcp_local_seq_lens", R, torch.int32), ("positions", T, torch.int64),
+             ("input_ids", T, torch.int32)],
+            device=device, pin_memory=pin_memory)
+        self.query_start_loc = self._area["query_start_loc"]
+        self.seq_lens = self._area["seq_lens"]
         self.num_computed = torch.zeros(max_num_reqs, dtype=torch.int32)
-        self.positions = buf(max_num_batched_tokens, torch.int64)
-        self.input_ids = buf(max_num_batched_tokens, torch.int32)
-        self.logits_indices = buf(max_num_reqs, torch.int64)
-        self.is_prefilling = buf(max_num_reqs, torch.bool)
-        self.dcp_local_seq_lens = buf(max_num_reqs, torch.int32)
+        self.positions = self._area["positions"]
+        self.input_ids = self._area["input_ids"]
+        self.logits_indices = self._area["logits_indices"]
+        self.is_prefilling = self._area["is_prefilling"]
+        self.dcp_local_seq_lens = self._area["dcp_local_seq_lens"]
         self._arange = np.arange(max(max_num_batched_tokens, max_num_reqs) + 1, dtype=np.int64)
-        self._staging = (
-            self.query_start_loc,
-            self.seq_lens,
-            self.positions,
-            self.input_ids,
-            self.logits_indices,
-            self.is_prefilling,
-            self.dcp_local_seq_lens,
-        )
+        self._view_cache: dict[tuple, tuple] = {}
         self._num_computed_np = self.num_computed.numpy()
 
     @classmethod
@@ -144,8 +145,7 @@ class InputPreparer:
         seq_lens = computed + nsched
         self._validate(batch, nsched, computed, seq_lens, num_tokens, n_reqs_pad, n_tok_pad)
 
-        for b in self._staging:
-            b.wait_for_copy()
+        self._area.wait_for_copy()
 
         # 2. Host-side index math.
         qsl = self.query_start_loc.np
@@ -187,15 +187,13 @@ class InputPreparer:
             dcp[:num_reqs] = dcp_local_seq_lens(seq[:num_reqs], cp, bt.cp_rank, bt.cp_interleave)
             dcp[num_reqs:] = 0
 
-        # 3. Host -> device.
-        self.query_start_loc.copy_to_gpu(n_reqs_pad + 1)
-        self.seq_lens.copy_to_gpu(n_reqs_pad)
-        self.positions.copy_to_gpu(n_tok_pad)
-        self.input_ids.copy_to_gpu(n_tok_pad)
-        self.logits_indices.copy_to_gpu(num_reqs)
-        self.is_prefilling.copy_to_gpu(n_reqs_pad)
+        # 3. Host -> device: one copy.
+        used = {"query_start_loc": n_reqs_pad + 1, "seq_lens": n_reqs_pad,
+                "logits_indices": num_reqs, "is_prefilling": n_reqs_pad,
+                "positions": n_tok_pad, "input_ids": n_tok_pad}
         if cp > 1:
-            self.dcp_local_seq_lens.copy_to_gpu(n_reqs_pad)
+            used["dcp_local_seq_lens"] = n_reqs_pad
+        self._area.copy_to_gpu(used)
 
         # 4. Padding rows of the persistent device block table -> null block.
         bt.fill_padding_rows(num_reqs, n_reqs_pad)
@@ -219,28 +217,40 @@ class InputPreparer:
             max_seq_len = batch.max_model_len
         else:
             max_seq_len = int(seq_lens.max()) if num_reqs else 0
+        views = self._views(num_reqs, n_reqs_pad, n_tok_pad, cp > 1, slots)
         return StepInputs(
-            num_reqs=num_reqs,
-            num_reqs_padded=n_reqs_pad,
-            num_tokens=num_tokens,
-            num_tokens_padded=n_tok_pad,
-            num_scheduled_tokens=nsched,
-            req_indices=req_indices,
-            query_start_loc=self.query_start_loc.gpu[: n_reqs_pad + 1],
-            query_start_loc_cpu=self.query_start_loc.cpu[: n_reqs_pad + 1],
-            seq_lens=self.seq_lens.gpu[:n_reqs_pad],
-            seq_lens_cpu=self.seq_lens.cpu[:n_reqs_pad],
-            num_computed_tokens_cpu=self.num_computed[:n_reqs_pad],
-            positions=self.positions.gpu[:n_tok_pad],
-            input_ids=self.input_ids.gpu[:n_tok_pad],
-            logits_indices=self.logits_indices.gpu[:num_reqs],
-            is_prefilling=self.is_prefilling.gpu[:n_reqs_pad],
-            slot_mappings=slots[:, :n_tok_pad],
-            max_query_len=max_query_len,
-            max_seq_len=max_seq_len,
-            dcp_local_seq_lens=self.dcp_local_seq_lens.gpu[:n_reqs_pad] if cp > 1 else None,
-            dcp_local_seq_lens_cpu=self.dcp_local_seq_lens.cpu[:n_reqs_pad] if cp > 1 else None,
+            num_reqs, n_reqs_pad, num_tokens, n_tok_pad, nsched, req_indices, *views[:10],
+            max_query_len=max_query_len, max_seq_len=max_seq_len,
+            dcp_local_seq_lens=views[10], dcp_local_seq_lens_cpu=views[11],
         )
+
+    def _views(self, num_reqs: int, n_reqs_pad: int, n_tok_pad: int, dcp: bool,
+               slots: torch.Tensor) -> tuple:
+        """The step's views of the persistent buffers, in ``StepInputs`` field order (from
+        ``query_start_loc`` to ``slot_mappings``, then the two DCP fields), made once per
+        shape and reused: a dozen tensor slices cost ~15-25 us of host time per step."""
+        key = (num_reqs, n_reqs_pad, n_tok_pad, dcp)
+        hit = self._view_cache.get(key)
+        if hit is not None and hit[0] is slots:  # the block table's persistent slot buffer
+            return hit[1]
+        if len(self._view_cache) >= 4096:
+            self._view_cache.clear()
+        views = (
+            self.query_start_loc.gpu[: n_reqs_pad + 1],
+            self.query_start_loc.cpu[: n_reqs_pad + 1],
+            self.seq_lens.gpu[:n_reqs_pad],
+            self.seq_lens.cpu[:n_reqs_pad],
+            self.num_computed[:n_reqs_pad],
+            self.positions.gpu[:n_tok_pad],
+            self.input_ids.gpu[:n_tok_pad],
+            self.logits_indices.gpu[:num_reqs],
+            self.is_prefilling.gpu[:n_reqs_pad],
+            slots[:, :n_tok_pad],
+            self.dcp_local_seq_lens.gpu[:n_reqs_pad] if dcp else None,
+            self.dcp_local_seq_lens.cpu[:n_reqs_pad] if dcp else None,
+        )
+        self._view_cache[key] = (slots, views)
+        return views
 
     def _validate(self, batch, nsched, computed, seq_lens, num_tokens, n_reqs_pad, n_tok_pad) -> None:
         num_reqs = nsched.shape[0]

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import torch
 
 from pagedkv.errors import InvalidRequestError, InvariantError
 from pagedkv.worker.input_batch import CachedRequestState, InputBatch
@@ -104,12 +105,40 @@ def test_commit_is_issued_first(monkeypatch):
     add(b, "A", range(4), ([1],))
     calls = []
     bt = b.block_table
-    orig_commit, orig_copy = bt.commit_block_table, prep.query_start_loc.copy_to_gpu
+    orig_commit, orig_copy = bt.commit_block_table, prep._area.copy_to_gpu
     monkeypatch.setattr(bt, "commit_block_table", lambda n: (calls.append("commit"), orig_commit(n)))
-    monkeypatch.setattr(prep.query_start_loc, "copy_to_gpu", lambda n=None: (calls.append("qsl"), orig_copy(n))[1])
+    monkeypatch.setattr(prep._area, "copy_to_gpu", lambda used: (calls.append(("inputs", dict(used))), orig_copy(used))[1])
     monkeypatch.setattr(b, "scheduled_tokens_per_row", lambda d: (calls.append("host"), np.array([4], np.int32))[1])
     prep.prepare(b, {"A": 4})
-    assert calls == ["commit", "host", "qsl"]
+    # commit first, then the host math, then the step's inputs in ONE copy
+    assert calls == ["commit", "host", ("inputs", {
+        "query_start_loc": 2, "seq_lens": 1, "logits_indices": 1, "is_prefilling": 1,
+        "positions": 4, "input_ids": 4})]
+
+
+def test_staging_area_one_copy():
+    """Fields at 64-byte boundaries; one copy moves the used rows of every field (and what
+    lies between them); rows past the copied bytes keep their device values."""
+    from pagedkv.errors import ConfigError
+    from pagedkv.worker.buffers import StagingArea
+
+    area = StagingArea([("a", 5, torch.int32), ("b", 3, torch.int64), ("c", 4, torch.bool)],
+                       device="cpu")
+    assert area.nbytes == 128 + 4  # a at 0, b at 64, c at 128
+    area["a"].np[:] = [1, 2, 3, 4, 5]
+    area["b"].np[:] = [7, 8, 9]
+    area["c"].np[:] = [True, False, True, True]
+    area.copy_to_gpu({"a": 2, "b": 2})  # bytes [0, 64 + 16)
+    assert area["a"].gpu.tolist() == [1, 2, 3, 4, 5]  # the whole of a lies below b's rows
+    assert area["b"].gpu.tolist() == [7, 8, 0]
+    assert area["c"].gpu.tolist() == [False] * 4
+    area.copy_to_gpu({"c": 3})
+    assert area["c"].gpu.tolist() == [True, False, True, False]
+    assert area["b"].gpu.tolist() == [7, 8, 9]
+    with pytest.raises(ConfigError):
+        area.copy_to_gpu({"b": 4})
+    with pytest.raises(ConfigError):
+        StagingArea([("a", 1, torch.int32), ("a", 1, torch.int32)], device="cpu")
 
 
 def test_prepare_validation():
@@ -140,3 +169,21 @@ def test_dcp_local_seq_lens_and_cp_slots():
     step = prep.prepare(b, {"A": 4})
     assert step.slot_mappings[0].tolist() == [-1, 96, -1, 97]
     assert step.dcp_local_seq_lens.tolist() == [2]
+
+
+def test_step_views_reused_per_shape():
+    """Steps of the same shape get the same view objects (made once), holding the new step's
+    values; another shape gets its own views."""
+    b, prep = setup()
+    add(b, "A", range(18), ([10, 25],), computed=16)
+    add(b, "B", range(5), ([3],), computed=3)
+    s1 = prep.prepare(b, {"A": 1, "B": 1})
+    assert s1.positions.tolist() == [16, 3] and s1.seq_lens.tolist() == [17, 4]
+    b.num_computed_tokens_cpu[:2] = [17, 4]
+    s2 = prep.prepare(b, {"A": 1, "B": 1})
+    assert s2.positions is s1.positions and s2.query_start_loc is s1.query_start_loc
+    assert s2.positions.tolist() == [17, 4] and s2.seq_lens.tolist() == [18, 5]
+    assert s2.slot_mappings[0].tolist() == [25 * 16 + 1, 3 * 16 + 4]
+    s3 = prep.prepare(b, {"A": 1, "B": 1}, num_reqs_padded=3, num_tokens_padded=4)
+    assert s3.positions is not s1.positions
+    assert s3.positions.tolist() == [17, 4, 0, 0] and s3.query_start_loc.tolist() == [0, 1, 2, 2]
