@@ -100,17 +100,23 @@ class CpuGpuBuffer:
             self._pending = None
 
 
-def _views(raw: CpuGpuBuffer, offset: int, length: int, dtype: torch.dtype) -> CpuGpuBuffer:
-    """A ``CpuGpuBuffer`` whose ``.cpu``/``.gpu`` are ``length`` elements of ``dtype`` at byte
-    ``offset`` of ``raw``'s uint8 buffers."""
-    size = torch.empty((), dtype=dtype).element_size()
-    buf = CpuGpuBuffer.__new__(CpuGpuBuffer)
-    buf.device = raw.device
-    buf.cpu = raw.cpu[offset: offset + length * size].view(dtype)
-    buf.np = buf.cpu.numpy()
-    buf.gpu = raw.gpu[offset: offset + length * size].view(dtype)
-    buf._pending = None
-    return buf
+class _AreaField(CpuGpuBuffer):
+    """A field of a ``StagingArea``: ``.cpu``/``.gpu`` are ``length`` elements of ``dtype`` at
+    byte ``offset`` of the area's uint8 buffers; ``wait_for_copy`` also waits for the area's
+    copy (it reads this field's host bytes)."""
+
+    def __init__(self, raw: CpuGpuBuffer, offset: int, length: int, dtype: torch.dtype) -> None:
+        size = torch.empty((), dtype=dtype).element_size()
+        self.device = raw.device
+        self.cpu = raw.cpu[offset: offset + length * size].view(dtype)
+        self.np = self.cpu.numpy()
+        self.gpu = raw.gpu[offset: offset + length * size].view(dtype)
+        self._pending = None
+        self._raw = raw
+
+    def wait_for_copy(self) -> None:
+        self._raw.wait_for_copy()
+        super().wait_for_copy()
 
 
 class StagingArea:
@@ -138,7 +144,7 @@ class StagingArea:
             end = off + length * size
         self.nbytes = end
         self._raw = CpuGpuBuffer(max(end, 1), dtype=torch.uint8, device=device, pin_memory=pin_memory)
-        self._fields = {name: _views(self._raw, off, length, dtype)
+        self._fields = {name: _AreaField(self._raw, off, length, dtype)
                         for (name, length, dtype), (off, _, _) in zip(fields, self._layout.values())}
         # CPU device: copy through numpy views (a cold torch slice + copy costs tens of us)
         self._host_pair = ((self._raw.np, self._raw.gpu.numpy())

@@ -135,6 +135,7 @@ def test_staging_area_one_copy():
     area.copy_to_gpu({"c": 3})
     assert area["c"].gpu.tolist() == [True, False, True, False]
     assert area["b"].gpu.tolist() == [7, 8, 9]
+    area["b"].wait_for_copy()  # a field waits for the area's copy (a no-op on CPU)
     with pytest.raises(ConfigError):
         area.copy_to_gpu({"b": 4})
     with pytest.raises(ConfigError):
