@@ -298,9 +298,8 @@ def _decode_reduce_kernel(
         acc = acc * alpha + tl.sum(w[:, None] * a, 0)
         m_run = m_new
         sp += SPLIT_CHUNK
-    l_sum = l_run
     tl.store(out_ptr + q_row.to(tl.int64) * o_s0 + h.to(tl.int64) * o_s1 + d,
-             (acc / l_sum).to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+             (acc / l_run).to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 def paged_decode_attention(

@@ -101,7 +101,7 @@ class InputPreparer:
         self.is_prefilling = self._area["is_prefilling"]
         self.dcp_local_seq_lens = self._area["dcp_local_seq_lens"]
         self._arange = np.arange(max(max_num_batched_tokens, max_num_reqs) + 1, dtype=np.int64)
-        self._view_cache: dict[tuple, tuple] = {}
+        self._view_cache: dict[tuple, tuple] = {}  # shape -> (slot buffer, views)
         self._num_computed_np = self.num_computed.numpy()
 
     @classmethod
@@ -217,37 +217,41 @@ class InputPreparer:
             max_seq_len = batch.max_model_len
         else:
             max_seq_len = int(seq_lens.max()) if num_reqs else 0
-        views = self._views(num_reqs, n_reqs_pad, n_tok_pad, cp > 1, slots)
         return StepInputs(
-            num_reqs, n_reqs_pad, num_tokens, n_tok_pad, nsched, req_indices, *views[:10],
-            max_query_len=max_query_len, max_seq_len=max_seq_len,
-            dcp_local_seq_lens=views[10], dcp_local_seq_lens_cpu=views[11],
+            num_reqs=num_reqs,
+            num_reqs_padded=n_reqs_pad,
+            num_tokens=num_tokens,
+            num_tokens_padded=n_tok_pad,
+            num_scheduled_tokens=nsched,
+            req_indices=req_indices,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            **self._views(num_reqs, n_reqs_pad, n_tok_pad, cp > 1, slots),
         )
 
     def _views(self, num_reqs: int, n_reqs_pad: int, n_tok_pad: int, dcp: bool,
-               slots: torch.Tensor) -> tuple:
-        """The step's views of the persistent buffers, in ``StepInputs`` field order (from
-        ``query_start_loc`` to ``slot_mappings``, then the two DCP fields), made once per
-        shape and reused: a dozen tensor slices cost ~15-25 us of host time per step."""
+               slots: torch.Tensor) -> dict:
+        """The step's ``StepInputs`` tensor fields, views of the persistent buffers made once
+        per shape and reused (a dozen tensor slices cost ~15-25 us of host time per step)."""
         key = (num_reqs, n_reqs_pad, n_tok_pad, dcp)
         hit = self._view_cache.get(key)
         if hit is not None and hit[0] is slots:  # the block table's persistent slot buffer
             return hit[1]
         if len(self._view_cache) >= 4096:
             self._view_cache.clear()
-        views = (
-            self.query_start_loc.gpu[: n_reqs_pad + 1],
-            self.query_start_loc.cpu[: n_reqs_pad + 1],
-            self.seq_lens.gpu[:n_reqs_pad],
-            self.seq_lens.cpu[:n_reqs_pad],
-            self.num_computed[:n_reqs_pad],
-            self.positions.gpu[:n_tok_pad],
-            self.input_ids.gpu[:n_tok_pad],
-            self.logits_indices.gpu[:num_reqs],
-            self.is_prefilling.gpu[:n_reqs_pad],
-            slots[:, :n_tok_pad],
-            self.dcp_local_seq_lens.gpu[:n_reqs_pad] if dcp else None,
-            self.dcp_local_seq_lens.cpu[:n_reqs_pad] if dcp else None,
+        views = dict(
+            query_start_loc=self.query_start_loc.gpu[: n_reqs_pad + 1],
+            query_start_loc_cpu=self.query_start_loc.cpu[: n_reqs_pad + 1],
+            seq_lens=self.seq_lens.gpu[:n_reqs_pad],
+            seq_lens_cpu=self.seq_lens.cpu[:n_reqs_pad],
+            num_computed_tokens_cpu=self.num_computed[:n_reqs_pad],
+            positions=self.positions.gpu[:n_tok_pad],
+            input_ids=self.input_ids.gpu[:n_tok_pad],
+            logits_indices=self.logits_indices.gpu[:num_reqs],
+            is_prefilling=self.is_prefilling.gpu[:n_reqs_pad],
+            slot_mappings=slots[:, :n_tok_pad],
+            dcp_local_seq_lens=self.dcp_local_seq_lens.gpu[:n_reqs_pad] if dcp else None,
+            dcp_local_seq_lens_cpu=self.dcp_local_seq_lens.cpu[:n_reqs_pad] if dcp else None,
         )
         self._view_cache[key] = (slots, views)
         return views
