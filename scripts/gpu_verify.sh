@@ -2,7 +2,9 @@
 # One GPU call for the issue's proof items (device machine: torch 2.11, triton 3.6,
 # transformers 5.17; installs nothing): the decode/prefill attention anchors with config and
 # split variants, the bf16 engine parity test, W1 in both harnesses on the same machine lease
-# (so the harness difference is separated from lease variance), then the attention GPU tests.
+# (so the harness difference is separated from lease variance), then the GPU tests named in
+# TESTS. Options (environment): SKIP_ATTN_BENCH, SKIP_W1, SKIP_PARITY, MIXED='<args of
+# bench_decode_mixed.py>', SPLIT_COST=1, W1_ARGS, PROF_ARGS, TESTS, TEST_MARK, *_TIMEOUT.
 # Logs under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +22,11 @@ if [ -n "${MIXED:-}" ]; then
   echo "== decode attention on mixed lengths"
   timeout ${MIXED_TIMEOUT:-150} python3 bench/bench_decode_mixed.py $MIXED --out "$OUT/decode_mixed.json" \
     2>&1 | tee "$OUT/decode_mixed.log" | tail -24
+fi
+if [ -n "${SPLIT_COST:-}" ]; then
+  echo "== decode split cost (split kernel and reduce apart)"
+  timeout ${SPLIT_COST_TIMEOUT:-120} python3 bench/bench_decode_split_cost.py --out "$OUT/decode_split_cost.json" \
+    2>&1 | tee "$OUT/decode_split_cost.log" | tail -24
 fi
 if [ -z "${SKIP_W1:-}" ]; then
   echo "== W1 official harness"
