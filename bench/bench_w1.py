@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -155,6 +156,9 @@ def main(argv=None) -> int:
     p.add_argument("--hf-static", action="store_true", help="also time transformers static generate")
     p.add_argument("--hf-static-batch", type=int, default=256)
     p.add_argument("--progress", action="store_true")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="timed runs on the same engine (each after its warm-up and a prefix-cache "
+                        "reset); the table shows the first, the JSON has all and their median")
     p.add_argument("--json", default="bench_w1.json")
     args = p.parse_args(argv)
 
@@ -168,12 +172,22 @@ def main(argv=None) -> int:
     print(f"{wl.name}: {wl.num_requests} requests, {wl.prompt_tokens:,} prompt tokens, "
           f"{wl.requested_output_tokens:,} output tokens; pagedkv model {label}; "
           f"{llm.kv_cache_sizing.describe()}", flush=True)
+    if args.repeat < 1:
+        raise SystemExit("--repeat must be >= 1")
     res = run_throughput(llm, wl, temperature=args.temperature, use_tqdm=args.progress)
     record["pagedkv"] = res.as_dict()
     record["pagedkv_kv"] = llm.get_kv_stats()
     print(result_table(res, f"pagedkv ({label})"), flush=True)
     rows.append(("pagedkv", f"{res.output_tokens_per_s:,.0f} tok/s ({res.output_tokens:,} tokens, "
                             f"{res.elapsed_s:.1f} s)"))
+    if args.repeat > 1:
+        rates = [res.output_tokens_per_s]
+        for _ in range(args.repeat - 1):
+            rates.append(run_throughput(llm, wl, temperature=args.temperature).output_tokens_per_s)
+        record["pagedkv_repeats_tok_s"] = rates
+        record["pagedkv_median_tok_s"] = statistics.median(rates)
+        rows.append((f"pagedkv, median of {len(rates)} runs",
+                     f"{statistics.median(rates):,.0f} tok/s ({', '.join(f'{r:,.0f}' for r in rates)})"))
     del llm
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
 

@@ -4,7 +4,8 @@
 # split variants, the bf16 engine parity test, W1 in both harnesses on the same machine lease
 # (so the harness difference is separated from lease variance), then the GPU tests named in
 # TESTS. Options (environment): SKIP_ATTN_BENCH, SKIP_W1, SKIP_PARITY, MIXED='<args of
-# bench_decode_mixed.py>', SPLIT_COST=1, W1_ARGS, PROF_ARGS, TESTS, TEST_MARK, *_TIMEOUT.
+# bench_decode_mixed.py>', SPLIT_COST=1, W1_ARGS (e.g. '--with-hf --repeat 3'), PROF_ARGS, TESTS,
+# TEST_MARK, *_TIMEOUT.
 # Logs under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
