@@ -66,6 +66,7 @@ from pagedkv.attention.triton_decode import (  # noqa: E402
     DecodeConfig,
     _decode_kernel,
     choose_num_splits,
+    lengths_balanced,
     paged_decode_attention,
 )
 from pagedkv.attention.triton_prefill import (  # noqa: E402
@@ -169,6 +170,10 @@ class DecodeSetup:
         self.seq = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
 
     def call(self, i: int, **kw):
+        # host hints as the engine passes them: the longest length and whether the lengths
+        # are balanced (equal here)
+        kw.setdefault("balanced", lengths_balanced([self.ctx] * self.batch,
+                                                   kw.get("config") or DecodeConfig()))
         return lambda: paged_decode_attention(
             self.qs[i], self.cache, self.tables[i], self.qsl, self.seq, self.batch, SCALE,
             self.outs[i], max_seq_len=self.ctx, **kw)
@@ -256,7 +261,7 @@ def bench_decode_shape(batch: int, ctx: int, sweep: bool, sms: int, base: Decode
     st = DecodeSetup(batch, ctx)
     gbps = lambda us: st.kv_bytes / (us * 1e-6) / 1e12  # noqa: E731
     row = {"batch": batch, "ctx": ctx, "kv_bytes": st.kv_bytes, "rotations": st.rot,
-           "splits_auto": choose_num_splits(batch, HKV, ctx, sms, base)}
+           "splits_auto": choose_num_splits(batch, HKV, ctx, sms, base, True)}
     row["rel_err"] = st.check()
     row["us"] = st.time()
     row["tbps"] = gbps(row["us"])
@@ -277,14 +282,14 @@ def bench_decode_shape(batch: int, ctx: int, sweep: bool, sms: int, base: Decode
             for ms in (32, 64, 128):
                 cfg = DecodeConfig(min_split_tokens=ms)
                 variants[f"minsplit{ms}"] = {"us": st.time(config=cfg),
-                                             "splits": choose_num_splits(batch, HKV, ctx, sms, cfg)}
+                                             "splits": choose_num_splits(batch, HKV, ctx, sms, cfg, True)}
             forced, splits = DecodeConfig(min_split_tokens=16), [1, 4, 8, 16]
         else:
             # the regime's split count with longer minimum ranges (fewer, longer splits)
             for ms in (512, 1024):
                 cfg = DecodeConfig(min_split_tokens=ms)
                 variants[f"minsplit{ms}"] = {"us": st.time(config=cfg),
-                                             "splits": choose_num_splits(batch, HKV, ctx, sms, cfg)}
+                                             "splits": choose_num_splits(batch, HKV, ctx, sms, cfg, True)}
             forced, splits = base, [1, 2, 4, 8]
         for sp in splits:
             variants[f"splits{sp}"] = {"us": st.time(num_splits=sp, config=forced)}

@@ -30,7 +30,12 @@ import torch  # noqa: E402
 from bench_attention_gpu import BS, COPY_TBPS, D, DTYPE, H, HKV, SCALE, rel_err, time_graph  # noqa: E402
 from pagedkv.attention._triton_common import num_sms  # noqa: E402
 from pagedkv.attention.torch_ref import paged_attention_ref  # noqa: E402
-from pagedkv.attention.triton_decode import DecodeConfig, choose_num_splits, paged_decode_attention  # noqa: E402
+from pagedkv.attention.triton_decode import (  # noqa: E402
+    DecodeConfig,
+    choose_num_splits,
+    lengths_balanced,
+    paged_decode_attention,
+)
 
 COLD_BYTES = 512 << 20
 VARIANTS = {
@@ -70,6 +75,9 @@ class MixedSetup:
         self.seq = self.lens.cuda()
 
     def call(self, i, **kw):
+        # as a decode graph launches: no max length, the balanced-lengths value from the host
+        # lengths (a graph variant)
+        kw.setdefault("balanced", lengths_balanced(self.lens.numpy(), kw.get("config") or DecodeConfig()))
         return lambda: paged_decode_attention(self.qs[i], self.cache, self.tables[i], self.qsl,
                                               self.seq, self.batch, SCALE, self.outs[i], **kw)
 
@@ -107,7 +115,7 @@ def main() -> None:
     rows = []
     for b in [int(x) for x in args.batches.split(",")]:
         s = MixedSetup(b, args.lo, args.hi)
-        default = choose_num_splits(b, HKV, None, sms, base)
+        default = choose_num_splits(b, HKV, None, sms, base, lengths_balanced(s.lens.numpy(), base))
         err = s.check()
         res = {"batch": b, "sum_len": int(s.lens.sum()), "max_len": s.max_len, "default_splits": default,
                "rel_err": err, "times": {}}

@@ -5,7 +5,7 @@
 # (so the harness difference is separated from lease variance), then the GPU tests named in
 # TESTS. Options (environment): SKIP_ATTN_BENCH, SKIP_W1, SKIP_PARITY, MIXED='<args of
 # bench_decode_mixed.py>', SPLIT_COST=1, W1_ARGS (e.g. '--with-hf --repeat 3'), PROF_ARGS, TESTS,
-# TEST_MARK, *_TIMEOUT.
+# TEST_MARK, ATTN_ARGS (default --sweep), WAVES='<args of bench_decode_waves.py>', *_TIMEOUT.
 # Logs under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,13 +16,18 @@ lscpu | grep -m1 "Model name" | tee -a "$OUT/env.txt"
 git rev-parse HEAD 2>/dev/null | tee -a "$OUT/env.txt"
 if [ -z "${SKIP_ATTN_BENCH:-}" ]; then
   echo "== attention anchors (sweep)"
-  timeout ${ATTN_TIMEOUT:-150} python3 bench/bench_attention_gpu.py --sweep --out "$OUT/attention_gpu.json" \
+  timeout ${ATTN_TIMEOUT:-150} python3 bench/bench_attention_gpu.py ${ATTN_ARGS:---sweep} --out "$OUT/attention_gpu.json" \
     2>&1 | tee "$OUT/attention_gpu.log" | tail -32
 fi
 if [ -n "${MIXED:-}" ]; then
   echo "== decode attention on mixed lengths"
   timeout ${MIXED_TIMEOUT:-150} python3 bench/bench_decode_mixed.py $MIXED --out "$OUT/decode_mixed.json" \
     2>&1 | tee "$OUT/decode_mixed.log" | tail -24
+fi
+if [ -n "${WAVES:-}" ]; then
+  echo "== decode launch shapes vs one wave"
+  timeout ${WAVES_TIMEOUT:-150} python3 bench/bench_decode_waves.py $WAVES --out "$OUT/decode_waves.json" \
+    2>&1 | grep -v -i warn | tee "$OUT/decode_waves.log" | tail -40
 fi
 if [ -n "${SPLIT_COST:-}" ]; then
   echo "== decode split cost (split kernel and reduce apart)"

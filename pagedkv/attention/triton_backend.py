@@ -15,8 +15,10 @@
   3. rows past ``query_start_loc[num_reqs]`` (CUDA-graph padding) are zero.
 
 Host work per call reads only host ints and the metadata's ``*_cpu`` copies: a decode-only
-batch (``max_query_len <= 1``) costs no array work at all and its launches depend on host ints
-only (CUDA-graph safe); a mixed batch takes one ``numpy.diff`` of ``query_start_loc_cpu``.
+batch (``max_query_len <= 1``) costs no array work, except a sum and a max of its host lengths
+where the batch size is one the balanced-lengths rule of ``DecodeConfig`` can change (unless the
+metadata's ``decode_balanced`` says it, as a CUDA graph's does), and its launches depend on host
+values only (CUDA-graph safe); a mixed batch takes one ``numpy.diff`` of ``query_start_loc_cpu``.
 
 Without CUDA and without the Triton interpreter (compiled Triton cannot run on CPU tensors) the
 backend falls back to ``paged_attention_ref``, like the index layer's launchers do.
@@ -29,9 +31,13 @@ import torch
 
 from pagedkv.attention.backend import AttentionBackend, AttentionMetadataLike
 from pagedkv.attention.torch_ref import paged_attention_ref
+from pagedkv.attention._triton_common import num_sms
 from pagedkv.attention.triton_decode import (
     DecodeConfig,
     _decode_kernel,
+    default_decode_config,
+    lengths_balanced,
+    one_range_if_balanced,
     paged_decode_attention,
 )
 from pagedkv.attention.triton_prefill import (
@@ -93,6 +99,25 @@ class TritonAttentionBackend(AttentionBackend):
         which needs the K/V tensors."""
         return self.fresh_prefill != "varlen"
 
+    def _decode_cfg(self, device: torch.device) -> DecodeConfig:
+        return self.decode_config or default_decode_config(device)
+
+    def graph_variants(self, num_reqs: int, num_kv_heads: int, device: torch.device) -> tuple:
+        """The host decisions that a decode CUDA graph of ``num_reqs`` requests bakes in
+        besides its size, one graph per value: whether the lengths are balanced, where that
+        changes the decode launch (``(False, True)``), else ``(False,)``. The graph's metadata
+        carries the value as ``decode_balanced``."""
+        if one_range_if_balanced(num_reqs, num_kv_heads, num_sms(device), self._decode_cfg(device)):
+            return (False, True)
+        return (False,)
+
+    def graph_variant(self, num_reqs: int, num_kv_heads: int, seq_lens, device: torch.device):
+        """The value of :meth:`graph_variants` that a decode step replays: ``num_reqs`` the
+        graph's (padded) size, ``seq_lens`` the host lengths of the step's actual requests."""
+        cfg = self._decode_cfg(device)
+        return (one_range_if_balanced(num_reqs, num_kv_heads, num_sms(device), cfg)
+                and lengths_balanced(seq_lens, cfg))
+
     def forward(
         self,
         layer_idx: int,
@@ -130,8 +155,9 @@ class TritonAttentionBackend(AttentionBackend):
             if n < q.shape[0]:
                 out[n:].zero_()
             paged_decode_attention(q, kv_cache, table, qsl, seq_lens, n, scale, out,
-                                   max_seq_len=plan.max_seq_len, config=self.decode_config,
-                                   zero_padded_rows=True, check=check, workspace=plan.workspace)
+                                   max_seq_len=plan.max_seq_len, balanced=plan.balanced,
+                                   config=self.decode_config, zero_padded_rows=True,
+                                   check=check, workspace=plan.workspace)
             return out
         if plan.end < q.shape[0]:
             out[plan.end:].zero_()
@@ -171,7 +197,7 @@ class _StepPlan:
         self.triton = use_triton(_decode_kernel, kv_cache)
         self.workspace: dict = {}
         n = self.n = int(metadata.num_reqs)
-        self.decode_only = self.varlen = self.has_decode = False
+        self.decode_only = self.varlen = self.has_decode = self.balanced = False
         self.end = self.max_q = self.max_seq_len = 0
         if not self.triton or n == 0:
             return
@@ -183,6 +209,14 @@ class _StepPlan:
         self.max_seq_len = int(metadata.max_seq_len)
         if self.max_q <= 1:
             self.decode_only = True
+            # balanced lengths: the graph's baked value, else (eager) from the host lengths
+            # where it changes the launch
+            self.balanced = getattr(metadata, "decode_balanced", None)
+            if self.balanced is None:
+                cfg = backend._decode_cfg(q.device)
+                self.balanced = one_range_if_balanced(n, kv_cache.shape[3], num_sms(q.device), cfg) \
+                    and lengths_balanced(_host_ints(metadata.seq_lens_cpu,
+                                                    getattr(metadata, "num_actual_reqs", n)), cfg)
             return
         qsl_h = _host_ints(metadata.query_start_loc_cpu, n + 1)
         q_lens = np.diff(qsl_h)

@@ -40,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -79,6 +80,19 @@ class DecodeConfig:
     * ``2 S <= P < 4 S``: ``mid_splits`` ranges of at least ``mid_min_split_tokens``;
     * ``P >= 4 S``: ``large_splits`` ranges of at least ``large_min_split_tokens``.
 
+    Balanced batches (the caller passes ``balanced=True``: the lengths' mean is at least
+    ``balanced_fraction`` of their maximum, :func:`lengths_balanced`): when
+    ``balanced_min_programs_per_sm x S <= P <= wave_programs_per_sm x S`` (2 and 5) every
+    request is one range. The ``P`` programs then
+    fit one wave of concurrent programs (the default launch takes 96 registers x 128 threads and
+    38 KB of shared memory per program: 5 per H200 SM) and, doing equal work, end together;
+    every extra program instead turns a slot over mid-launch. Measured on the H200
+    (bench/bench_decode_waves.py, equal lengths L2048): one range 95-97% of copy bandwidth at
+    B48-B80 (16/8 heads) against 85-91% for the regime's split, 92-94% against 84-85% for
+    lengths U[1536, 2048] and U[1792, 2048] at B64, a tie at U[1024, 2048] (mean 0.75 of the
+    maximum), and splitting ahead by 8-13% at U[100, 2048]; past one wave (B88, B96) one
+    range drops to 71-75%.
+
     Measured on the H200 on batches of mixed lengths U[100, 2048] (bench/bench_decode_mixed.py,
     graph replays, cold L2): against the former policy (split counts for equal lengths, ranges
     of >= 32 positions) 3-18% faster at every batch size from 8 to 256; the regimes' values
@@ -97,6 +111,9 @@ class DecodeConfig:
     large_splits: int = 4
     large_min_split_tokens: int = 512
     min_split_tokens: int | None = None
+    balanced_min_programs_per_sm: float = 2.0
+    wave_programs_per_sm: float = 5.0
+    balanced_fraction: float = 0.8
 
     def __post_init__(self):
         if self.tile_n < 16 or self.tile_n & (self.tile_n - 1):
@@ -110,6 +127,10 @@ class DecodeConfig:
             raise ConfigError("DecodeConfig: split counts and small_waves must be positive")
         if self.num_warps < 1 or self.num_stages < 1:
             raise ConfigError("DecodeConfig: num_warps and num_stages must be positive")
+        if not 0 <= self.balanced_min_programs_per_sm <= self.wave_programs_per_sm \
+                or not 0.0 < self.balanced_fraction <= 1.0:
+            raise ConfigError("DecodeConfig: need 0 <= balanced_min_programs_per_sm <= "
+                              "wave_programs_per_sm and 0 < balanced_fraction <= 1")
 
 
 INTERPRET_DECODE_CONFIG = DecodeConfig(tile_n=16, num_warps=1, num_stages=1, min_split_tokens=16)
@@ -119,12 +140,35 @@ def default_decode_config(device: torch.device) -> DecodeConfig:
     return DecodeConfig() if device.type == "cuda" else INTERPRET_DECODE_CONFIG
 
 
+def one_range_if_balanced(num_reqs: int, num_kv_heads: int, sms: int, config: DecodeConfig) -> bool:
+    """Whether a balanced batch of ``num_reqs`` requests runs one range per request (the
+    programs fit one wave, :class:`DecodeConfig`): the launches that ``balanced`` changes."""
+    programs = num_reqs * num_kv_heads
+    return (programs > 0 and config.balanced_min_programs_per_sm * sms <= programs
+            <= config.wave_programs_per_sm * sms)
+
+
+def lengths_balanced(seq_lens, config: DecodeConfig) -> bool:
+    """Whether the context lengths ``seq_lens`` (host ints, one per decode request) are
+    balanced: their mean is at least ``config.balanced_fraction`` of their maximum. Zero
+    lengths (CUDA-graph padding requests) are left out."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    lens = lens[lens > 0]
+    if lens.size == 0:
+        return False
+    top = int(lens.max())
+    return top > 0 and int(lens.sum()) >= config.balanced_fraction * lens.size * top
+
+
 def choose_split(num_reqs: int, num_kv_heads: int, max_seq_len: int | None,
-                 sms: int, config: DecodeConfig) -> tuple[int, int]:
-    """``(split count, min positions per split)`` of a launch, from host ints only (see
+                 sms: int, config: DecodeConfig, balanced: bool = False) -> tuple[int, int]:
+    """``(split count, min positions per split)`` of a launch, from host values only (see
     :class:`DecodeConfig`); the split count is further capped so that ``max_seq_len`` (when
-    known) fills every split with the minimum, and lies in ``[1, config.max_splits]``."""
+    known) fills every split with the minimum, and lies in ``[1, config.max_splits]``.
+    ``balanced``: the batch's lengths are balanced (:func:`lengths_balanced`)."""
     programs = max(1, num_reqs * num_kv_heads)
+    if balanced and one_range_if_balanced(num_reqs, num_kv_heads, sms, config):
+        return 1, config.min_split_tokens or config.mid_min_split_tokens
     if programs < 2 * sms:
         splits, min_tokens = cdiv(int(config.small_waves * sms), programs), config.small_min_split_tokens
     elif programs < 4 * sms:
@@ -139,9 +183,9 @@ def choose_split(num_reqs: int, num_kv_heads: int, max_seq_len: int | None,
 
 
 def choose_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int | None,
-                      sms: int, config: DecodeConfig) -> int:
+                      sms: int, config: DecodeConfig, balanced: bool = False) -> int:
     """The split count of :func:`choose_split`."""
-    return choose_split(num_reqs, num_kv_heads, max_seq_len, sms, config)[0]
+    return choose_split(num_reqs, num_kv_heads, max_seq_len, sms, config, balanced)[0]
 
 
 @triton.jit
@@ -313,6 +357,7 @@ def paged_decode_attention(
     out: torch.Tensor,
     *,
     max_seq_len: int | None = None,
+    balanced: bool = False,
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
     zero_padded_rows: bool = False,
@@ -329,6 +374,9 @@ def paged_decode_attention(
             ``[>= num_reqs + 1]``; seq_lens: int32 ``[>= num_reqs]`` (all on ``q``'s device).
         num_reqs: host int. scale: softmax scale.
         max_seq_len: host upper bound of the batch's ``seq_lens`` (optional; caps splitting).
+        balanced: the decode requests' lengths are balanced (:func:`lengths_balanced` of their
+            host lengths); one wave of one range per request where that is faster
+            (:class:`DecodeConfig`). A host value: a CUDA graph bakes it in.
         num_splits: force the split count (1 .. 64); default ``choose_num_splits``.
         config: launch parameters; default per device.
         zero_padded_rows: a request ``r < num_reqs`` with no query rows (CUDA-graph padding)
@@ -359,7 +407,7 @@ def paged_decode_attention(
                                           num_reqs, scale, out, zero_padded_rows=zero_padded_rows)
     cfg = config or default_decode_config(q.device)
     auto_splits, min_split_tokens = choose_split(num_reqs, shape.num_kv_heads, max_seq_len,
-                                                 num_sms(q.device), cfg)
+                                                 num_sms(q.device), cfg, balanced)
     if num_splits is None:
         num_splits = auto_splits
     d_pad = max(16, next_pow2(shape.head_dim))
@@ -457,6 +505,8 @@ __all__ = [
     "choose_num_splits",
     "choose_split",
     "default_decode_config",
+    "lengths_balanced",
+    "one_range_if_balanced",
     "paged_decode_attention",
     "paged_decode_attention_ref",
 ]

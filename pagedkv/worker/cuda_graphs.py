@@ -22,6 +22,15 @@ host. Only graph-capturable backends are captured (``backend_is_graph_capturable
 ``cuda_graph_capturable`` attribute, else the Triton backend by name; never the torch reference,
 which loops over requests with host lengths); ``enforce_eager`` turns graphs off.
 
+Graph variants: a backend may bake host decisions besides the size into its launches. Its
+``graph_variants(size, num_kv_heads, device)`` lists them (default ``(None,)``: one graph per
+size); one graph is captured per (size, value), the value passed as the capture metadata's
+``decode_balanced``, and a step replays the value that ``graph_variant(size, num_kv_heads,
+seq_lens, device)`` picks from its actual requests' host lengths. The Triton backend has two
+values where a batch with balanced lengths launches the decode kernel as one wave of one range
+per request (``DecodeConfig``): a few sizes (those with 2-5 decode programs per
+multiprocessor).
+
 Capture: sizes from largest to smallest, all graphs in one memory pool, each on a batch of
 ``B`` *padded* requests exactly as the index layer pads (0 query tokens, ``seq_len`` 0, null-block
 table rows, slots ``-1``, host and device copies consistent), so capture reads no KV and writes
@@ -104,12 +113,35 @@ class CudaGraphManager:
                 j += 1
             lookup[n] = clean[j]
         self._lookup = lookup.tolist()
-        self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
+        self._graphs: dict[tuple, tuple[Callable[[], None], torch.Tensor]] = {}
         self.graph_capture = graph_capture
+        backend = runner.attn_backend
+        hkv = runner.model.config.num_key_value_heads
+        if hasattr(backend, "graph_variants"):
+            self._variants = {s: tuple(backend.graph_variants(s, hkv, runner.device)) for s in clean}
+            self._pick = lambda size, seq_lens: backend.graph_variant(size, hkv, seq_lens, runner.device)
+        else:
+            self._variants = {s: (None,) for s in clean}
+            self._pick = lambda size, seq_lens: None
 
     @property
     def max_size(self) -> int:
         return self.sizes[-1]
+
+    @property
+    def num_graphs(self) -> int:
+        return sum(len(v) for v in self._variants.values())
+
+    def variants(self, size: int) -> tuple:
+        """The graph variants captured for ``size`` (see the module docstring)."""
+        return self._variants[size]
+
+    def variant(self, size: int, seq_lens: np.ndarray):
+        """The variant a decode step of ``size`` replays; ``seq_lens``: the host lengths of
+        its actual requests."""
+        if len(self._variants[size]) == 1:
+            return self._variants[size][0]
+        return self._pick(size, seq_lens)
 
     def padded_size(self, num_reqs: int) -> int | None:
         """The graph size a decode step of ``num_reqs`` requests replays, or None (eager)."""
@@ -118,7 +150,8 @@ class CudaGraphManager:
         return None
 
     # ----- capture -------------------------------------------------------------------------
-    def _capture_inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata]:
+    def _capture_inputs(self, size: int, variant=None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                CommonAttentionMetadata]:
         """Fill the persistent buffers with ``size`` padded requests (see the module docstring)
         and return views of them plus the decode metadata the replays stand for."""
         r = self.runner
@@ -151,6 +184,7 @@ class CudaGraphManager:
             is_prefilling=p.is_prefilling.gpu[:size],
             num_computed_tokens_cpu=p.num_computed[:size],
             num_actual_reqs=size,
+            decode_balanced=variant,
         )
         return p.input_ids.gpu[:size], p.positions.gpu[:size], md
 
@@ -162,19 +196,21 @@ class CudaGraphManager:
             raise ConfigError("capture CUDA graphs before any request runs")
         gc = self.graph_capture
         for size in reversed(self.sizes):
-            ids, pos, md = self._capture_inputs(size)
-            for _ in range(warmup):
-                model(ids, pos, r.kv_caches, md)
-            gc.synchronize()
-            self._graphs[size] = gc.capture(
-                lambda ids=ids, pos=pos, md=md: model(ids, pos, r.kv_caches, md))
+            for variant in self._variants[size]:
+                ids, pos, md = self._capture_inputs(size, variant)
+                for _ in range(warmup):
+                    model(ids, pos, r.kv_caches, md)
+                gc.synchronize()
+                self._graphs[(size, variant)] = gc.capture(
+                    lambda ids=ids, pos=pos, md=md: model(ids, pos, r.kv_caches, md))
         gc.synchronize()
 
     # ----- replay --------------------------------------------------------------------------
-    def replay(self, size: int) -> torch.Tensor:
-        """Replay the graph of ``size`` (the persistent buffers must hold a step prepared with
-        ``num_reqs_padded = num_tokens_padded = size``); returns hidden ``[size, hidden]``."""
-        replay, out = self._graphs[size]
+    def replay(self, size: int, variant=None) -> torch.Tensor:
+        """Replay the graph of ``size`` and ``variant`` (:meth:`variant`; the persistent
+        buffers must hold a step prepared with ``num_reqs_padded = num_tokens_padded = size``);
+        returns hidden ``[size, hidden]``."""
+        replay, out = self._graphs[(size, variant)]
         replay()
         return out
 

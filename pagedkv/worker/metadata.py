@@ -56,6 +56,9 @@ class CommonAttentionMetadata:
     dcp_local_seq_lens_cpu: torch.Tensor | None = None
     num_actual_reqs: int = -1  # unpadded request count; defaults to num_reqs
     causal: bool = True
+    # decode steps: whether the lengths are balanced (a CUDA graph's baked value, see
+    # cuda_graphs.py); None: a backend that cares derives it from seq_lens_cpu
+    decode_balanced: bool | None = None
 
     def __post_init__(self) -> None:
         if self.num_actual_reqs < 0:

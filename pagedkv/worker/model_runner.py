@@ -310,7 +310,7 @@ class ModelRunner:
         mgr.capture()
         self.cuda_graphs = mgr
         self.warm_logits_shapes()
-        return len(mgr.sizes)
+        return mgr.num_graphs
 
     # ----- one step ------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
@@ -352,7 +352,8 @@ class ModelRunner:
             step = self.preparer.prepare(batch, nsched, graph_size, graph_size)
             if pending is not None:
                 self._fill_pending_inputs(prev, pending, nsched, num_tokens, n)
-            hidden = self.cuda_graphs.replay(graph_size)
+            variant = self.cuda_graphs.variant(graph_size, self.preparer.seq_lens.np[:n])
+            hidden = self.cuda_graphs.replay(graph_size, variant)
             self.num_graph_steps += 1
         else:
             step = self.preparer.prepare(batch, nsched)

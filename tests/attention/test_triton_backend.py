@@ -67,6 +67,40 @@ def test_fp16_decode_rows_not_first(kernel_device):
           device=kernel_device, seed=3)
 
 
+# the balanced-lengths rule at the interpreter's tiny shapes: any batch is "one wave" (CPU
+# runs assume 132 multiprocessors; <= 132 programs)
+WIDE = dict(balanced_min_programs_per_sm=0.0, wave_programs_per_sm=1.0)
+
+
+@pytest.mark.parametrize("reqs,balanced", [([(40, 1), (36, 1), (44, 1)], True),
+                                           ([(40, 1), (3, 1), (44, 1)], False)])
+def test_decode_balanced_lengths_from_host_or_metadata(kernel_device, reqs, balanced):
+    """Decode-only steps: the plan derives ``balanced`` from the host lengths of the actual
+    requests (graph padding rows excluded), a metadata ``decode_balanced`` overrides it (a
+    CUDA graph's baked value); every choice is exact against the reference."""
+    import dataclasses
+
+    from pagedkv.attention.triton_decode import default_decode_config
+
+    cfg = dataclasses.replace(default_decode_config(torch.device(kernel_device)), **WIDE)
+    backend = TritonAttentionBackend(decode_config=cfg)
+    check(reqs, backend=backend, block_size=16, device=kernel_device, pad_tokens=2,
+          padded_reqs=2, seed=4)
+    assert backend._plan.decode_only and backend._plan.balanced is balanced
+    for forced in (True, False):
+        a, out, b, ref = both(reqs, backend=backend, block_size=16, device=kernel_device, seed=4)
+        a["meta"].decode_balanced = forced
+        backend._plan = None
+        out = backend.forward(0, a["q"], a["k"], a["v"], a["cache"], a["meta"], a["scale"])
+        assert backend._plan.balanced is forced
+        torch.testing.assert_close(out.float().cpu()[:3], ref.float().cpu()[:3], atol=1e-4, rtol=1e-4)
+    # graph variants: two where the rule applies, one where it cannot
+    assert backend.graph_variants(3, 2, torch.device(kernel_device)) == (False, True)
+    assert TritonAttentionBackend().graph_variants(3, 2, torch.device(kernel_device)) == (False,)
+    lens = [c + q for c, q in reqs]
+    assert backend.graph_variant(5, 2, lens, torch.device(kernel_device)) is balanced
+
+
 def test_empty_batch(kernel_device):
     a = make_case([], block_size=4, device=kernel_device, pad_tokens=3)
     out = TritonAttentionBackend().forward(0, a["q"], a["k"], a["v"], a["cache"], a["meta"],

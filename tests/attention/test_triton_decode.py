@@ -1,6 +1,7 @@
 """Paged decode kernel vs the torch reference: interpreted on CPU (tiny shapes, fp32/fp16), and
 natively on CUDA (bf16, model-sized shapes, CUDA-graph replay)."""
 
+import numpy as np
 import pytest
 import torch
 from test_triton_cases import (
@@ -16,6 +17,8 @@ from pagedkv.attention.triton_decode import (
     DecodeConfig,
     choose_num_splits,
     choose_split,
+    lengths_balanced,
+    one_range_if_balanced,
     paged_decode_attention,
     paged_decode_attention_ref,
 )
@@ -131,9 +134,44 @@ def test_choose_split_regimes():
     assert choose_num_splits(256, 8, 8192, 132, cfg) == 4
 
 
+def test_choose_split_balanced_lengths():
+    cfg = DecodeConfig()  # one range when balanced and 2 x 132 <= programs <= 5 x 132
+    # B64 x 8 KV heads = 512 programs: the mid regime's 8 splits, one range when balanced
+    assert choose_split(64, 8, 2048, 132, cfg) == (8, 256)
+    assert choose_split(64, 8, 2048, 132, cfg, balanced=True)[0] == 1
+    assert choose_split(64, 8, None, 132, cfg, balanced=True)[0] == 1  # as a graph: no max
+    # the bounds: 264 and 660 programs
+    assert choose_split(33, 8, None, 132, cfg, balanced=True)[0] == 1  # 264
+    assert choose_split(32, 8, None, 132, cfg, balanced=True) == (5, 32)  # 256: small regime
+    assert choose_split(82, 8, None, 132, cfg, balanced=True)[0] == 1  # 656
+    assert choose_split(83, 8, None, 132, cfg, balanced=True) == (4, 512)  # 664: past one wave
+    assert choose_num_splits(64, 8, None, 132, cfg, True) == 1
+    assert [one_range_if_balanced(b, 8, 132, cfg) for b in (0, 32, 33, 82, 83)] == \
+        [False, False, True, True, False]
+    wide = DecodeConfig(balanced_min_programs_per_sm=0.0, wave_programs_per_sm=1.0)
+    assert [one_range_if_balanced(b, 2, 132, wide) for b in (0, 1, 66, 67)] == [False, True, True, False]
+
+
+def test_lengths_balanced():
+    cfg = DecodeConfig()  # mean >= 0.8 x max
+    assert lengths_balanced([2048] * 64, cfg)
+    assert lengths_balanced([100, 100, 100, 100, 80], cfg)  # mean 96 >= 80
+    assert lengths_balanced([100, 60], cfg)  # mean 80 = 0.8 x 100: the bound is inclusive
+    assert not lengths_balanced([100, 59], cfg)  # 79.5
+    assert not lengths_balanced(list(range(100, 2049)), cfg)  # U[100, 2048]: mean 0.52 max
+    assert not lengths_balanced([], cfg) and not lengths_balanced([0, 0], cfg)
+    assert lengths_balanced(np.array([5, 4], dtype=np.int32), cfg)  # 4.5 >= 4
+    assert lengths_balanced([5, 4, 0, 0], cfg)  # padding requests (length 0) left out
+    assert lengths_balanced([100, 60], DecodeConfig(balanced_fraction=0.8))
+    assert not lengths_balanced([100, 60], DecodeConfig(balanced_fraction=0.81))
+
+
 def test_decode_config_errors():
     for bad in (dict(tile_n=24), dict(max_splits=65), dict(mid_splits=0), dict(small_waves=0),
-                dict(large_min_split_tokens=0), dict(min_split_tokens=0), dict(num_stages=0)):
+                dict(large_min_split_tokens=0), dict(min_split_tokens=0), dict(num_stages=0),
+                dict(balanced_fraction=0.0), dict(balanced_fraction=1.5),
+                dict(balanced_min_programs_per_sm=-1.0),
+                dict(balanced_min_programs_per_sm=6.0, wave_programs_per_sm=5.0)):
         with pytest.raises(ConfigError):
             DecodeConfig(**bad)
 

@@ -71,8 +71,8 @@ def test_graph_replay_hidden_states_match_eager(tiny_dir):
         seen["step"] = prepare(*args, **kwargs)
         return seen["step"]
 
-    def replay_and_check(size):
-        out = replay(size)
+    def replay_and_check(size, variant=None):
+        out = replay(size, variant)
         step = seen["step"]
         assert step.num_reqs_padded == step.num_tokens_padded == size
         n = step.num_reqs

@@ -214,7 +214,7 @@ def test_graph_manager_padding_and_buffers_on_cpu(tiny_dir, hf_ref):
     runner.cuda_graphs = mgr
     sizes = []
     replay = mgr.replay
-    mgr.replay = lambda size: sizes.append(size) or replay(size)
+    mgr.replay = lambda size, variant=None: sizes.append(size) or replay(size, variant)
     prompts = TEXTS + TEXTS[:1]  # 5 requests -> bucket 8, then fewer as none finish early
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
                         use_tqdm=False)
@@ -223,3 +223,38 @@ def test_graph_manager_padding_and_buffers_on_cpu(tiny_dir, hf_ref):
     for o in outs:
         assert o.outputs[0].token_ids == ref.greedy(o.prompt_token_ids, 10)
     assert [mgr.padded_size(n) for n in range(0, 10)] == [None, 1, 2, 4, 4, 8, 8, 8, 8, None]
+
+
+def test_graph_variants_for_balanced_lengths_on_cpu(tiny_dir, hf_ref):
+    """One decode graph per (size, balanced lengths) where the Triton backend's decode launch
+    depends on it (interpreted on CPU, its rule widened to these tiny batches): equal-length
+    requests replay the balanced graphs, mixed lengths the others; tokens as transformers'."""
+    import dataclasses
+
+    from engine_helpers import make_llm
+
+    from pagedkv.attention.triton_backend import TritonAttentionBackend
+    from pagedkv.attention.triton_decode import INTERPRET_DECODE_CONFIG
+    from pagedkv.worker.cuda_graphs import CudaGraphManager
+
+    cfg = dataclasses.replace(INTERPRET_DECODE_CONFIG, balanced_min_programs_per_sm=0.0,
+                              wave_programs_per_sm=1.0)
+    path = tiny_dir("qwen3")
+    llm = make_llm(path, max_num_seqs=4, attention_backend=TritonAttentionBackend(decode_config=cfg))
+    runner = llm.runner
+    mgr = CudaGraphManager(runner, [2, 4], graph_capture=EagerReplay())
+    assert [mgr.variants(s) for s in mgr.sizes] == [(False, True)] * 2 and mgr.num_graphs == 4
+    mgr.capture()
+    runner.cuda_graphs = mgr
+    seen = []
+    replay = mgr.replay
+    mgr.replay = lambda size, variant=None: seen.append((size, variant)) or replay(size, variant)
+    ref = hf_ref(path)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    for prompts, balanced in (([list(range(5 + i, 45 + i)) for i in range(3)], True),  # 40 each
+                              ([[7, 8, 9], list(range(10, 50)), [11] * 6], False)):
+        seen.clear()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert seen and {v for _, v in seen} == {balanced} and {s for s, _ in seen} == {4}
+        for o in outs:
+            assert o.outputs[0].token_ids == ref.greedy(o.prompt_token_ids, 5)
