@@ -36,6 +36,11 @@ CONFIGS = {
     "t32s9": {"num_stages": 9},
     "t16s9": {"tile_n": 16, "num_stages": 9},
     "t16s13": {"tile_n": 16, "num_stages": 13},
+    # stream-K (one wave of equal shares; "policy" is the stream-K launch): programs per SM
+    "sk4": {"stream_k": True},  # 4 per SM, 128 registers (ptxas: 196-220 unbounded)
+    "sk2": {"stream_k": True, "stream_k_programs_per_sm": 2, "stream_k_maxnreg": None},
+    "sk5": {"stream_k": True, "stream_k_programs_per_sm": 5, "stream_k_maxnreg": 96},
+    "sk8": {"stream_k": True, "stream_k_programs_per_sm": 8},
 }
 SHAPES = "B64/L2048,B128/L2048,B64/L8192,B1/L8192,B8xU100-2048,B40xU100-2048,B64xU100-2048," \
          "B128xU100-2048,B256xU100-2048"
@@ -67,11 +72,19 @@ def main() -> None:
         res = {}
         print(shape, flush=True)
         for name in args.configs.split(","):
-            row = {"policy": st.time(config=DecodeConfig(**CONFIGS[name]))}
+            try:
+                row = {"policy": st.time(config=DecodeConfig(**CONFIGS[name]))}
+                if isinstance(st, MixedSetup):
+                    row["rel_err_policy"] = st.check(config=DecodeConfig(**CONFIGS[name]))
+            except Exception as e:  # noqa: BLE001 (a variant that fails to compile or run)
+                print(f"  {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
             if args.policy_vs_one:
                 row["splits1"] = st.time(num_splits=1, config=DecodeConfig(**CONFIGS[name]))
                 res[name] = row
-                print(f"  {name:7s} " + "  ".join(f"{k} {v:.1f} ({frac(v):.0%})" for k, v in row.items()),
+                print(f"  {name:7s} " + "  ".join(f"{k} {v:.1f} ({frac(v):.0%})" for k, v in row.items()
+                                                  if not k.startswith("rel_err"))
+                      + (f"  err {row['rel_err_policy']:.1e}" if "rel_err_policy" in row else ""),
                       flush=True)
                 continue
             for sp in [int(x) for x in args.splits.split(",")]:
@@ -85,7 +98,7 @@ def main() -> None:
             row["rel_err"] = err
             res[name] = row
             print(f"  {name:7s} " + "  ".join(f"{k} {v:.1f} ({frac(v):.0%})" for k, v in row.items()
-                                              if k != "rel_err") + f"  err {err}", flush=True)
+                                              if not k.startswith("rel_err")) + f"  err {err}", flush=True)
         out[shape] = res
         del st
         torch.cuda.empty_cache()

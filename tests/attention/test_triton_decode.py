@@ -278,3 +278,113 @@ def test_decode_gpu_split_merge_repeatable():
         check(case, outs[0])
         for o in outs[1:]:
             assert torch.equal(o, outs[0])
+
+
+# ---- stream-K: a fixed grid of G programs, equal shares of the batch's tiles
+
+
+def streamk_config(device, monkeypatch, programs: int) -> DecodeConfig:
+    """Stream-K with a grid of exactly ``programs`` (the device's multiprocessor count is
+    replaced for the test; 1 program per "multiprocessor")."""
+    import dataclasses
+
+    import pagedkv.attention.triton_decode as td
+
+    monkeypatch.setattr(td, "num_sms", lambda dev: programs)
+    return dataclasses.replace(td.default_decode_config(torch.device(device)), stream_k=True,
+                               stream_k_programs_per_sm=1)
+
+
+@pytest.mark.parametrize("programs", [1, 2, 5, 13, 300])
+@pytest.mark.parametrize("block_size,heads", [(3, (4, 2)), (16, (8, 2)), (1, (2, 2))])
+def test_streamk_matches_reference(kernel_device, monkeypatch, programs, block_size, heads):
+    """One program (every item whole), shares ending mid-item (2, 5, 13: items split over
+    several programs, partial slots 2p and 2p + 1), more programs than tiles (300: empty
+    shares); a prefill request and a padding request in the batch stay untouched."""
+    cfg = streamk_config(kernel_device, monkeypatch, programs)
+    case = make_case(DECODES + [(6, 4), (40, 1)], block_size=block_size, num_heads=heads[0],
+                     num_kv_heads=heads[1], seed=block_size + programs, device=kernel_device,
+                     write_new=True, pad_tokens=2, padded_reqs=1)
+    check(case, run_decode(case, config=cfg))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_streamk_random_batches(kernel_device, monkeypatch, seed):
+    """Random batches (1-9 requests, lengths 1-90, some multi-token requests) and grid sizes."""
+    import random
+
+    rng = random.Random(seed)
+    reqs = [(rng.randint(0, 89), 1 if rng.random() < 0.8 else rng.randint(2, 4))
+            for _ in range(rng.randint(1, 9))]
+    cfg = streamk_config(kernel_device, monkeypatch, rng.choice([1, 3, 7, 11, 40]))
+    case = make_case(reqs, block_size=rng.choice([1, 2, 16]), num_heads=4, num_kv_heads=2,
+                     seed=seed, device=kernel_device, write_new=True,
+                     dtype=rng.choice([torch.float32, torch.float16]))
+    check(case, run_decode(case, config=cfg))
+
+
+def test_streamk_zero_padded_rows(kernel_device, monkeypatch):
+    case = make_case([(9, 1), (20, 1), (3, 1)], block_size=4, device=kernel_device,
+                     write_new=True, pad_tokens=3, padded_reqs=3, seed=8)
+    m = case["meta"]
+    out = poisoned_out(case)
+    extra = torch.full((2,) + tuple(out.shape[1:]), float("nan"), dtype=out.dtype, device=out.device)
+    out = torch.cat([out, extra])
+    q = torch.cat([case["q"], torch.zeros_like(extra)])
+    paged_decode_attention(q, case["cache"], m.block_table_tensor, m.query_start_loc, m.seq_lens,
+                           m.num_reqs, case["scale"], out, zero_padded_rows=True,
+                           config=streamk_config(kernel_device, monkeypatch, 4))
+    check(case, out[: case["q"].shape[0]])
+    assert (out[3:6].cpu() == 0).all()
+    assert torch.isnan(out[6:].cpu()).all()
+
+
+@pytest.mark.gpu
+def test_streamk_gpu_bf16_and_graph_replay():
+    """Model-sized batch on the H200's real grid (5 programs per multiprocessor), 100 launches
+    on one workspace bitwise equal; then a CUDA graph replayed over new lengths."""
+    import dataclasses
+
+    from pagedkv.attention.triton_decode import default_decode_config
+
+    cfg = dataclasses.replace(default_decode_config(torch.device("cuda")), stream_k=True)
+    torch.manual_seed(31)
+    ctx = [int(x) for x in torch.randint(1, 4000, (64,))] + [8191, 1, 15, 16, 17]
+    case = make_case([(c, 1) for c in ctx], block_size=16, num_heads=16, num_kv_heads=8,
+                     head_dim=128, dtype=torch.bfloat16, device="cuda", write_new=True, seed=31)
+    m = case["meta"]
+    ws: dict = {}
+    outs = []
+    for _ in range(100):
+        out = poisoned_out(case)
+        paged_decode_attention(case["q"], case["cache"], m.block_table_tensor, m.query_start_loc,
+                               m.seq_lens, m.num_reqs, case["scale"], out, config=cfg, workspace=ws)
+        outs.append(out)
+    torch.cuda.synchronize()
+    check(case, outs[0])
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+    out = torch.zeros_like(case["q"])
+
+    def call():
+        paged_decode_attention(case["q"], case["cache"], m.block_table_tensor, m.query_start_loc,
+                               m.seq_lens, m.num_reqs, case["scale"], out, config=cfg, workspace=ws)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    gen = torch.Generator().manual_seed(5)
+    full = m.seq_lens_cpu.clone()
+    for _ in range(2):  # new lengths within each request's written positions
+        lens = (torch.rand(len(ctx), generator=gen) * full).to(torch.int32).clamp(min=1)
+        m.seq_lens.copy_(lens)
+        m.seq_lens_cpu.copy_(lens)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(case, out)
