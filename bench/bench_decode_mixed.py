@@ -48,7 +48,6 @@ VARIANTS = {
     "t64s4": DecodeConfig(tile_n=64, num_stages=4),
     "w2": DecodeConfig(num_warps=2),
     "w8": DecodeConfig(num_warps=8),
-    "streamk": DecodeConfig(stream_k=True),
 }
 
 

@@ -36,11 +36,6 @@ CONFIGS = {
     "t32s9": {"num_stages": 9},
     "t16s9": {"tile_n": 16, "num_stages": 9},
     "t16s13": {"tile_n": 16, "num_stages": 13},
-    # stream-K (one wave of equal shares; "policy" is the stream-K launch): programs per SM
-    "sk4": {"stream_k": True},  # 4 per SM, 128 registers (ptxas: 196-220 unbounded)
-    "sk2": {"stream_k": True, "stream_k_programs_per_sm": 2, "stream_k_maxnreg": None},
-    "sk5": {"stream_k": True, "stream_k_programs_per_sm": 5, "stream_k_maxnreg": 96},
-    "sk8": {"stream_k": True, "stream_k_programs_per_sm": 8},
 }
 SHAPES = "B64/L2048,B128/L2048,B64/L8192,B1/L8192,B8xU100-2048,B40xU100-2048,B64xU100-2048," \
          "B128xU100-2048,B256xU100-2048"

@@ -54,8 +54,6 @@ from pagedkv.attention._triton_common import (
     num_sms,
 )
 from pagedkv.attention.torch_ref import paged_attention_ref
-from pagedkv.attention.triton_decode_streamk import launch_streamk
-from pagedkv.attention.triton_decode_tile import _decode_tile
 from pagedkv.errors import ConfigError
 from pagedkv.kernels._common import cdiv, next_pow2, use_triton
 
@@ -113,9 +111,6 @@ class DecodeConfig:
     large_splits: int = 4
     large_min_split_tokens: int = 512
     min_split_tokens: int | None = None
-    stream_k: bool = False
-    stream_k_programs_per_sm: int = 4
-    stream_k_maxnreg: int | None = 128
     balanced_min_programs_per_sm: float = 2.0
     wave_programs_per_sm: float = 5.0
     balanced_fraction: float = 0.8
@@ -130,8 +125,6 @@ class DecodeConfig:
             raise ConfigError("DecodeConfig: split minimums must be >= 1")
         if min(self.mid_splits, self.large_splits) < 1 or self.small_waves <= 0:
             raise ConfigError("DecodeConfig: split counts and small_waves must be positive")
-        if self.stream_k_programs_per_sm < 1:
-            raise ConfigError("DecodeConfig: stream_k_programs_per_sm must be >= 1")
         if self.num_warps < 1 or self.num_stages < 1:
             raise ConfigError("DecodeConfig: num_warps and num_stages must be positive")
         if not 0 <= self.balanced_min_programs_per_sm <= self.wave_programs_per_sm \
@@ -204,6 +197,32 @@ def _split_range(seq_len, s, num_splits, min_split_tiles, TILE_N: tl.constexpr):
     t0 = s * per
     t1 = tl.minimum(t0 + per, n_tiles)
     return t0, t1, per, n_tiles
+
+
+@triton.jit
+def _decode_tile(acc, l_i, m_i, q, t, seq_len, k_ptr, v_ptr, bt_row, bt_width, c_sb, c_st,
+                 head_off, d, scale_log2, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Positions ``[t * TILE_N, (t + 1) * TILE_N)`` of the online softmax."""
+    n = t * TILE_N + tl.arange(0, TILE_N)
+    col = n // BLOCK_SIZE
+    valid = (n < seq_len) & (col < bt_width)
+    blk = tl.load(bt_row + col, mask=valid, other=0).to(tl.int64)
+    tok = blk * c_sb + (n % BLOCK_SIZE).to(tl.int64) * c_st + head_off
+    if HEAD_DIM == D_PAD:
+        kv_mask = valid[:, None]
+    else:
+        kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
+    k = tl.load(k_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
+    scores = tl.where(valid[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+    return acc, l_i, m_new
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_splits", "min_split_tiles", "zero_rows"])
@@ -387,16 +406,6 @@ def paged_decode_attention(
         return paged_decode_attention_ref(q, kv_cache, block_table, query_start_loc, seq_lens,
                                           num_reqs, scale, out, zero_padded_rows=zero_padded_rows)
     cfg = config or default_decode_config(q.device)
-    if cfg.stream_k and num_splits is None:
-        launch_streamk(q, kv_cache[0], kv_cache[1], block_table, query_start_loc, seq_lens,
-                       num_reqs, out, float(scale) * LOG2E, shape=shape,
-                       num_programs=cfg.stream_k_programs_per_sm * num_sms(q.device),
-                       tile_n=cfg.tile_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                       maxnreg=cfg.stream_k_maxnreg,
-                       dot_prec=dot_precision(kv_cache.dtype),
-                       range_loop=not interpreted(_decode_kernel),
-                       zero_padded_rows=zero_padded_rows, workspace=workspace)
-        return out
     auto_splits, min_split_tokens = choose_split(num_reqs, shape.num_kv_heads, max_seq_len,
                                                  num_sms(q.device), cfg, balanced)
     if num_splits is None:
