@@ -129,6 +129,56 @@ def run_hf_static(model, batch: int, prompt_len: int = 512, new_tokens: int = 25
             "output_tokens_per_s": tokens / dt}
 
 
+def _record_step_times(llm, record: dict) -> None:
+    """Wrap the engine's ``step`` to time every step of every ``generate`` call (the warm-up
+    generations included, labelled by call); each call's summary is printed when the next call
+    starts and at exit."""
+    import atexit
+
+    engine, runner = llm.engine, llm.engine.runner
+    calls: list[list[tuple[float, bool]]] = []
+    segs: list[int] = []
+    inner_step, inner_generate = engine.step, llm.generate
+
+    def seg_count() -> int:
+        return int(torch.cuda.memory_stats().get("segment.all.allocated", 0)) \
+            if torch.cuda.is_available() else 0
+
+    def step(*a, **kw):
+        g0 = runner.num_graph_steps
+        t = time.perf_counter()
+        out = inner_step(*a, **kw)
+        calls[-1].append((time.perf_counter() - t, runner.num_graph_steps > g0))
+        return out
+
+    def summary(i: int) -> None:
+        st = calls[i]
+        graph = sum(dt for dt, g in st if g)
+        other = sum(dt for dt, g in st if not g)
+        slow = sorted(range(len(st)), key=lambda j: -st[j][0])[:6]
+        line = (f"generate call {i}: {len(st)} steps, graph steps {graph:.3f} s, other steps "
+                f"{other:.3f} s, new allocator segments {segs[i + 1] - segs[i] if i + 1 < len(segs) else '?'}; "
+                "slowest: " + ", ".join(f"#{j} {st[j][0] * 1e3:.1f} ms{' g' if st[j][1] else ''}" for j in slow))
+        print(line, flush=True)
+        record.setdefault("step_times", []).append(line)
+
+    def generate(*a, **kw):
+        segs.append(seg_count())
+        if calls:
+            summary(len(calls) - 1)
+        calls.append([])
+        return inner_generate(*a, **kw)
+
+    def at_exit():
+        segs.append(seg_count())
+        if calls:
+            summary(len(calls) - 1)
+
+    engine.step = step
+    llm.generate = generate
+    atexit.register(at_exit)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint directory (default: --shape)")
@@ -159,6 +209,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=1,
                    help="timed runs on the same engine (each after its warm-up and a prefix-cache "
                         "reset); the table shows the first, the JSON has all and their median")
+    p.add_argument("--step-times", action="store_true",
+                   help="per timed run: wall time of graph-replay vs other steps, the slowest "
+                        "steps, and new CUDA allocator segments (where a first run loses time)")
     p.add_argument("--json", default="bench_w1.json")
     args = p.parse_args(argv)
 
@@ -174,6 +227,8 @@ def main(argv=None) -> int:
           f"{llm.kv_cache_sizing.describe()}", flush=True)
     if args.repeat < 1:
         raise SystemExit("--repeat must be >= 1")
+    if args.step_times:
+        _record_step_times(llm, record)
     res = run_throughput(llm, wl, temperature=args.temperature, use_tqdm=args.progress)
     record["pagedkv"] = res.as_dict()
     record["pagedkv_kv"] = llm.get_kv_stats()
