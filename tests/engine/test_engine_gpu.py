@@ -56,6 +56,34 @@ def test_cuda_graph_replay_matches_eager_tokens(tiny_dir, family):
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
 
 
+def test_balanced_graph_variants_match_eager(tiny_dir):
+    """Decode graphs captured per (size, balanced lengths) and replayed natively: with the
+    rule widened to these small batches, equal-length requests replay the balanced graphs
+    (one range per request) and mixed lengths the others; tokens equal the eager engine's."""
+    import dataclasses
+
+    from pagedkv.attention.triton_backend import TritonAttentionBackend
+    from pagedkv.attention.triton_decode import DecodeConfig
+
+    cfg = dataclasses.replace(DecodeConfig(), balanced_min_programs_per_sm=0.0)
+    path = tiny_dir("qwen3")
+    graph = _gpu_llm(path, attention_backend=TritonAttentionBackend(decode_config=cfg))
+    eager = _gpu_llm(path, enforce_eager=True)
+    mgr = graph.runner.cuda_graphs
+    assert all(mgr.variants(s) == (False, True) for s in mgr.sizes)
+    seen = []
+    replay = mgr.replay
+    mgr.replay = lambda size, variant=None: seen.append(variant) or replay(size, variant)
+    equal = [[5 + (i * 7 + j) % 300 for j in range(40)] for i in range(6)]
+    mixed = [[9] * 3, list(range(20, 120)), [11] * 7, list(range(30, 60))]
+    for prompts, balanced in ((equal, True), (mixed, False)):
+        seen.clear()
+        a = graph.generate(prompts, _greedy(16), use_tqdm=False)
+        b = eager.generate(prompts, _greedy(16), use_tqdm=False)
+        assert seen and set(seen) == {balanced}
+        assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+
+
 def test_graph_replay_hidden_states_match_eager(tiny_dir):
     """Inside the normal engine flow: every replayed decode step is re-run eagerly on the same
     prepared (padded) inputs; the hidden states of the real rows agree. The eager re-run writes
