@@ -29,9 +29,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagedkv.attention._triton_common import num_sms
 from pagedkv.attention.backend import AttentionBackend, AttentionMetadataLike
 from pagedkv.attention.torch_ref import paged_attention_ref
-from pagedkv.attention._triton_common import num_sms
 from pagedkv.attention.triton_decode import (
     DecodeConfig,
     _decode_kernel,
