@@ -92,7 +92,15 @@ class Scheduler:
     ``kv_cache_config`` may hold ``UniformTypeKVCacheSpecs`` groups (the scheduler uses a
     member spec). ``cache_config`` defaults to ``CacheConfig(block_size=<first group's block
     size>, num_gpu_blocks=kv_cache_config.num_blocks)``.
+
+    ``concurrent_batches``: steps that can be scheduled but not yet settled at once (1 here,
+    2 for the ``AsyncScheduler``). As in vLLM, the KV-cache manager is built with
+    ``max_in_flight_tokens = concurrent_batches * max_num_batched_tokens``, which caps the
+    full-sequence admission reservation of block-recycling groups (sliding window: at most
+    ``cdiv(min(W - 1 + in_flight, max_model_len), block_size) + 1`` blocks).
     """
+
+    concurrent_batches = 1
 
     def __init__(
         self,
@@ -164,6 +172,7 @@ class Scheduler:
             hash_algo=cache_config.prefix_caching_hash_algo,
             log_stats=log_stats,
             watermark=scheduler_config.watermark,
+            max_in_flight_tokens=self.concurrent_batches * scheduler_config.max_num_batched_tokens,
         )
         self.block_hasher = (
             self.kv_cache_manager.make_block_hasher() if self.enable_caching else None

@@ -44,6 +44,8 @@ _RUNNING = RequestStatus.RUNNING
 class AsyncScheduler(Scheduler):
     """See the module docstring."""
 
+    concurrent_batches = 2  # the step being scheduled and the one in flight
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if self._num_lookahead_tokens:

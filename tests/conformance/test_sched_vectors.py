@@ -1,19 +1,23 @@
 """Replay every kind-"sched" trace through pagedkv's Scheduler and compare every field of
 every log line with vLLM 0.33.0's recorded answers (tests/vectors/vllm-logs).
 
-Replay rules (tests/vectors/FORMAT.txt): a request is added just before the schedule() of
-its arrival step; the loop steps while the scheduler has requests (unfinished, or finished
-ones not yet reported), so the last step only reports finished ids. The fake model samples
+The driver follows tests/vectors/FORMAT.txt's engine loop exactly: step while a request has
+not arrived yet or the scheduler has requests; an idle engine jumps to the next arrival (no
+schedule() call, no line); a step adds its arrivals (arrival order, ties in trace order),
+then applies its aborts (``finish_requests(id, FINISHED_ABORTED)``, one call per id, in
+``(abort_step, trace position)`` order), then schedules. The fake model samples
 ``traces.next_token(rid, pos, vocab)`` at ``pos = num_tokens`` for every scheduled request
 that completed its prefill; partial-prefill chunks sample nothing.
 
 Field meanings (checked against the logs):
 * ``num_free_blocks_after_schedule``: free blocks right after schedule();
 * ``num_free_blocks`` / ``num_running`` / ``num_waiting`` / ``free_queue``: after
-  update_from_output() (finished requests already freed);
+  update_from_output() (finished requests already freed); ``free_queue`` only when the
+  trace's ``log_free_queue`` is ``"step"``;
 * ``prefix_cache``: the manager's prefix-cache counters for this step's lookups;
 * ``finished``: ids finished by this step's update_from_output (sorted);
-* summary: totals over the run, ``max_running`` = max of ``num_running``.
+* ``aborted``: ids this step's abort calls finished (traces with ``abort_step`` only);
+* summary: totals over the run; ``max_running`` measured right after each schedule().
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import pytest
 
 from pagedkv.config import CacheConfig, SchedulerConfig
 from pagedkv.core.output import ModelRunnerOutput
+from pagedkv.core.request import RequestStatus
 from pagedkv.core.scheduler import Scheduler
 from pagedkv.core.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 
@@ -57,7 +62,20 @@ def _group_spec(g: dict, block_size: int):
     raise ValueError(f"unknown group type {g['type']!r} in trace")
 
 
+# Engine keys a trace may omit, and their documented defaults (FORMAT.txt).
+ENGINE_DEFAULTS = {
+    "enable_chunked_prefill": True,
+    "long_prefill_token_threshold": 0,
+    "groups": [{"type": "full"}],
+}
+
+
+def engine_config(trace: dict) -> dict:
+    return {**ENGINE_DEFAULTS, **trace["engine"]}
+
+
 def build_scheduler(engine: dict) -> Scheduler:
+    engine = {**ENGINE_DEFAULTS, **engine}
     bs = engine["block_size"]
     groups = [
         KVCacheGroupSpec((f"layer.{i}",), _group_spec(g, bs)) for i, g in enumerate(engine["groups"])
@@ -104,30 +122,48 @@ def fake_model(sched: Scheduler, out, vocab: int) -> ModelRunnerOutput:
 
 
 def replay(trace: dict):
-    """Yield one dict per log line (header excluded) in the log's format."""
-    engine = trace["engine"]
-    sched = build_scheduler(engine)
+    """Yield one dict per log line (header excluded) in the log's format, following
+    FORMAT.txt's engine loop: idle jumps, aborts before schedule(), max_running right after
+    schedule(), free_queue on step lines only with ``log_free_queue == "step"``."""
+    sched = build_scheduler(trace["engine"])
     manager = sched.kv_cache_manager
     vocab = trace["vocab"]
     log_queue = trace.get("log_free_queue") == "step"
-    arrivals: dict[int, list[dict]] = {}
-    for r in trace["requests"]:
-        arrivals.setdefault(r["arrival_step"], []).append(r)
-    pending = len(trace["requests"])
+    requests = trace["requests"]
+    # Arrival order, ties in trace order (sorted() is stable).
+    arrivals = sorted(requests, key=lambda r: r["arrival_step"])
+    has_aborts = any("abort_step" in r for r in requests)
+    aborts = sorted(
+        ((r["abort_step"], i, r["id"]) for i, r in enumerate(requests) if "abort_step" in r)
+    )
     totals = dict.fromkeys(("requests", "queries", "hits", "preempted_requests",
                             "preempted_queries", "preempted_hits"), 0)
     step = 0
+    lines = 0
+    last_step = -1
     max_running = 0
     preemptions = 0
-    while pending or sched.has_requests():
-        for r in arrivals.get(step, ()):
+    num_aborted = 0
+    next_arrival = 0
+    next_abort = 0
+    while next_arrival < len(arrivals) or sched.has_requests():
+        if not sched.has_requests():
+            step = max(step, arrivals[next_arrival]["arrival_step"])
+        while next_arrival < len(arrivals) and arrivals[next_arrival]["arrival_step"] <= step:
+            r = arrivals[next_arrival]
             sched.add_request(
                 sched.make_request(r["id"], r["prompt"], max_tokens=r["max_tokens"],
-                                   ignore_eos=True, arrival_time=float(step))
+                                   ignore_eos=True, arrival_time=float(r["arrival_step"]))
             )
-            pending -= 1
+            next_arrival += 1
+        aborted: list[str] = []
+        while next_abort < len(aborts) and aborts[next_abort][0] <= step:
+            aborted += sched.finish_requests(aborts[next_abort][2], RequestStatus.FINISHED_ABORTED)
+            next_abort += 1
+        num_aborted += len(aborted)
         out = sched.schedule()
         free_after_schedule = manager.num_free_blocks
+        max_running = max(max_running, len(sched.running))
         result = sched.update_from_output(out, fake_model(sched, out, vocab))
         stats = result.scheduler_stats
         pc = _stats_dict(stats.prefix_cache_stats)
@@ -160,21 +196,27 @@ def replay(trace: dict):
         }
         if log_queue:
             line["free_queue"] = free_queue_ids(manager)
-        max_running = max(max_running, stats.num_running_reqs)
+        if has_aborts:
+            line["aborted"] = sorted(aborted)
         preemptions += stats.num_preempted_reqs
         yield line
+        lines += 1
+        last_step = step
         step += 1
     assert preemptions == sched.num_preemptions
-    yield {
+    summary = {
         "kind": "summary",
-        "steps": step,
-        "last_step": step - 1,
+        "steps": lines,
+        "last_step": last_step,
         "max_running": max_running,
         "num_free_blocks": manager.num_free_blocks,
         "preemptions": sched.num_preemptions,
         "free_queue": free_queue_ids(manager),
         **totals,
     }
+    if has_aborts:
+        summary["aborted"] = num_aborted
+    yield summary
 
 
 def _first_diff(expected, got, path=""):
@@ -234,4 +276,5 @@ def test_sched_trace_matches_vllm(trace_path):
 
 def test_all_sched_presets_present():
     names = {os.path.basename(p).split("-")[0] for p in SCHED_TRACES}
-    assert {"small", "chunked", "prefix", "hybrid"} <= names
+    assert {"small", "chunked", "prefix", "hybrid", "swa", "tri", "sparse", "abort"} <= names
+    assert len(SCHED_TRACES) >= 9

@@ -376,6 +376,31 @@ def test_hybrid_groups_scheduler():
     assert sched.kv_cache_manager.num_free_blocks == 63
 
 
+def _swa_admission(sched_cls):
+    """Full + sliding window 48, budget 64, 19 blocks (18 free): a 160-token prompt."""
+    groups = [KVCacheGroupSpec(("f",), FullAttentionSpec(block_size=B)),
+              KVCacheGroupSpec(("s",), SlidingWindowSpec(block_size=B, sliding_window=48))]
+    kv = KVCacheConfig(num_blocks=19, kv_cache_groups=groups)
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512)
+    sched = sched_cls(cfg, kv, CacheConfig(block_size=B, enable_prefix_caching=False))
+    sched.add_request(sched.make_request("a", prompt(3, 160), max_tokens=4))
+    return sched, sched.schedule()
+
+
+def test_sliding_window_admission_cap_uses_in_flight_tokens():
+    # vLLM: max_in_flight_tokens = 1 batch x 64 tokens, so the sliding-window group reserves
+    # at most cdiv(min(47 + 64, 512), 16) + 1 = 8 blocks: full 10 + min(10, 8) = 18 <= 18 free.
+    sched, out = _swa_admission(Scheduler)
+    assert [n.req_id for n in out.scheduled_new_reqs] == ["a"]
+    assert out.num_scheduled_tokens == {"a": 64}
+    # Two batches in flight (async): cdiv(min(47 + 128, 512), 16) + 1 = 12 -> 10 + 10 = 20 > 18.
+    from pagedkv.engine.async_scheduler import AsyncScheduler
+
+    sched, out = _swa_admission(AsyncScheduler)
+    assert not out.scheduled_new_reqs
+    assert sched.concurrent_batches == 2
+
+
 def test_speculative_drafts_accounting():
     sched = make_scheduler(num_blocks=64)
     sched.add_request(sched.make_request("a", prompt(1, 10), max_tokens=20))
