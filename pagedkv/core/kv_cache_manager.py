@@ -13,8 +13,10 @@ the conformance vectors cover):
   ``InvalidRequestError``, an exhausted pool ``NoFreeBlocksError`` (both ``ValueError``
   subclasses, as vLLM raises ``ValueError``); a double free raises ``BlockStateError`` and
   leaves every ref count unchanged (vLLM would corrupt the counts).
-* ``take_new_block_ids`` reports the new blocks of every group when the config has a Mamba
-  group (zeroing a superset is harmless), and nothing otherwise.
+* ``take_new_block_ids`` reports the new blocks of every group when zeroing is needed (a Mamba
+  group, or layers whose KV dtypes differ: a block freed by a bf16 group and taken by an fp8
+  group holds bytes that are garbage, possibly NaN, in the new dtype; see
+  ``needs_kv_zeroing``), zeroing a superset (harmless), and nothing otherwise.
 * Not implemented: sub-block (partial) prefix hits and copy-on-write, the full-attention
   "partial tail" entry when ``B != hash_block_size``, KV-cache events, EAGLE hash lookahead,
   prefill-lookahead cacheable-token trimming, retention-interval masks, DCP/PCP, cross
@@ -30,10 +32,10 @@ from typing import TYPE_CHECKING, Sequence
 from pagedkv.core.block_pool import KVCacheBlock
 from pagedkv.core.coordinator import get_kv_cache_coordinator, resolve_block_sizes
 from pagedkv.core.hashing import get_hash_fn, get_request_block_hasher
-from pagedkv.core.managers import FullAttentionManager, scheduler_spec
+from pagedkv.core.managers import FullAttentionManager
 from pagedkv.core.prefix_cache_stats import PrefixCacheStats
 from pagedkv.core.request import RequestStatus
-from pagedkv.core.spec import KVCacheConfig, MambaSpec
+from pagedkv.core.spec import KVCacheConfig, KVCacheSpec, MambaSpec, UniformTypeKVCacheSpecs
 from pagedkv.errors import ConfigError, InvalidRequestError
 
 if TYPE_CHECKING:
@@ -78,6 +80,29 @@ class KVCacheBlocks:
 
     def __repr__(self) -> str:
         return f"KVCacheBlocks({self.get_block_ids()})"
+
+
+def _layer_specs(spec: KVCacheSpec):
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return [s for _, s in spec.specs]
+    return [spec]
+
+
+def needs_kv_zeroing(kv_cache_config: KVCacheConfig) -> bool:
+    """Whether the worker must zero newly allocated blocks (vLLM: Mamba or mixed precision).
+
+    One pool serves every group, so a block can pass from one group to another. A Mamba
+    state must start from zeros; and when the groups' layers store KV in different dtypes
+    (e.g. a bf16 sliding-window group beside an fp8 one), a block's old bytes reinterpreted
+    in the new dtype can be NaN, which masked attention still propagates (0 * NaN).
+    """
+    dtypes: set[str] = set()
+    for g in kv_cache_config.kv_cache_groups:
+        for spec in _layer_specs(g.kv_cache_spec):
+            if isinstance(spec, MambaSpec):
+                return True
+            dtypes.add(getattr(spec, "dtype", None))
+    return len(dtypes) > 1
 
 
 class KVCacheManager:
@@ -130,11 +155,7 @@ class KVCacheManager:
         self.hash_block_size = hash_block_size or default_hash
         self.hash_fn = get_hash_fn(hash_algo)
         self.num_kv_cache_groups = kv_cache_config.num_groups
-        # New blocks must be zeroed by the worker when a Mamba state group exists.
-        self.needs_kv_zeroing = any(
-            isinstance(scheduler_spec(g.kv_cache_spec), MambaSpec)
-            for g in kv_cache_config.kv_cache_groups
-        )
+        self.needs_kv_zeroing = needs_kv_zeroing(kv_cache_config)
         self.coordinator = get_kv_cache_coordinator(
             kv_cache_config,
             max_model_len,
@@ -387,7 +408,8 @@ class KVCacheManager:
         return self.get_blocks(request_id).get_block_ids()
 
     def take_new_block_ids(self) -> list[int]:
-        """Ids allocated since the last call, for the worker to zero (Mamba configs only)."""
+        """Ids allocated since the last call, for the worker to zero (only when
+        ``needs_kv_zeroing``: a Mamba group or mixed KV dtypes; else always empty)."""
         return self.coordinator.take_new_block_ids()
 
     def new_step_starts(self) -> None:

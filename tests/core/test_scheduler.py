@@ -623,3 +623,57 @@ def test_random_workloads_invariants(w):
         step += 1
     assert finished | aborted == set(ids)
     assert m.num_free_blocks == total
+
+
+def test_mixed_kv_dtypes_report_reused_blocks_for_zeroing():
+    """A bf16 sliding-window group beside an fp8 full group share one pool: every block a
+    step hands out, including ones the window released earlier, must reach
+    new_block_ids_to_zero (bf16 bytes read as fp8 can be NaN); with one dtype nothing is
+    reported."""
+    from pagedkv.core.kv_cache_manager import needs_kv_zeroing
+
+    def groups(full_dtype):
+        return [KVCacheGroupSpec(("f",), FullAttentionSpec(block_size=B, dtype=full_dtype)),
+                KVCacheGroupSpec(("s",), SlidingWindowSpec(block_size=B, sliding_window=16))]
+
+    for full_dtype, mixed in (("float8_e4m3fn", True), ("bfloat16", False)):
+        sched = make_scheduler(num_blocks=20, max_num_batched_tokens=64, caching=False,
+                               groups=groups(full_dtype))
+        assert needs_kv_zeroing(sched.kv_cache_config) is mixed
+        sched.add_request(sched.make_request("a", prompt(1, 64), max_tokens=40))
+        sched.add_request(sched.make_request("b", prompt(2, 40), max_tokens=30))
+        ever_held: set[int] = set()
+        reused = 0
+        while sched.has_requests():
+            out, _ = run_step(sched)
+            handed = {b for n in out.scheduled_new_reqs for g in n.block_ids for b in g}
+            for ids in out.scheduled_cached_reqs.new_block_ids:
+                handed |= {b for g in ids or () for b in g}
+            handed.discard(0)
+            if not mixed:
+                assert out.new_block_ids_to_zero is None
+                continue
+            assert handed <= set(out.new_block_ids_to_zero or ())
+            reused += len(handed & ever_held)
+            ever_held |= handed
+        assert sched.kv_cache_manager.num_free_blocks == 19
+        if mixed:
+            assert reused, "the window's released blocks must have been handed out again"
+
+
+def test_needs_kv_zeroing_rules():
+    from pagedkv.core.kv_cache_manager import needs_kv_zeroing
+    from pagedkv.core.spec import MambaSpec, UniformTypeKVCacheSpecs
+
+    def cfg(*specs):
+        return KVCacheConfig(num_blocks=8, kv_cache_groups=[
+            KVCacheGroupSpec((f"l{i}",), s) for i, s in enumerate(specs)])
+
+    full = FullAttentionSpec(block_size=B)
+    assert not needs_kv_zeroing(cfg(full))
+    assert not needs_kv_zeroing(cfg(full, SlidingWindowSpec(block_size=B, sliding_window=8)))
+    assert needs_kv_zeroing(cfg(full, MambaSpec(block_size=B)))
+    assert needs_kv_zeroing(cfg(full, FullAttentionSpec(block_size=B, dtype="float16")))
+    uni = UniformTypeKVCacheSpecs(block_size=B, specs=(
+        ("a", full), ("b", FullAttentionSpec(block_size=B, dtype="float8_e5m2"))))
+    assert needs_kv_zeroing(cfg(uni))
