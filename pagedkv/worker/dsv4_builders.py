@@ -58,14 +58,19 @@ class CompressedMLAMetadata:
     compress_ratio: int
 
     def topk_to_global(self, req_id_per_token: torch.Tensor, topk_indices: torch.Tensor,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
+                       out: torch.Tensor | None = None, lens: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """Request-local compressed indices ``[T, K]`` (``-1`` = none) -> global state slots of
-        this cache: ``table[req, idx // S] * S + idx % S``; -1 stays -1, out of range -> -1."""
+        this cache: ``table[req, idx // S] * S + idx % S``; -1 stays -1, out of range -> -1.
+        Returns ``(slots, lens)``: ``lens[t]`` = valid slots of token ``t`` (int32)."""
+        num_t = topk_indices.shape[0]
         if out is None:
             out = torch.empty(topk_indices.shape, dtype=torch.int64, device=topk_indices.device)
+        if lens is None:
+            lens = torch.empty(num_t, dtype=torch.int32, device=topk_indices.device)
         convert_req_index_to_global_index(req_id_per_token, self.block_table, topk_indices,
-                                          self.storage_block_size, out)
-        return out
+                                          self.storage_block_size, out, lens)
+        return out, lens[:num_t]
 
 
 class CompressedMLAMetadataBuilder(AttentionMetadataBuilder):

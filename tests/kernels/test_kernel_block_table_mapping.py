@@ -67,13 +67,18 @@ def test_sparse_hand_example(kernel_device, impl):
                          [0, 1, 2, 3, 4]], dtype=torch.int32)
     bt, req, topk = to(kernel_device, bt, req, topk)
     out = poison((4, 5), torch.int32, kernel_device)
-    SPARSE[impl](req, bt, topk, 4, out)
+    lens = poison(6, torch.int32, kernel_device)
+    SPARSE[impl](req, bt, topk, 4, out, lens)
     assert out.cpu().tolist() == [
         [28, 33, -1, 39, -1],  # idx 12 -> block index 3 >= width 3 -> -1
         [15, 16, -1, -1, 20],
         [-1] * 5,
         [-1] * 5,
     ]
+    assert lens.cpu().tolist() == [3, 3, 0, 0, POISON_I32, POISON_I32]  # lens[T:] untouched
+    out2 = poison((4, 5), torch.int32, kernel_device)
+    SPARSE[impl](req, bt, topk, 4, out2)  # without lens: the same slots
+    assert torch.equal(out2, out)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -86,12 +91,32 @@ def test_sparse_random(kernel_device, seed):
                               dtype=torch.int32)
     topk = topk_full[:, ::2]  # strided view
     ref = poison((T, K), torch.int32)
-    convert_req_index_to_global_index_ref(req, bt, topk, bsz, ref)
+    ref_lens = poison(T, torch.int32)
+    convert_req_index_to_global_index_ref(req, bt, topk, bsz, ref, ref_lens)
     bt_d, req_d, full_d = to(kernel_device, bt, req, topk_full)
     out = poison((T, K), torch.int32, kernel_device)
-    convert_req_index_to_global_index(req_d, bt_d, full_d[:, ::2], bsz, out)
+    lens = poison(T, torch.int32, kernel_device)
+    convert_req_index_to_global_index(req_d, bt_d, full_d[:, ::2], bsz, out, lens)
     assert torch.equal(out.cpu(), ref)
+    assert torch.equal(lens.cpu(), ref_lens)
     assert not (ref == POISON_I32).any()
+    assert ref_lens.tolist() == (ref >= 0).sum(1).tolist()
+
+
+def test_sparse_rows_longer_than_one_chunk(kernel_device):
+    """K > 1024: a program walks its row in chunks; lens counts across chunks."""
+    gen = torch.Generator().manual_seed(7)
+    T, K, rows, width, bsz = 3, 1500, 2, 100, 16
+    bt = random_table(gen, rows, width)
+    req = torch.tensor([0, 1, 0], dtype=torch.int32)
+    topk = torch.randint(-1, width * bsz, (T, K), generator=gen, dtype=torch.int32)
+    ref, ref_lens = poison((T, K), torch.int64), poison(T, torch.int32)
+    convert_req_index_to_global_index_ref(req, bt, topk, bsz, ref, ref_lens)
+    bt_d, req_d, topk_d = to(kernel_device, bt, req, topk)
+    out, lens = poison((T, K), torch.int64, kernel_device), poison(T, torch.int32, kernel_device)
+    convert_req_index_to_global_index(req_d, bt_d, topk_d, bsz, out, lens)
+    assert torch.equal(out.cpu(), ref) and torch.equal(lens.cpu(), ref_lens)
+    assert ref_lens.tolist() == (topk >= 0).sum(1).tolist()
 
 
 def test_typed_errors():
@@ -109,3 +134,7 @@ def test_typed_errors():
     with pytest.raises(ConfigError, match="req_id_per_token"):
         convert_req_index_to_global_index(torch.zeros(1, dtype=torch.int32), bt, topk, 4,
                                           torch.empty(2, 4, dtype=torch.int32))
+    with pytest.raises(ConfigError, match="lens"):
+        convert_req_index_to_global_index(torch.zeros(2, dtype=torch.int32), bt, topk, 4,
+                                          torch.empty(2, 4, dtype=torch.int32),
+                                          torch.empty(1, dtype=torch.int32))

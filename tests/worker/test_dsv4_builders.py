@@ -104,11 +104,13 @@ def test_indexer_topk_translation():
     ix = md.by_group[1][0]
     table = driver.batch.block_table[1].block_table.np[0]
     topk = torch.tensor([[0, 3, 4, 9, -1], [2, -1, 5, 1000, 7]], dtype=torch.int32)
-    got = ix.topk_to_global(torch.zeros(2, dtype=torch.int32), topk).numpy()
+    got, lens = ix.topk_to_global(torch.zeros(2, dtype=torch.int32), topk)
+    got = got.numpy()
     want = [[int(table[i // S]) * S + i % S if 0 <= i < 40 // C else -1 for i in row] for row in topk.tolist()]
     # index 1000 is past the table width: -1
     want[1][3] = -1
     assert got.tolist() == want
+    assert lens.tolist() == [sum(v >= 0 for v in row) for row in want]
 
 
 def test_builders_reject_wrong_specs():
