@@ -33,6 +33,7 @@ import torch
 
 from pagedkv.core.spec import KVCacheSpec, MambaCacheMode, MambaSpec
 from pagedkv.errors import ConfigError
+from pagedkv.kernels._common import PAD_SLOT_ID
 from pagedkv.kernels.page_indices import build_page_indices
 from pagedkv.worker.metadata import CommonAttentionMetadata
 
@@ -165,19 +166,32 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         )
 
 
-def mamba_state_indices(block_table: torch.Tensor, seq_lens: torch.Tensor, spec: MambaSpec) -> torch.Tensor:
-    """State indices per request (sec. 14).
+def mamba_state_indices(block_table: torch.Tensor, seq_lens: torch.Tensor, spec: MambaSpec,
+                        num_reqs: int) -> torch.Tensor:
+    """State indices per request row (sec. 14): int32 ``[len(seq_lens), 1 + spec_blocks]``.
 
-    ``none``/``all``: the table as is. ``align``: columns ``[start, start + 1 + spec_blocks)``
-    with ``start = max((seq_len - 1) // B, 0)`` (the block holding the last token; a padded
-    request with ``seq_len 0`` reads column 0, i.e. the null block).
+    ``none``/``all``: columns ``[0, 1 + spec_blocks)`` of the row. ``align``: columns
+    ``[start, start + 1 + spec_blocks)`` with ``start = max((seq_len - 1) // B, 0)`` (the block
+    holding the last token). Rows ``>= num_reqs`` (CUDA-graph padding) are ``PAD_SLOT_ID``
+    whatever the table holds there, so a padded row never aliases a live request's state;
+    state kernels skip ``PAD_SLOT_ID``.
     """
-    if spec.mamba_cache_mode != MambaCacheMode.ALIGN:
-        return block_table
-    start = torch.clamp((seq_lens.to(torch.int64) - 1) // spec.block_size, min=0)
-    offs = torch.arange(1 + spec.num_speculative_blocks, device=block_table.device, dtype=torch.int64)
-    cols = (start[:, None] + offs[None, :]).clamp(max=block_table.shape[1] - 1)
-    return torch.gather(block_table, 1, cols)
+    rows = seq_lens.shape[0]
+    if not 0 <= num_reqs <= rows or rows > block_table.shape[0]:
+        raise ConfigError(
+            f"mamba_state_indices: num_reqs {num_reqs} must lie in [0, {rows}] (seq_lens rows) "
+            f"and the table needs {rows} rows, has {block_table.shape[0]}"
+        )
+    width = 1 + spec.num_speculative_blocks
+    offs = torch.arange(width, device=block_table.device, dtype=torch.int64)
+    if spec.mamba_cache_mode == MambaCacheMode.ALIGN:
+        start = torch.clamp((seq_lens.to(torch.int64) - 1) // spec.block_size, min=0)
+        cols = (start[:, None] + offs[None, :]).clamp(max=block_table.shape[1] - 1)
+    else:
+        cols = offs[None, :].expand(rows, width).clamp(max=block_table.shape[1] - 1)
+    out = torch.gather(block_table[:rows], 1, cols).to(torch.int32)
+    out[num_reqs:] = PAD_SLOT_ID
+    return out
 
 
 @dataclass
@@ -186,9 +200,10 @@ class MambaMetadata:
     num_actual_tokens: int
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
-    state_indices: torch.Tensor  # [num_reqs, 1 + spec_blocks] (align) or the table (none/all)
+    state_indices: torch.Tensor  # int32 [rows, 1 + spec_blocks]; padded rows PAD_SLOT_ID
     has_initial_state: torch.Tensor  # [num_reqs] bool: num_computed > 0
     block_table: torch.Tensor
+    num_actual_reqs: int  # rows >= this are padding (state index PAD_SLOT_ID)
 
 
 class MambaMetadataBuilder(AttentionMetadataBuilder):
@@ -210,9 +225,11 @@ class MambaMetadataBuilder(AttentionMetadataBuilder):
             num_actual_tokens=common.num_actual_tokens,
             query_start_loc=common.query_start_loc,
             seq_lens=common.seq_lens,
-            state_indices=mamba_state_indices(common.block_table_tensor, common.seq_lens, self.kv_cache_spec),
+            state_indices=mamba_state_indices(common.block_table_tensor, common.seq_lens,
+                                              self.kv_cache_spec, common.num_actual_reqs),
             has_initial_state=has_init,
             block_table=common.block_table_tensor,
+            num_actual_reqs=common.num_actual_reqs,
         )
 
     def update_block_table(self, metadata: MambaMetadata, block_table: torch.Tensor, slot_mapping: torch.Tensor) -> MambaMetadata:
@@ -220,5 +237,6 @@ class MambaMetadataBuilder(AttentionMetadataBuilder):
         return dataclasses.replace(
             metadata,
             block_table=block_table,
-            state_indices=mamba_state_indices(block_table, metadata.seq_lens, self.kv_cache_spec),
+            state_indices=mamba_state_indices(block_table, metadata.seq_lens, self.kv_cache_spec,
+                                              metadata.num_actual_reqs),
         )

@@ -149,9 +149,23 @@ def test_mamba_state_indices_align():
     table = torch.tensor([[10, 11, 12, 13, 14], [20, 21, 22, 23, 24], [0, 0, 0, 0, 0]], dtype=torch.int32)
     seq = torch.tensor([9, 4, 0], dtype=torch.int32)
     # start = max((seq-1)//4, 0): 2, 0, 0
-    assert mamba_state_indices(table, seq, spec).tolist() == [[12, 13], [20, 21], [0, 0]]
+    assert mamba_state_indices(table, seq, spec, 3).tolist() == [[12, 13], [20, 21], [0, 0]]
     none = MambaSpec(block_size=4)
-    assert mamba_state_indices(table, seq, none) is table
+    assert mamba_state_indices(table, seq, none, 3).tolist() == [[10], [20], [0]]
+
+
+def test_mamba_state_indices_padded_rows_never_alias_live_state():
+    """Rows past num_reqs are CUDA-graph padding: PAD_SLOT_ID, whatever stale ids the caller
+    left there (here a live request's state 20 and 12)."""
+    table = torch.tensor([[10, 11, 12], [20, 21, 22], [20, 21, 22], [12, 13, 14]], dtype=torch.int32)
+    seq = torch.tensor([9, 4, 0, 0], dtype=torch.int32)
+    align = MambaSpec(block_size=4, mamba_cache_mode=MambaCacheMode.ALIGN)
+    assert mamba_state_indices(table, seq, align, 2).tolist() == [[12], [20], [-1], [-1]]
+    none = MambaSpec(block_size=4, num_speculative_blocks=1)
+    assert mamba_state_indices(table, seq, none, 1).tolist() == [[10, 11], [-1, -1], [-1, -1], [-1, -1]]
+    assert mamba_state_indices(table[:, :1], seq[:0], none, 0).shape == (0, 2)
+    with pytest.raises(ConfigError):
+        mamba_state_indices(table, seq, none, 5)
 
 
 def test_mamba_update_block_table_recomputes_indices():
@@ -165,6 +179,10 @@ def test_mamba_update_block_table_recomputes_indices():
     assert md.by_layer["g0.l0"].state_indices.tolist() == [[3]]
     assert md.by_layer["g1.l0"].state_indices.tolist() == [[6]]
     assert step.slot_mappings.tolist() == [[-1], [-1]]  # Mamba groups have no slot mapping
+    step = prep.prepare(b, {"A": 1}, num_reqs_padded=3)  # CUDA-graph padding rows
+    md = build_attention_metadata(common_metadata_from_inputs(step, b.block_table), groups, b.block_table, step.slot_mappings)
+    assert md.by_layer["g0.l0"].state_indices.tolist() == [[3], [-1], [-1]]
+    assert md.by_layer["g1.l0"].state_indices.tolist() == [[6], [-1], [-1]]
 
 
 def test_slot_mappings_by_group_and_layer():
