@@ -172,9 +172,11 @@ def mamba_state_indices(block_table: torch.Tensor, seq_lens: torch.Tensor, spec:
 
     ``none``/``all``: columns ``[0, 1 + spec_blocks)`` of the row. ``align``: columns
     ``[start, start + 1 + spec_blocks)`` with ``start = max((seq_len - 1) // B, 0)`` (the block
-    holding the last token). Rows ``>= num_reqs`` (CUDA-graph padding) are ``PAD_SLOT_ID``
-    whatever the table holds there, so a padded row never aliases a live request's state;
-    state kernels skip ``PAD_SLOT_ID``.
+    holding the last token). Padded rows are ``PAD_SLOT_ID`` whatever the table holds there,
+    so a padded row never aliases a live request's state (state kernels skip ``PAD_SLOT_ID``):
+    rows ``>= num_reqs``, and rows with ``seq_len`` 0 (how padding looks on the device, so the
+    rule also holds inside a CUDA graph captured with ``num_reqs`` = the padded size; a real
+    request always has ``seq_len >= 1``).
     """
     rows = seq_lens.shape[0]
     if not 0 <= num_reqs <= rows or rows > block_table.shape[0]:
@@ -190,6 +192,7 @@ def mamba_state_indices(block_table: torch.Tensor, seq_lens: torch.Tensor, spec:
     else:
         cols = offs[None, :].expand(rows, width).clamp(max=block_table.shape[1] - 1)
     out = torch.gather(block_table[:rows], 1, cols).to(torch.int32)
+    out.masked_fill_((seq_lens <= 0)[:, None], PAD_SLOT_ID)
     out[num_reqs:] = PAD_SLOT_ID
     return out
 

@@ -149,9 +149,10 @@ def test_mamba_state_indices_align():
     table = torch.tensor([[10, 11, 12, 13, 14], [20, 21, 22, 23, 24], [0, 0, 0, 0, 0]], dtype=torch.int32)
     seq = torch.tensor([9, 4, 0], dtype=torch.int32)
     # start = max((seq-1)//4, 0): 2, 0, 0
-    assert mamba_state_indices(table, seq, spec, 3).tolist() == [[12, 13], [20, 21], [0, 0]]
+    # a row with seq_len 0 is padding (as inside a CUDA graph captured at the padded size)
+    assert mamba_state_indices(table, seq, spec, 3).tolist() == [[12, 13], [20, 21], [-1, -1]]
     none = MambaSpec(block_size=4)
-    assert mamba_state_indices(table, seq, none, 3).tolist() == [[10], [20], [0]]
+    assert mamba_state_indices(table, seq, none, 3).tolist() == [[10], [20], [-1]]
 
 
 def test_mamba_state_indices_padded_rows_never_alias_live_state():
@@ -161,6 +162,7 @@ def test_mamba_state_indices_padded_rows_never_alias_live_state():
     seq = torch.tensor([9, 4, 0, 0], dtype=torch.int32)
     align = MambaSpec(block_size=4, mamba_cache_mode=MambaCacheMode.ALIGN)
     assert mamba_state_indices(table, seq, align, 2).tolist() == [[12], [20], [-1], [-1]]
+    assert mamba_state_indices(table, seq, align, 4).tolist() == [[12], [20], [-1], [-1]]
     none = MambaSpec(block_size=4, num_speculative_blocks=1)
     assert mamba_state_indices(table, seq, none, 1).tolist() == [[10, 11], [-1, -1], [-1, -1], [-1, -1]]
     assert mamba_state_indices(table[:, :1], seq[:0], none, 0).shape == (0, 2)
