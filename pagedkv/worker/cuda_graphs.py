@@ -42,13 +42,14 @@ capture are set to the null block on the device only; the host copy (the truth) 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import torch
 
 from pagedkv.errors import ConfigError
-from pagedkv.worker.metadata import CommonAttentionMetadata
+from pagedkv.worker.metadata import CommonAttentionMetadata, common_metadata_from_inputs
 
 if TYPE_CHECKING:
     from pagedkv.worker.model_runner import ModelRunner
@@ -152,41 +153,20 @@ class CudaGraphManager:
     # ----- capture -------------------------------------------------------------------------
     def _capture_inputs(self, size: int, variant=None) -> tuple[torch.Tensor, torch.Tensor,
                                                                 CommonAttentionMetadata]:
-        """Fill the persistent buffers with ``size`` padded requests (see the module docstring)
-        and return views of them plus the decode metadata the replays stand for."""
+        """Fill the persistent buffers with ``size`` padded requests and return views of them
+        plus the decode metadata the replays stand for. The padding is written by the one
+        padding path, ``InputPreparer.prepare`` (here on the empty batch with
+        ``num_reqs_padded = num_tokens_padded = size``); the metadata is the step's
+        (``common_metadata_from_inputs``) with the values a replay bakes in: ``num_reqs =
+        num_actual_reqs = num_actual_tokens = size``, ``max_query_len`` 1, ``max_seq_len``
+        ``max_model_len``."""
         r = self.runner
-        p = r.preparer
-        bt = r.input_batch.block_table
-        for b in (p.query_start_loc, p.seq_lens, p.positions, p.input_ids, p.is_prefilling):
-            b.wait_for_copy()
-        p.query_start_loc.cpu[: size + 1].zero_()
-        p.query_start_loc.gpu[: size + 1].zero_()
-        p.seq_lens.cpu[:size].zero_()
-        p.seq_lens.gpu[:size].zero_()
-        p.positions.gpu[:size].zero_()
-        p.input_ids.gpu[:size].zero_()
-        p.is_prefilling.gpu[:size].fill_(False)
-        p.num_computed[:size].zero_()
-        bt.block_table.gpu[:size].zero_()
-        bt.slot_mappings[:, :size].fill_(-1)
-        md = CommonAttentionMetadata(
-            query_start_loc=p.query_start_loc.gpu[: size + 1],
-            query_start_loc_cpu=p.query_start_loc.cpu[: size + 1],
-            seq_lens=p.seq_lens.gpu[:size],
-            seq_lens_cpu=p.seq_lens.cpu[:size],
-            num_reqs=size,
-            num_actual_tokens=size,
-            max_query_len=1,
-            max_seq_len=r.max_model_len,
-            block_table_tensor=bt[0].get_device_tensor(size),
-            slot_mapping=bt.slot_mappings[0, :size],
-            positions=p.positions.gpu[:size],
-            is_prefilling=p.is_prefilling.gpu[:size],
-            num_computed_tokens_cpu=p.num_computed[:size],
-            num_actual_reqs=size,
-            decode_balanced=variant,
-        )
-        return p.input_ids.gpu[:size], p.positions.gpu[:size], md
+        batch = r.input_batch
+        step = r.preparer.prepare(batch, np.zeros(0, dtype=np.int32), num_reqs_padded=size,
+                                  num_tokens_padded=size, for_cudagraph_capture=True)
+        md = dataclasses.replace(common_metadata_from_inputs(step, batch.block_table),
+                                 num_actual_reqs=size, max_query_len=1, decode_balanced=variant)
+        return step.input_ids, step.positions, md
 
     @torch.inference_mode()
     def capture(self, warmup: int = 2) -> None:

@@ -210,6 +210,17 @@ def test_graph_manager_padding_and_buffers_on_cpu(tiny_dir, hf_ref):
     llm = make_llm(path, max_num_seqs=8)
     runner = llm.runner
     mgr = CudaGraphManager(runner, [1, 2, 4, 8], graph_capture=EagerReplay())
+    # stale values in the persistent buffers: the capture's padding must overwrite them
+    bt = runner.input_batch.block_table
+    bt.block_table.gpu.fill_(7)
+    bt.slot_mappings.fill_(5)
+    runner.preparer.seq_lens.gpu.fill_(9)
+    ids, pos, md = mgr._capture_inputs(8)
+    assert md.query_start_loc.tolist() == [0] * 9 and md.seq_lens.tolist() == [0] * 8
+    assert md.block_table_tensor.tolist() == [[0] * bt.block_table.gpu.shape[1]] * 8
+    assert md.slot_mapping.tolist() == [-1] * 8 and pos.tolist() == [0] * 8
+    assert (md.num_reqs, md.num_actual_reqs, md.num_actual_tokens, md.max_query_len,
+            md.max_seq_len) == (8, 8, 8, 1, runner.max_model_len)
     mgr.capture()
     runner.cuda_graphs = mgr
     sizes = []
