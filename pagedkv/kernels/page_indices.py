@@ -24,8 +24,12 @@ Deliberate, documented choices (only visible for out-of-contract input):
   * Negative ``seq_lens`` count as 0.
   * A page column past the block table's width is written as -1 (never a neighbour row's block).
   * ``page_size`` is a compile-time constant of the kernel (static per group).
-  * Writes past the end of ``indices_out`` are dropped (size it for ``max_num_pages``);
-    ``indptr`` still tells the full count.
+  * ``build_page_indices`` rejects an ``indices_out`` smaller than the table can need
+    (``num_reqs * width`` pages, a host-side check); pages past it, which only seq_lens longer
+    than the table give, are dropped (``indptr`` still tells the full count).
+  * Zero-size tensors (an empty batch, a width-0 table, arrays made from empty numpy arrays)
+    are accepted; such calls run the torch twin (the data pointer of an empty device tensor is
+    null, which a Triton launch rejects).
 """
 
 from __future__ import annotations
@@ -236,6 +240,13 @@ def _check(fn, block_table, seq_lens, page_size, num_reqs, num_reqs_padded, indp
             f"{fn}: last_page_len_out needs num_reqs_padded = {num_reqs_padded} entries, "
             f"has {last_page_len_out.numel()}"
         )
+    need = num_reqs * block_table.shape[1]
+    if indices_out.numel() < need:
+        raise ConfigError(
+            f"{fn}: indices_out has {indices_out.numel()} entries, the table can need "
+            f"num_reqs x width = {num_reqs} x {block_table.shape[1]} = {need}; size it for "
+            "max_num_reqs x max pages per request"
+        )
     check_same_device(fn, block_table=block_table, seq_lens=seq_lens, indptr_out=indptr_out,
                       indices_out=indices_out, last_page_len_out=last_page_len_out)
     return page_size, num_reqs, num_reqs_padded
@@ -266,7 +277,8 @@ def build_page_indices(
     page_size, num_reqs, num_reqs_padded = _check(
         fn, block_table, seq_lens, page_size, num_reqs, num_reqs_padded, indptr_out,
         indices_out, last_page_len_out)
-    if not use_triton(_page_indices_kernel, block_table):
+    if (not use_triton(_page_indices_kernel, block_table) or block_table.numel() == 0
+            or indices_out.numel() == 0 or seq_lens.numel() == 0):
         _page_indices_torch(block_table, seq_lens, page_size, num_reqs, num_reqs_padded,
                             indptr_out, indices_out, last_page_len_out)
         return
@@ -382,7 +394,8 @@ def build_page_indices_groups(
     num_groups, num_reqs, num_reqs_padded = _check_groups(
         fn, block_table, group_col_start, group_width, group_page_size, seq_lens, num_reqs,
         num_reqs_padded, indptr_out, indices_out, last_page_len_out)
-    if not use_triton(_page_indices_groups_kernel, block_table):
+    if (not use_triton(_page_indices_groups_kernel, block_table) or block_table.numel() == 0
+            or indices_out.numel() == 0 or seq_lens.numel() == 0):
         _page_indices_groups_torch(block_table, group_col_start, group_width, group_page_size,
                                    seq_lens, num_reqs, num_reqs_padded, indptr_out,
                                    indices_out, last_page_len_out)

@@ -27,12 +27,12 @@ def _sec15():
 def test_sec15_verified(kernel_device, impl):
     bt, seq = to(kernel_device, *_sec15())
     indptr = poison(4, torch.int32, kernel_device)
-    indices = poison(8, torch.int32, kernel_device)
+    indices = poison(12, torch.int32, kernel_device)  # 3 requests x width 4
     last = poison(3, torch.int32, kernel_device)
     IMPLS[impl](bt, seq, 16, 3, 3, indptr, indices, last)
     assert indptr.cpu().tolist() == [0, 3, 4, 6]
     assert indices.cpu().tolist()[:6] == [4, 5, 6, 9, 1, 2]
-    assert indices.cpu().tolist()[6:] == [POISON_I32] * 2  # past indptr[-1]: untouched
+    assert indices.cpu().tolist()[6:] == [POISON_I32] * 6  # past indptr[-1]: untouched
     assert last.cpu().tolist() == [8, 3, 1]
 
 
@@ -43,7 +43,7 @@ def test_cuda_graph_padding(kernel_device, impl):
     seq = torch.tensor([40, 0, 17, 99, 99], dtype=torch.int32)  # 99s lie beyond num_reqs
     bt, seq = to(kernel_device, bt, seq)
     indptr = poison(7, torch.int32, kernel_device)
-    indices = poison(8, torch.int32, kernel_device)
+    indices = poison(12, torch.int32, kernel_device)
     last = poison(6, torch.int32, kernel_device)
     IMPLS[impl](bt, seq, 16, 3, 5, indptr, indices, last)
     assert indptr.cpu().tolist() == [0, 3, 3, 5, 5, 5, POISON_I32]
@@ -87,14 +87,48 @@ def test_random_matches_reference(kernel_device, seed, page_size, sizes):
         assert indices[a:b].tolist() == expect
 
 
-def test_indices_capacity_is_respected(kernel_device):
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_indices_capacity(kernel_device, impl):
+    """An indices buffer smaller than the table can need (num_reqs x width) is refused; with
+    exactly that size, pages that only an out-of-contract seq_len gives are dropped."""
     bt, seq = to(kernel_device, *_sec15())
     indptr = poison(4, torch.int32, kernel_device)
-    indices = poison(4, torch.int32, kernel_device)  # too small: 6 pages
     last = poison(3, torch.int32, kernel_device)
-    build_page_indices(bt, seq, 16, 3, 3, indptr, indices, last)
-    assert indptr.cpu().tolist() == [0, 3, 4, 6]
-    assert indices.cpu().tolist() == [4, 5, 6, 9]
+    with pytest.raises(ConfigError, match="indices_out has 4 entries.*3 x 4 = 12"):
+        IMPLS[impl](bt, seq, 16, 3, 3, indptr, poison(4, torch.int32, kernel_device), last)
+    long = torch.tensor([40, 3, 90], dtype=torch.int32, device=kernel_device)  # 6 pages > width
+    indices = poison(12, torch.int32, kernel_device)
+    IMPLS[impl](bt, long, 16, 3, 3, indptr, indices, last)
+    assert indptr.cpu().tolist() == [0, 3, 4, 10]
+    assert indices.cpu().tolist()[:10] == [4, 5, 6, 9, 1, 2, 0, 0, -1, -1]
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_zero_size_inputs(kernel_device, impl):
+    """Empty batches and width-0 tables, including tensors made from empty numpy arrays."""
+    import numpy as np
+
+    def z(*shape):
+        return torch.from_numpy(np.zeros(shape, dtype=np.int32)).to(kernel_device)
+
+    indptr = poison(5, torch.int32, kernel_device)
+    last = poison(4, torch.int32, kernel_device)
+    IMPLS[impl](z(0, 4), z(0), 16, 0, 4, indptr, z(0), last)  # empty batch padded to 4
+    assert indptr.cpu().tolist() == [0] * 5 and last.cpu().tolist() == [0] * 4
+    indptr = poison(3, torch.int32, kernel_device)
+    IMPLS[impl](z(2, 0), z(2), 16, 2, 2, indptr, z(0), last)  # zero-length requests
+    assert indptr.cpu().tolist() == [0, 0, 0]
+    indptr = poison(2, torch.int32, kernel_device)
+    IMPLS[impl](z(0, 0), z(0), 16, 0, 1, indptr, z(0), last)
+    assert indptr.cpu().tolist() == [0, 0]
+    groups = dict(group_col_start=torch.tensor([0], dtype=torch.int32, device=kernel_device),
+                  group_width=torch.tensor([4], dtype=torch.int32, device=kernel_device),
+                  group_page_size=torch.tensor([16], dtype=torch.int32, device=kernel_device))
+    gi = poison((1, 3), torch.int32, kernel_device)
+    fn = build_page_indices_groups if impl == "kernel" else build_page_indices_groups_ref
+    fn(z(0, 4), groups["group_col_start"], groups["group_width"], groups["group_page_size"],
+       z(0), 0, 2, gi, z(1, 0), z(1, 2))
+    assert gi.cpu().tolist() == [[0, 0, 0]]
 
 
 def test_typed_errors():
