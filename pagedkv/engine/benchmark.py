@@ -10,14 +10,13 @@ drawn prompt length and ``max_tokens`` afterwards (at least 1 each), so the rand
 with it the token ids, are W1's.
 
 Throughput counts the tokens actually generated (``len(outputs[0].token_ids)`` summed), over the
-wall time of one ``generate`` call, after a short warm-up run (kernel compilation, allocator),
-with the objects built before the run frozen out of the cyclic garbage collector
-(``gc.freeze()``, as vLLM does after start-up).
+wall time of one ``generate`` call, after a short warm-up run (kernel compilation, allocator);
+the engine froze its start-up objects out of the cyclic garbage collector, as vLLM does
+(``pagedkv.engine.heap``).
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import platform
@@ -122,18 +121,11 @@ def run_throughput(llm, workload: Workload, *, temperature: float = 0.0, warmup:
     before = dict(engine.kv_stats())
     sync = _device_sync(engine.runner.device)
     sync()
-    # Everything built so far (block pool, weights' Python objects, graphs) leaves the cyclic
-    # GC's generations, as vLLM does after start-up: a full collection would otherwise walk
-    # the whole block pool (tens of ms) a few times during the run.
-    gc.collect()
-    gc.freeze()
-    try:
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
-        sync()
-        elapsed = time.perf_counter() - t0
-    finally:
-        gc.unfreeze()
+    # (the engine froze its start-up objects out of the cyclic GC: pagedkv.engine.heap)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+    sync()
+    elapsed = time.perf_counter() - t0
     after = engine.kv_stats()
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]

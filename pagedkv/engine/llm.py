@@ -18,7 +18,6 @@ drive the engine a step at a time.
 
 from __future__ import annotations
 
-import gc
 import numbers
 import os
 from typing import Any, Sequence
@@ -32,6 +31,7 @@ from pagedkv.engine.llm_engine import (
     make_attention_backend,
     resolve_device,
 )
+from pagedkv.engine.heap import release_frozen
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.progress import ProgressBar
 from pagedkv.errors import InvalidRequestError, InvariantError
@@ -55,7 +55,16 @@ class LLM:
     ``kv_cache_memory_bytes`` (a KV byte budget, used instead of ``gpu_memory_utilization``;
     on CPU the default is 256 MiB), ``async_scheduling`` (schedule the next step while the
     device runs the current one; same tokens) and ``compile_model`` (``torch.compile`` the
-    model's pointwise regions; CUDA only)."""
+    model's pointwise regions; CUDA only). Both default to on with CUDA and off on CPU
+    (``None``), so ``LLM(path)`` is the fast engine; pass ``False`` to turn either off.
+
+    ``tokenizer``: a directory to load the tokenizer from (vLLM's spelling), ``"auto"`` (the
+    model directory's, if it has one), ``True`` (required from the model directory) or
+    ``False`` (none). ``max_model_len`` above the model's trained context (see
+    ``ModelArchConfig.max_trained_len``) is refused unless ``allow_long_max_model_len=True``
+    (or ``PAGEDKV_ALLOW_LONG_MAX_MODEL_LEN=1``). Deleting the ``LLM`` (or :meth:`shutdown`)
+    gives its memory back, so a second one in the same process starts as the first did.
+    """
 
     def __init__(
         self,
@@ -75,12 +84,14 @@ class LLM:
         attention_backend: Any = "auto",
         kv_cache_memory_bytes: int | None = None,
         cuda_graph_sizes: Sequence[int] | None = None,
-        tokenizer: bool | str = "auto",
-        async_scheduling: bool = False,
-        compile_model: bool = False,
+        tokenizer: bool | str | os.PathLike = "auto",
+        async_scheduling: bool | None = None,
+        compile_model: bool | None = None,
         warmup: bool | None = None,
+        allow_long_max_model_len: bool = False,
         _engine: LLMEngine | None = None,
     ) -> None:
+        self.engine = None
         if _engine is None:
             from pagedkv.models.loader import load_checkpoint
 
@@ -90,7 +101,9 @@ class LLM:
             ck = load_checkpoint(model, dtype=dtype, device=dev, backend=backend,
                                  max_model_len=max_model_len, tokenizer=tokenizer)
             _engine = build_engine(
-                ck.model, ck.tokenizer, block_size=block_size, max_num_seqs=max_num_seqs,
+                ck.model, ck.tokenizer, generation_defaults=ck.generation,
+                allow_long_max_model_len=allow_long_max_model_len,
+                block_size=block_size, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                 enable_prefix_caching=enable_prefix_caching,
                 gpu_memory_utilization=gpu_memory_utilization,
@@ -101,6 +114,25 @@ class LLM:
             )
         self.engine = _engine
         self.model_name = os.fspath(model)
+
+    # ----- life cycle ----------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Drop the engine and give its memory back (device memory included: the engine's
+        objects were frozen out of the cyclic GC at start-up, see ``pagedkv.engine.heap``).
+        Also what deleting the ``LLM`` does. The object is unusable afterwards."""
+        engine, self.engine = self.__dict__.get("engine"), None
+        if engine is None:
+            return
+        del engine
+        release_frozen()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:  # interpreter shutdown: modules may be gone already
+            pass
 
     # ----- other constructors --------------------------------------------------------------
     @classmethod
@@ -165,8 +197,16 @@ class LLM:
         """Generate for every prompt (a string, a list of token ids, a ``{"prompt": text}`` or
         ``{"prompt_token_ids": ids}`` dict, or a list of those); returns one finished
         ``RequestOutput`` per prompt, in input order."""
+        if isinstance(prompts, (list, tuple)) and not prompts:
+            return []  # no prompts (an empty prompt is [[]] or "")
         if _is_single_prompt(prompts):
             prompts = [prompts]
+        elif isinstance(prompts, (bytes, bytearray)) or not (
+                isinstance(prompts, Sequence) or hasattr(prompts, "tolist")):
+            raise InvalidRequestError(
+                "prompts must be a string, a list of token ids, a {'prompt': ...} / "
+                "{'prompt_token_ids': ...} dict, or a list of those; got "
+                f"{type(prompts).__name__}")
         prompts = list(prompts)
         if not prompts:
             return []
@@ -185,18 +225,15 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until every one of ``request_ids`` finished. If anything raises meanwhile (a
+        bug, a device error, the caller's Ctrl-C), ``LLMEngine.recover`` aborts this call's
+        requests before the exception propagates: their blocks are free again and the next
+        call works."""
         engine = self.engine
         wanted = set(request_ids)
         results: dict[str, RequestOutput] = {}
         bar = ProgressBar(len(request_ids), "pagedkv generate", enabled=use_tqdm)
         start_tokens = engine.stats.tokens_generated
-        # The objects that exist now (block pool, model, graphs: hundreds of thousands on a
-        # large pool) leave the cyclic GC's generations while the loop runs, so a full
-        # collection does not walk them (tens of ms each); they come back afterwards. Left
-        # alone when the application froze objects itself.
-        freeze = gc.isenabled() and gc.get_freeze_count() == 0
-        if freeze:
-            gc.freeze()
         try:
             while len(results) < len(wanted):
                 outs = engine.step(finished_only=True)
@@ -208,13 +245,12 @@ class LLM:
                     raise InvariantError("progress", "the engine has no work left but requests "
                                          "are unfinished", missing=missing[:5])
                 bar.update(len(results), engine.stats.tokens_generated - start_tokens)
-            engine.flush()  # async scheduling: nothing left in flight between calls
+            engine.settle()  # async scheduling: nothing left in flight between calls
+        except BaseException:
+            engine.recover(request_ids)
+            raise
         finally:
-            if freeze:
-                gc.unfreeze()
             bar.close()
-        for rid in request_ids:
-            engine.release(rid)
         return [results[rid] for rid in request_ids]
 
     # ----- step-level API ------------------------------------------------------------------

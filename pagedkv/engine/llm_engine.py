@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import numbers
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -45,6 +46,7 @@ from pagedkv.core.request import FinishReason, Request, RequestStatus, StopParam
 from pagedkv.core.scheduler import Scheduler
 from pagedkv.core.spec import KVCacheConfig, KVCacheGroupSpec, dtype_size
 from pagedkv.engine.async_scheduler import AsyncScheduler
+from pagedkv.engine.heap import freeze_after_startup
 from pagedkv.engine.memory import (
     CUDA_GRAPH_RESERVE_BYTES,
     KVCacheSizing,
@@ -54,6 +56,7 @@ from pagedkv.engine.memory import (
 )
 from pagedkv.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedkv.errors import ConfigError, InvalidRequestError, InvariantError, UnknownRequestError
+from pagedkv.models.generation_config import GenerationDefaults
 from pagedkv.sampling.detokenizer import IncrementalDetokenizer
 from pagedkv.sampling.params import SamplingParams
 from pagedkv.worker.model_runner import (
@@ -158,7 +161,8 @@ class LLMEngine:
     """Scheduler + ModelRunner + output processing (see the module docstring)."""
 
     def __init__(self, model: Any, tokenizer: Any, scheduler: Scheduler, runner: ModelRunner,
-                 sizing: KVCacheSizing | None = None, *, async_scheduling: bool = False) -> None:
+                 sizing: KVCacheSizing | None = None, *, async_scheduling: bool = False,
+                 generation_defaults: GenerationDefaults | None = None) -> None:
         if async_scheduling and not isinstance(scheduler, AsyncScheduler):
             raise ConfigError("async_scheduling needs an AsyncScheduler (build_engine makes one)")
         self.async_scheduling = async_scheduling
@@ -171,7 +175,11 @@ class LLMEngine:
         self.config = model.config
         self.vocab_size = model.config.vocab_size
         self.max_model_len = scheduler.max_model_len
-        eos = list(model.config.eos_token_ids)
+        self.generation_defaults = generation_defaults or GenerationDefaults()
+        # EOS: config.json's ids, then generation_config.json's (instruct models list their
+        # end-of-turn ids there), else the tokenizer's
+        eos = list(dict.fromkeys([*model.config.eos_token_ids,
+                                  *self.generation_defaults.eos_token_ids]))
         if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
             eos = [tokenizer.eos_token_id]
         self.eos_token_ids = eos
@@ -179,6 +187,9 @@ class LLMEngine:
         self._pending: list[_RequestState] = []  # finished outside a step (abort)
         self._ids = itertools.count()
         self.stats = EngineStats()
+        # True from the start of a step until it returns: still True after an exception or a
+        # KeyboardInterrupt escaped a step (``recover`` then knows the step's state is torn).
+        self._stepping = False
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -201,9 +212,10 @@ class LLMEngine:
 
     def validate(self, prompt: PromptType, params: SamplingParams | None
                  ) -> tuple[str | None, list[int], SamplingParams]:
-        """``(prompt text or None, prompt token ids, params)`` or ``InvalidRequestError``."""
+        """``(prompt text or None, prompt token ids, params)`` or ``InvalidRequestError``.
+        ``params=None`` takes :meth:`default_sampling_params`."""
         if params is None:
-            params = SamplingParams()
+            params = self.default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(
                 f"sampling_params must be a SamplingParams, got {type(params).__name__}"
@@ -266,6 +278,14 @@ class LLMEngine:
             )
         return text, ids, params
 
+    def default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the checkpoint's ``generation_config.json`` values
+        (temperature, top_p, top_k, min_p, max_new_tokens), as vLLM applies them when a request
+        brings no sampling parameters."""
+        fields = {f.name for f in dataclasses.fields(SamplingParams)}
+        return SamplingParams(**{k: v for k, v in self.generation_defaults.sampling.items()
+                                 if k in fields})
+
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, *, arrival_time: float | None = None,
                     _validated: tuple | None = None) -> str:
@@ -311,12 +331,11 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Finish a waiting or running request now (its blocks are freed); returns whether it
-        was still unfinished. Its final output (``finish_reason="abort"``) comes with the next
-        ``step()``."""
+        was still unfinished (False for an id that already finished and was reported, or was
+        never added: a client disconnect can race with the request finishing). Its final
+        output (``finish_reason="abort"``) comes with the next ``step()``."""
         st = self._requests.get(request_id)
-        if st is None:
-            raise UnknownRequestError(f"request {request_id!r} is not known (finished or never added)")
-        if st.finished:
+        if st is None or st.finished:
             return False
         self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
         self._finish(st, FinishReason.ABORT.value, None, time.monotonic())
@@ -333,31 +352,92 @@ class LLMEngine:
         return st.to_output()
 
     def release(self, request_id: str) -> None:
-        """Forget a finished request's output state."""
+        """Forget a finished request's output state now (``step`` forgets a request itself
+        once it returned its final output)."""
         st = self._requests.get(request_id)
         if st is not None and st.finished:
             del self._requests[request_id]
+
+    def _emit(self, changed: list[_RequestState]) -> list[RequestOutput]:
+        """The outputs of ``changed``; a finished request's state is dropped once its final
+        output is out, so a long-running ``add_request``/``step`` loop does not grow."""
+        outs = [st.to_output() for st in changed]
+        reqs = self._requests
+        for st in changed:
+            if st.finished and reqs.get(st.request_id) is st:
+                del reqs[st.request_id]
+        return outs
+
+    # ----- recovery ------------------------------------------------------------------------
+    def recover(self, request_ids=()) -> list[str]:
+        """Leave the engine consistent after an exception or a KeyboardInterrupt escaped a
+        caller's loop (``LLM.generate`` calls it for its requests). Returns the aborted ids.
+
+        * The exception came from inside a step (``step``/``flush`` did not return): that
+          step's bookkeeping is torn (scheduled but never updated, maybe half-applied to the
+          worker's batch, prefix-cache blocks registered for KV that was never written). Every
+          unfinished request is aborted, the runner forgets its batch and enqueued steps, and
+          the prefix cache is reset (all blocks are free then).
+        * Otherwise (between steps): a step still in flight (async scheduling) is collected
+          normally, its outputs kept for the next ``step()``; then ``request_ids`` are aborted.
+
+        Aborted and finished states of ``request_ids`` are dropped at once (no output is
+        reported for them); blocks are freed immediately.
+        """
+        wanted = set(request_ids)
+        sched = self.scheduler
+        torn = self._stepping
+        self._stepping = False
+        if torn:
+            self._inflight = None
+            self.runner.reset_requests()
+            victims = [rid for rid, st in self._requests.items() if not st.finished]
+        else:
+            self.settle()
+            victims = [rid for rid in request_ids
+                       if rid in self._requests and not self._requests[rid].finished]
+        now = time.monotonic()
+        for rid in victims:
+            sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+            self._finish(self._requests[rid], FinishReason.ABORT.value, None, now)
+        gone = wanted | set(victims)
+        for rid in gone:
+            st = self._requests.get(rid)
+            if st is not None and st.finished:
+                del self._requests[rid]
+        self._pending = [st for st in self._pending if st.request_id not in gone]
+        if torn:
+            sched.reset_prefix_cache()
+        return victims
 
     # ----- one step ------------------------------------------------------------------------
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """One engine step; returns the outputs of requests that gained tokens or finished
         (only the finished ones with ``finished_only``: no per-step copies of running
         requests' token lists). With async scheduling the outputs are those of the previous
-        step (the one that ran on the device while this one was scheduled)."""
+        step (the one that ran on the device while this one was scheduled). A finished
+        request is forgotten once its final output was returned."""
+        self._stepping = True
         if self.async_scheduling:
-            return self._step_async(finished_only)
+            changed = self._step_async(finished_only)
+        else:
+            changed = self._step_sync(finished_only)
+        self._stepping = False
+        return self._emit(changed)
+
+    def _step_sync(self, finished_only: bool) -> list[_RequestState]:
         changed: list[_RequestState] = self._pending
         self._pending = []
         sched = self.scheduler
         if not sched.has_requests():
-            return [st.to_output() for st in changed]
+            return changed
         so = self._schedule()
         mro = self.runner.execute_model(so)
         eco = sched.update_from_output(so, mro)
         self._process(mro, eco, changed, finished_only)
-        return [st.to_output() for st in changed]
+        return changed
 
-    def _step_async(self, finished_only: bool) -> list[RequestOutput]:
+    def _step_async(self, finished_only: bool) -> list[_RequestState]:
         """Schedule and enqueue step k, then collect and process step k-1 (which ran on the
         device meanwhile)."""
         changed: list[_RequestState] = self._pending
@@ -375,17 +455,30 @@ class LLMEngine:
                 self._inflight = cur
             else:  # nothing runs: report it now (finished ids, ignored requests)
                 self._collect(cur, changed, finished_only)
-        return [st.to_output() for st in changed]
+        return changed
 
     def flush(self) -> list[RequestOutput]:
         """Async scheduling: collect the step still in flight (if any) and return its outputs;
         a no-op otherwise."""
+        self._stepping = True
         changed: list[_RequestState] = self._pending
         self._pending = []
         prev, self._inflight = self._inflight, None
         if prev is not None:
             self._collect(prev, changed, False)
-        return [st.to_output() for st in changed]
+        self._stepping = False
+        return self._emit(changed)
+
+    def settle(self) -> None:
+        """Async scheduling: collect the step still in flight (if any) without returning its
+        outputs: they come with the next ``step()``. A no-op otherwise."""
+        self._stepping = True
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            changed: list[_RequestState] = []
+            self._collect(prev, changed, False)
+            self._pending.extend(changed)
+        self._stepping = False
 
     def _collect(self, inflight, changed: list, finished_only: bool) -> None:
         so, handle = inflight
@@ -572,14 +665,26 @@ class LLMEngine:
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``None`` -> CUDA if available, else CPU; ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a
+    ``torch.device``; anything else is a ``ConfigError`` saying what to use."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device='cuda' but no CUDA GPU is available; use device='cpu'")
-    if dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ConfigError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA "
+                          "device(s)")
     return dev
+
+
+def allow_long_max_model_len_from_env() -> bool:
+    return os.environ.get("PAGEDKV_ALLOW_LONG_MAX_MODEL_LEN", "") in ("1", "true", "True")
 
 
 def build_engine(
@@ -598,25 +703,49 @@ def build_engine(
     kv_cache_memory_bytes: int | None = None,
     cuda_graph_sizes: Sequence[int] | None = None,
     long_prefill_token_threshold: int = 0,
-    async_scheduling: bool = False,
-    compile_model: bool = False,
+    async_scheduling: bool | None = None,
+    compile_model: bool | None = None,
     warmup: bool | None = None,
+    generation_defaults: GenerationDefaults | None = None,
+    allow_long_max_model_len: bool = False,
 ) -> LLMEngine:
     """Everything around a loaded ``model`` (its attention backend already installed).
 
     ``async_scheduling``: schedule step k+1 while step k runs on the device (see
     ``pagedkv.engine.async_scheduler``); same tokens, outputs one step later.
     ``compile_model``: ``torch.compile`` the model's norm/rotary/MLP regions (CUDA only; see
-    ``DecoderForCausalLM.compile_regions``), before the CUDA graphs are captured.
+    ``DecoderForCausalLM.compile_regions``), before the CUDA graphs are captured. Both default
+    (``None``) to on with CUDA and off on CPU.
     ``warmup``: run :meth:`LLMEngine.warm_up` before returning (default: on a GPU), so no
-    kernel compiles during the first requests."""
+    kernel compiles during the first requests.
+    ``generation_defaults``: the checkpoint's ``generation_config.json`` (its EOS ids join the
+    model's; its sampling values are the default ``SamplingParams``).
+    ``max_model_len``: default the model's trained context (``max_trained_len``), fitted to the
+    pool when that is smaller; a larger value than the trained context is refused unless
+    ``allow_long_max_model_len`` (or ``PAGEDKV_ALLOW_LONG_MAX_MODEL_LEN=1``).
+
+    The objects built here are frozen out of the cyclic GC at the end
+    (``pagedkv.engine.heap``)."""
     device = model.device
     cfg = model.config
+    if async_scheduling is None:
+        async_scheduling = device.type == "cuda"
+    if compile_model is None:
+        compile_model = device.type == "cuda"
+    trained = getattr(cfg, "max_trained_len", cfg.max_position_embeddings)
     user_max_model_len = max_model_len
     if max_model_len is None:
-        max_model_len = cfg.max_position_embeddings
+        max_model_len = trained
     if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 2:
         raise ConfigError(f"max_model_len must be an int >= 2, got {max_model_len!r}")
+    if (max_model_len > trained and not allow_long_max_model_len
+            and not allow_long_max_model_len_from_env()):
+        raise ConfigError(
+            f"max_model_len={max_model_len} is longer than the model's trained context "
+            f"({trained} tokens: max_position_embeddings {cfg.max_position_embeddings}"
+            f"{', with RoPE scaling' if trained != cfg.max_position_embeddings else ''}); outputs "
+            "past it are unreliable. Lower max_model_len, or pass allow_long_max_model_len=True "
+            "(or set PAGEDKV_ALLOW_LONG_MAX_MODEL_LEN=1) to run it anyway")
     if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
         raise ConfigError(f"max_num_seqs must be an int >= 1, got {max_num_seqs!r}")
     sc = SchedulerConfig(
@@ -666,11 +795,13 @@ def build_engine(
     if compile_model and hasattr(model, "compile_regions"):
         model.compile_regions()
     runner.capture_cuda_graphs()
-    engine = LLMEngine(model, tokenizer, scheduler, runner, sizing, async_scheduling=async_scheduling)
+    engine = LLMEngine(model, tokenizer, scheduler, runner, sizing, async_scheduling=async_scheduling,
+                       generation_defaults=generation_defaults)
     if warmup is None:
         warmup = device.type == "cuda"
     if warmup:
         engine.warm_up(seed)
+    freeze_after_startup()
     return engine
 
 

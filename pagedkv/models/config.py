@@ -292,6 +292,20 @@ class ModelArchConfig:
         """The first eos id (``eos_token_ids`` has all of them)."""
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
+    @property
+    def max_trained_len(self) -> int:
+        """The longest context the model was trained (or RoPE-scaled) for, as vLLM derives it:
+        ``max_position_embeddings``, times the RoPE ``factor`` for linear and dynamic scaling;
+        yarn: ``original_max_position_embeddings * factor``; llama3 scaling is already counted in
+        ``max_position_embeddings``."""
+        rope = self.rope
+        if rope.rope_type in ("linear", "dynamic") and rope.factor:
+            return int(self.max_position_embeddings * rope.factor)
+        if rope.rope_type == "yarn" and rope.factor:
+            base = rope.original_max_position_embeddings or self.max_position_embeddings
+            return int(base * rope.factor)
+        return self.max_position_embeddings
+
     def kv_cache_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V, all layers, for one token."""
         return 2 * self.num_hidden_layers * self.kv_size * dtype_bytes

@@ -19,6 +19,7 @@ from pagedkv.attention.backend import AttentionBackend
 from pagedkv.errors import CheckpointError, ConfigError
 from pagedkv.models.config import ModelArchConfig, load_model_config, normalize_dtype_name
 from pagedkv.models.decoder import DecoderForCausalLM
+from pagedkv.models.generation_config import GenerationDefaults, load_generation_defaults
 from pagedkv.models.registry import get_model_class
 from pagedkv.models.tokenizer import Tokenizer
 
@@ -174,6 +175,7 @@ class LoadedCheckpoint:
     config: ModelArchConfig
     model: DecoderForCausalLM
     tokenizer: Tokenizer | None
+    generation: GenerationDefaults = GenerationDefaults()
 
 
 def load_checkpoint(
@@ -183,17 +185,27 @@ def load_checkpoint(
     device: str | torch.device = "cpu",
     backend: AttentionBackend | None = None,
     max_model_len: int | None = None,
-    tokenizer: bool | str = True,
+    tokenizer: bool | str | os.PathLike = True,
 ) -> LoadedCheckpoint:
-    """Config + model + tokenizer. ``tokenizer``: True (required), "auto" (None when absent),
-    False (skip)."""
+    """Config + model + tokenizer + generation defaults. ``tokenizer``: True (required, from
+    ``model_dir``), "auto" (``model_dir``'s, None when absent), False (skip), or a directory
+    to load it from (vLLM's ``tokenizer=``)."""
     model_dir = os.fspath(model_dir)
     config = load_model_config(model_dir, max_model_len=max_model_len)
     model = load_model(model_dir, dtype=dtype, device=device, backend=backend, config=config)
     tok = None
     if tokenizer is True or (tokenizer == "auto" and os.path.isfile(os.path.join(model_dir, "tokenizer.json"))):
         tok = Tokenizer.from_dir(model_dir)
-    return LoadedCheckpoint(model_dir=model_dir, config=config, model=model, tokenizer=tok)
+    elif isinstance(tokenizer, (str, os.PathLike)) and tokenizer != "auto":
+        tok_dir = os.fspath(tokenizer)
+        if not os.path.isdir(tok_dir):
+            raise ConfigError(f"tokenizer directory {tok_dir!r} does not exist")
+        tok = Tokenizer.from_dir(tok_dir)
+    elif tokenizer not in (False, "auto"):
+        raise ConfigError(
+            f"tokenizer must be a directory, 'auto', True or False, got {tokenizer!r}")
+    return LoadedCheckpoint(model_dir=model_dir, config=config, model=model, tokenizer=tok,
+                            generation=load_generation_defaults(model_dir))
 
 
 __all__ = [

@@ -572,6 +572,27 @@ class ModelRunner:
             self._greedy_version = self._batch_version
         return self._greedy_plain
 
+    def reset_requests(self) -> None:
+        """Forget every request and every enqueued step: the recovery after a step was
+        interrupted (an exception or Ctrl-C inside it), when the scheduler aborted all
+        requests. The device work already enqueued is waited for; the persistent batch, the
+        request states and the pending outputs are cleared."""
+        if self.device.type == "cuda":
+            try:
+                torch.cuda.synchronize(self.device)
+            except Exception:  # a broken device is reported by the next step, not here
+                pass
+        self._unrecorded.clear()
+        batch = self.input_batch
+        for rid in list(batch.req_id_to_index):
+            batch.remove_request(rid)
+        self.requests.clear()
+        batch.condense()
+        batch.refresh_metadata()
+        self._batch_version += 1
+        self._out_ids, self._out_index = [], {}
+        self._sampling_key = None
+
     def _apply_block_ops(self, upd: StateUpdate) -> None:
         """Zero the blocks the scheduler asks for, then apply copy-on-write pairs."""
         if upd.block_ids_to_zero:

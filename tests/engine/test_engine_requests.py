@@ -24,7 +24,7 @@ def _untouched(llm, free_before):
 
 @pytest.mark.parametrize("prompt, params, match", [
     ("", None, "empty"),
-    ([], None, "empty"),
+    ([[]], None, "empty"),
     (list(range(64)), None, "max_model_len"),
     (list(range(100)), None, "max_model_len"),
     ([1, 2, 512], None, "outside the vocabulary"),
@@ -84,13 +84,18 @@ def test_abort_frees_blocks(llm):
     outs = {o.request_id: o for o in llm.step()}
     assert outs[a].finished and outs[a].outputs[0].finish_reason == "abort"
     assert 0 < len(outs[a].outputs[0].token_ids) < 30
+    last = None
     while llm.has_unfinished_requests():
         for o in llm.step():
             assert o.request_id == b
-    assert llm.engine.get_request(b).outputs[0].finish_reason == "length"
+            last = o
+    assert last.finished and last.outputs[0].finish_reason == "length"
     assert mgr.num_free_blocks == free0 and pool_is_idle(llm)
+    # finished requests are forgotten once reported; aborting them (or unknown ids) is a no-op
+    assert llm.abort(b) is False and llm.abort("no-such-request") is False
     with pytest.raises(UnknownRequestError):
-        llm.abort("no-such-request")
+        llm.engine.get_request(b)
+    assert not llm.engine._requests
 
 
 def test_abort_waiting_request(llm):
