@@ -1,0 +1,123 @@
+"""First-contact options and input checks of ``LLM``: generation_config.json (EOS lists and
+default sampling), ``tokenizer=DIR``, ``max_model_len`` against the trained context, empty and
+malformed prompt arguments, unknown devices."""
+
+import json
+import os
+import shutil
+
+import pytest
+from engine_helpers import TEXTS, make_llm, pool_is_idle
+
+from pagedkv import LLM, SamplingParams
+from pagedkv.errors import ConfigError, InvalidRequestError
+from pagedkv.models.generation_config import GenerationDefaults, load_generation_defaults
+
+
+def _copy(src: str, dst: str, drop=()) -> str:
+    shutil.copytree(src, dst)
+    for name in drop:
+        os.remove(os.path.join(dst, name))
+    return dst
+
+
+def test_generation_config_eos_list_and_default_sampling(tiny_dir, tmp_path):
+    src = tiny_dir("qwen3")
+    free_run = make_llm(src).generate(
+        [TEXTS[2]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    toks = free_run[0].outputs[0].token_ids
+    stop_at = next(i for i in range(2, 12) if toks[i] not in toks[:i])  # first new token >= pos 2
+    d = _copy(src, str(tmp_path / "m"))
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    primary = cfg.get("eos_token_id")
+    # an instruct-style list: config.json's id plus an end-of-turn id the model emits
+    with open(os.path.join(d, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [primary, toks[stop_at]] if primary is not None else [toks[stop_at]],
+                   "temperature": 0.0, "top_p": 0.5, "max_new_tokens": 12}, f)
+    gd = load_generation_defaults(d)
+    assert toks[stop_at] in gd.eos_token_ids and gd.sampling["max_tokens"] == 12
+    llm = make_llm(d)
+    assert toks[stop_at] in llm.engine.eos_token_ids
+    out = llm.generate([TEXTS[2]], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert c.token_ids == toks[: stop_at + 1] and c.finish_reason == "stop"
+    # no SamplingParams: the file's values (greedy, 12 tokens) instead of SamplingParams()'s
+    dp = llm.engine.default_sampling_params()
+    assert (dp.temperature, dp.max_tokens) == (0.0, 12)
+    out = llm.generate([TEXTS[2]], use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == toks[: stop_at + 1]
+    # ignore_eos skips the whole list
+    out = llm.generate([TEXTS[2]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == toks
+    assert pool_is_idle(llm)
+
+
+def test_generation_config_errors(tmp_path):
+    assert load_generation_defaults(tmp_path) == GenerationDefaults()
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": "x"}')
+    with pytest.raises(ConfigError, match="eos_token_id"):
+        load_generation_defaults(tmp_path)
+    (tmp_path / "generation_config.json").write_text("{nope")
+    with pytest.raises(ConfigError, match="JSON"):
+        load_generation_defaults(tmp_path)
+
+
+def test_tokenizer_from_another_directory(tiny_dir, tmp_path):
+    src = tiny_dir("llama")
+    bare = _copy(src, str(tmp_path / "weights"), drop=["tokenizer.json"])
+    assert make_llm(bare).tokenizer is None  # "auto": none in the model directory
+    llm = make_llm(bare, tokenizer=src)  # vLLM's spelling: LLM(model=d, tokenizer=d2)
+    assert llm.tokenizer is not None
+    a = llm.generate([TEXTS[1]], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
+    b = make_llm(src).generate([TEXTS[1]], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
+    assert a.outputs[0].text == b.outputs[0].text and a.prompt_token_ids == b.prompt_token_ids
+    with pytest.raises(ConfigError, match="tokenizer directory"):
+        make_llm(bare, tokenizer=str(tmp_path / "missing"))
+
+
+def test_max_model_len_beyond_trained_context(tiny_dir, monkeypatch):
+    path = tiny_dir("llama")  # max_position_embeddings 256
+    with pytest.raises(ConfigError, match="trained context.*allow_long_max_model_len"):
+        make_llm(path, max_model_len=512)
+    assert make_llm(path, max_model_len=512, allow_long_max_model_len=True).engine.max_model_len == 512
+    monkeypatch.setenv("PAGEDKV_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    assert make_llm(path, max_model_len=512).engine.max_model_len == 512
+
+
+def test_max_trained_len_counts_rope_scaling():
+    from pagedkv.models.config import ModelArchConfig
+
+    base = dict(architectures=["LlamaForCausalLM"], hidden_size=64, num_hidden_layers=1,
+                num_attention_heads=4, intermediate_size=128, vocab_size=100,
+                max_position_embeddings=4096)
+    assert ModelArchConfig.from_dict(base).max_trained_len == 4096
+    lin = dict(base, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    assert ModelArchConfig.from_dict(lin).max_trained_len == 8192
+    yarn = dict(base, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                    "original_max_position_embeddings": 2048})
+    assert ModelArchConfig.from_dict(yarn).max_trained_len == 8192
+    l3 = dict(base, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 512})
+    assert ModelArchConfig.from_dict(l3).max_trained_len == 4096
+
+
+def test_prompt_arguments(tiny_dir):
+    llm = make_llm(tiny_dir("llama"))
+    assert llm.generate([]) == [] and llm.generate(()) == []
+    for bad in (5, 2.5, None, b"bytes", object()):
+        with pytest.raises(InvalidRequestError, match="prompts must be"):
+            llm.generate(bad)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        llm.generate([[]])
+    assert pool_is_idle(llm)
+
+
+@pytest.mark.parametrize("device", ["tpu", "mps:0", "cuda:7", "nonsense", 3.5])
+def test_unknown_devices_are_config_errors(tiny_dir, device):
+    import torch
+
+    if str(device).startswith("cuda") and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a cuda:7")
+    with pytest.raises(ConfigError, match="device"):
+        LLM(tiny_dir("llama"), device=device)
