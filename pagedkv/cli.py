@@ -66,10 +66,16 @@ def parse_groups(text: str, block_size: int):
 
 
 def _short(xs, limit: int) -> str:
+    """At most ``limit`` entries of ``xs``: all of them when they fit, else the first
+    ``limit - 2`` and the last 2 (only the first ``limit`` when ``limit < 3``) around
+    ``...``, with the full count."""
     xs = list(xs)
     if len(xs) <= limit:
         return "[" + ", ".join(map(str, xs)) + "]"
-    head = ", ".join(map(str, xs[: limit - 3]))
+    if limit < 3:
+        shown = ", ".join(map(str, xs[:limit]))
+        return f"[{shown}{', ' if shown else ''}...] ({len(xs)})"
+    head = ", ".join(map(str, xs[: limit - 2]))
     return f"[{head}, ... {', '.join(map(str, xs[-2:]))}] ({len(xs)})"
 
 
@@ -116,9 +122,12 @@ def cmd_trace(args) -> int:
     from pagedkv.config import CacheConfig, SchedulerConfig
     from pagedkv.core.spec import KVCacheConfig
     from pagedkv.engine.index_driver import IndexLayerDriver
+    from pagedkv.engine.llm_engine import resolve_device
     from pagedkv.engine.workload import WorkloadSpec, fake_next_token, make_workload
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.limit < 0:
+        raise ConfigError(f"--limit must be >= 0, got {args.limit}")
+    device = str(resolve_device(args.device))
     groups = parse_groups(args.groups, args.block_size)
     kv = KVCacheConfig(num_blocks=args.num_blocks, kv_cache_groups=groups)
     sc = SchedulerConfig(
@@ -192,6 +201,21 @@ def _engine_kwargs(args) -> dict:
     )
 
 
+def _print_logprobs(c, tokenizer) -> None:
+    """One line per output token: the token, its logprob and rank, then the alternatives."""
+    def show(tid: int, lp) -> str:
+        text = lp.decoded_token if lp.decoded_token is not None else (
+            tokenizer.decode([tid]) if tokenizer is not None else None)
+        return f"{tid}{'' if text is None else ' ' + repr(text)} {lp.logprob:.4f}"
+
+    for i, (tid, entry) in enumerate(zip(c.token_ids, c.logprobs or ())):
+        chosen = entry.get(tid)
+        alts = [show(t, lp) for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank)
+                if t != tid]
+        head = show(tid, chosen) + f" (rank {chosen.rank})" if chosen is not None else str(tid)
+        print(f"  [{i:3d}] {head}" + (f"  | alternatives: {', '.join(alts)}" if alts else ""))
+
+
 def cmd_generate(args) -> int:
     from pagedkv.engine.llm import LLM
     from pagedkv.sampling.params import SamplingParams
@@ -218,6 +242,8 @@ def cmd_generate(args) -> int:
         if c.cumulative_logprob is not None:
             finish += f", cumulative logprob {c.cumulative_logprob:.4f}"
         print(finish)
+        if c.logprobs:
+            _print_logprobs(c, llm.tokenizer)
         records.append({"prompt": o.prompt, "prompt_token_ids": o.prompt_token_ids, "text": c.text,
                         "token_ids": c.token_ids, "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason, "cumulative_logprob": c.cumulative_logprob})
@@ -231,10 +257,21 @@ def cmd_bench(args) -> int:
     from pagedkv.engine.benchmark import environment, result_table, run_throughput, w1_workload, write_json
     from pagedkv.engine.llm import LLM
 
-    if bool(args.model) == bool(args.shape):
-        raise ConfigError("pagedkv bench needs exactly one of --model DIR or --shape NAME (e.g. qwen3-0.6b)")
+    from pagedkv.engine.llm_engine import resolve_device
+
+    if args.model and args.shape:
+        raise ConfigError("pagedkv bench takes one of --model DIR or --shape NAME, not both")
+    if not args.model and not args.shape:
+        args.shape = "qwen3-0.6b"
+    gpu = resolve_device(args.device).type == "cuda"
+    # W1 itself on a GPU; on a CPU a small variant of it (a 0.6B model decodes a few tokens a
+    # second there) with max_model_len fitted to the CPU pool
+    if args.num_requests is None:
+        args.num_requests = 256 if gpu else 8
+    if args.scale is None:
+        args.scale = 1.0 if gpu else 0.05
     kw = _engine_kwargs(args)
-    if kw["max_model_len"] is None:
+    if kw["max_model_len"] is None and gpu:
         kw["max_model_len"] = 4096
     if args.model:
         llm = LLM(args.model, dtype=args.dtype, device=args.device, tokenizer=False,
@@ -286,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-prefix-caching", action="store_true")
     t.add_argument("--sanitize", action="store_true", help="check every invariant every step")
     t.add_argument("--quiet", action="store_true", help="summary only")
-    t.add_argument("--limit", type=int, default=16, help="max list entries printed")
+    t.add_argument("--limit", type=int, default=16, help="list entries printed at most (per list)")
     t.add_argument("--max-steps", type=int, default=100_000)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -313,12 +350,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="offline throughput on workload W1 (PERF.md) or a variant")
     b.add_argument("--model", default=None, help="checkpoint directory")
-    b.add_argument("--shape", default=None, help="named architecture with random weights, e.g. qwen3-0.6b")
-    b.add_argument("--num-requests", type=int, default=256)
-    b.add_argument("--scale", type=float, default=1.0, help="multiply prompt and output lengths")
+    b.add_argument("--shape", default=None,
+                   help="named architecture with random weights (default qwen3-0.6b)")
+    b.add_argument("--num-requests", type=int, default=None,
+                   help="default 256 (W1) on a GPU, 8 on a CPU")
+    b.add_argument("--scale", type=float, default=None,
+                   help="multiply prompt and output lengths (default 1 on a GPU, 0.05 on a CPU)")
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--quiet", action="store_true", help="no progress bar")
-    b.add_argument("--json", default="bench_w1.json", help="write the result here ('' to skip)")
+    b.add_argument("--json", default=None, help="write the result as JSON here")
     _engine_args(b)
     b.set_defaults(func=cmd_bench)
 

@@ -95,7 +95,8 @@ def check_pool(num_blocks: int, block_size: int, max_model_len: int, source: str
             f"the KV-cache pool ({source}) has {num_blocks} blocks of {block_size} tokens; one "
             f"sequence of max_model_len={max_model_len} tokens needs {need} (null block included). "
             "Lower max_model_len, or give the cache more memory (gpu_memory_utilization, "
-            "kv_cache_memory_bytes or num_gpu_blocks_override)"
+            "kv_cache_memory_bytes or num_gpu_blocks_override; on the command line --max-model-len, "
+            "--gpu-memory-utilization, --kv-cache-memory-bytes or --num-gpu-blocks)"
         )
 
 
@@ -149,7 +150,9 @@ def size_kv_cache(
                 f"gpu_memory_utilization {gpu_memory_utilization} = "
                 f"{total * gpu_memory_utilization / GiB:.1f} GiB, but {used / GiB:.1f} GiB are in "
                 f"use and the largest step peaks at {peak / GiB:.2f} GiB; raise "
-                "gpu_memory_utilization or lower max_num_batched_tokens"
+                "gpu_memory_utilization or lower max_num_batched_tokens (on the command line "
+                "--gpu-memory-utilization, --max-num-batched-tokens); another engine in this "
+                "process still holding memory is released by deleting it or LLM.shutdown()"
             )
         sizing = KVCacheSizing(
             num_blocks=blocks_from_bytes(budget, bytes_per_block), source="gpu_profile",

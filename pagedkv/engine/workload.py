@@ -14,10 +14,11 @@ from pagedkv.errors import ConfigError
 
 @dataclass(frozen=True)
 class WorkloadSpec:
-    """``num_requests`` prompts; a fraction ``shared_prefix_ratio`` of them starts with one of
-    ``num_prefixes`` shared prefixes of ``prefix_len`` tokens; the rest of each prompt is random
-    with a length drawn from ``tail_len``; ``max_tokens`` drawn from its range; on average
-    ``arrival_rate`` requests arrive per step (0: all at step 0)."""
+    """``num_requests`` prompts; ``round(shared_prefix_ratio * num_requests)`` of them (chosen
+    at random) start with one of ``num_prefixes`` shared prefixes of ``prefix_len`` tokens,
+    the prefixes dealt round-robin so that each is shared as evenly as possible; the rest of
+    each prompt is random with a length drawn from ``tail_len``; ``max_tokens`` drawn from its
+    range; on average ``arrival_rate`` requests arrive per step (0: all at step 0)."""
 
     num_requests: int = 8
     shared_prefix_ratio: float = 0.5
@@ -61,11 +62,13 @@ def make_workload(spec: WorkloadSpec, max_len: int | None = None) -> list[Worklo
     rng = random.Random(spec.seed)
     tok = lambda n: [rng.randrange(spec.vocab_size) for _ in range(n)]  # noqa: E731
     prefixes = [tok(spec.prefix_len) for _ in range(spec.num_prefixes)]
+    n_shared = round(spec.shared_prefix_ratio * spec.num_requests)
+    sharing = sorted(rng.sample(range(spec.num_requests), n_shared))
+    prefix_of = {r: prefixes[k % spec.num_prefixes] for k, r in enumerate(sharing)}
     out: list[WorkloadRequest] = []
     t = 0.0
     for i in range(spec.num_requests):
-        shared = rng.random() < spec.shared_prefix_ratio
-        prompt = (rng.choice(prefixes) if shared else []) + tok(rng.randint(*spec.tail_len))
+        prompt = list(prefix_of.get(i, ())) + tok(rng.randint(*spec.tail_len))
         prompt = prompt or tok(1)
         max_tokens = rng.randint(*spec.max_tokens)
         if max_len is not None:

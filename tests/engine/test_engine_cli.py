@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 
 from pagedkv.cli import main
 from pagedkv.engine.benchmark import W1_TOTAL_OUTPUT_TOKENS, w1_workload
@@ -84,6 +85,38 @@ def test_cli_bench_small_variant(tiny_dir, tmp_path, capsys):
     assert res["num_requests"] == 3
     assert res["output_tokens"] == res["requested_output_tokens"] > 0
     assert res["output_tokens_per_s"] > 0
+
+
+def test_cli_bench_defaults_on_cpu(tmp_path, capsys, monkeypatch):
+    """`pagedkv bench` with no arguments on a CPU machine: the qwen3-0.6b shape on a small W1
+    variant, max_model_len fitted to the CPU pool; no JSON unless --json is given."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the defaults differ on a GPU (full W1)")
+    monkeypatch.chdir(tmp_path)
+    rc = main(["bench", "--quiet"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "qwen3-0.6b" in text and "W1-variant(n=8, scale=0.05" in text
+    assert "output throughput" in text and "187 of 187 requested" in text
+    assert list(tmp_path.iterdir()) == []  # nothing written without --json
+
+
+def test_cli_generate_shows_logprob_alternatives(tiny_dir, capsys):
+    rc = main(["generate", "--model", tiny_dir("llama"), "--prompt", "Hello", "--max-tokens", "3",
+               "--ignore-eos", "--device", "cpu", "--dtype", "float32", "--max-model-len", "64",
+               "--kv-cache-memory-bytes", "1000000", "--logprobs", "2"])
+    assert rc == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("[")]
+    assert len(lines) == 3
+    assert all("(rank " in ln and "alternatives:" in ln for ln in lines)
+
+
+def test_cli_pool_errors_name_the_flags(tiny_dir, capsys):
+    rc = main(["generate", "--model", tiny_dir("llama"), "--prompt", "x", "--device", "cpu",
+               "--max-model-len", "256", "--num-gpu-blocks", "4"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--num-gpu-blocks" in err and "--max-model-len" in err
 
 
 def test_console_entry_point_runs():
