@@ -195,3 +195,37 @@ class PagedHarness:
 
 
 __all__ = ["PagedHarness"]
+
+
+@dataclass
+class TeacherForcedCheck:
+    """How our greedy tokens rank under a reference model fed our own sequence.
+
+    ``margins[i]``: the reference's top logit minus its logit of our token ``i`` (0 when our
+    token is its argmax). On random bf16 weights near-ties are common, so the two greedy paths
+    part after a few tokens and then are different texts; checking our whole sequence
+    teacher-forced instead says whether every token we chose was one the reference also
+    (nearly) chose, which is what a correct bf16 engine guarantees."""
+
+    margins: list[float]
+
+    @property
+    def exact(self) -> int:
+        return sum(m == 0.0 for m in self.margins)
+
+    @property
+    def max_margin(self) -> float:
+        return max(self.margins) if self.margins else 0.0
+
+
+@torch.no_grad()
+def teacher_forced_check(ref_model, prompt: Sequence[int], ours: Sequence[int]) -> TeacherForcedCheck:
+    """Run ``ref_model`` (a transformers causal LM) once on ``prompt + ours[:-1]`` and compare
+    its prediction at every generated position with our token (see
+    :class:`TeacherForcedCheck`)."""
+    device = next(ref_model.parameters()).device
+    ids = torch.tensor([list(prompt) + list(ours[:-1])], device=device)
+    logits = ref_model(ids).logits[0].float()[len(prompt) - 1:]  # row i predicts our token i
+    top = logits.max(-1).values
+    mine = logits.gather(1, torch.tensor(list(ours), device=device)[:, None])[:, 0]
+    return TeacherForcedCheck((top - mine).tolist())

@@ -232,23 +232,21 @@ def test_qwen3_0_6b_shape_bf16_engine_matches_transformers(tiny_cache):
     del llm
     torch.cuda.empty_cache()
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    from pagedkv.models.harness import teacher_forced_check
+
     exact, margins, first = 0, [], []
     with torch.no_grad():
         for p, o in zip(prompts, outs):
             ours = o.outputs[0].token_ids
             assert len(ours) == n_new
-            logits = hf(torch.tensor([p + ours[:-1]], device="cuda")).logits[0].float()
-            step = logits[len(p) - 1:]  # row i predicts our token i
-            top = step.max(-1).values
-            mine = step.gather(1, torch.tensor(ours, device="cuda")[:, None])[:, 0]
-            m = (top - mine).tolist()
-            margins += m
-            exact += sum(x == 0.0 for x in m)
+            tf = teacher_forced_check(hf, p, ours)
+            margins += tf.margins
+            exact += tf.exact
             ref = _hf_greedy(hf, p, n_new)
             first.append(next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), n_new))
             print(f"prompt {len(p)}: first divergence from transformers' greedy {first[-1]}/{n_new}, "
-                  f"max margin {max(m):.4f}, our token is transformers' argmax at "
-                  f"{sum(x == 0.0 for x in m)}/{n_new}")
+                  f"max margin {tf.max_margin:.4f}, our token is transformers' argmax at "
+                  f"{tf.exact}/{n_new}")
     # Measured on the H200 (bench/records/h200_engine_bf16_parity.log): our token is
     # transformers' argmax at 94 of 96 positions, the other two 0.0156 (one bf16 step) below
     # it; first divergences from transformers' own greedy run at 3, 6 and 22 of 32. At

@@ -171,3 +171,23 @@ def test_bias_and_tying_variants(ref, family, options):
     r.assert_same_tokens(ours)
     p = r.prompts[3]
     torch.testing.assert_close(r.harness(16).prompt_logits(p), r.hf_logits(p), atol=1e-4, rtol=1e-4)
+
+
+def test_teacher_forced_check(ref):
+    """The bf16 GPU tests' criterion, checked where the answer is known: fp32 greedy tokens
+    are the reference's argmax everywhere (margin 0); a token swapped for the reference's
+    second choice shows that gap as its margin."""
+    from pagedkv.models.harness import teacher_forced_check
+
+    r = ref("llama")
+    ours = r.harness(16).greedy_generate(r.prompts, NEW_TOKENS)
+    for p, o in zip(r.prompts, ours):
+        tf = teacher_forced_check(r.hf, p, o)
+        assert len(tf.margins) == NEW_TOKENS and tf.exact == NEW_TOKENS
+        assert tf.max_margin == 0.0
+    p, o = r.prompts[1], list(ours[1])
+    logits = r.hf_logits(p + o[:2])[len(p) + 1]  # predicts token 2
+    second = int(logits.topk(2).indices[1])
+    gap = float(logits.max() - logits[second])
+    tf = teacher_forced_check(r.hf, p, o[:2] + [second])
+    assert tf.exact == 2 and tf.max_margin == pytest.approx(gap, abs=1e-5) and gap > 0
