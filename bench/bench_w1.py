@@ -17,8 +17,9 @@ weights from the same architecture; throughput does not depend on weight values)
 * with ``--hf-static``: ``generate`` on a static batch of ``--hf-static-batch`` x 512 prompt
   tokens -> 256 new tokens (PERF.md's "easier, fixed-length" row).
 
-Engine options: async scheduling and the compiled model regions are on by default here
-(``--no-async-scheduling`` / ``--no-compile-model`` for the plain engine).
+Engine options: ``LLM``'s defaults unless given (on CUDA async scheduling and the compiled
+model regions are on; ``--no-async-scheduling`` / ``--no-compile-model`` turn them off), so the
+number is what ``LLM(path)`` gives.
 
 Usage on the H200::
 
@@ -194,11 +195,12 @@ def main(argv=None) -> int:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                   help="schedule step k+1 while step k runs on the device (default on)")
-    p.add_argument("--compile-model", action=argparse.BooleanOptionalAction, default=True,
-                   help="torch.compile the norm/RoPE/MLP regions (CUDA; default on; falls back "
-                        "to eager with a warning if compilation fails)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule step k+1 while step k runs on the device (default: LLM's, "
+                        "on with CUDA)")
+    p.add_argument("--compile-model", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the norm/RoPE/MLP regions (default: LLM's, on with "
+                        "CUDA; falls back to eager with a warning if compilation fails)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch_ref", "triton"])
     p.add_argument("--with-hf", action="store_true", help="also time transformers generate_batch")
