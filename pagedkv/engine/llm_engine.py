@@ -44,7 +44,7 @@ from pagedkv.attention.backend import AttentionBackend
 from pagedkv.config import CacheConfig, SchedulerConfig
 from pagedkv.core.request import FinishReason, Request, RequestStatus, StopParams
 from pagedkv.core.scheduler import Scheduler
-from pagedkv.core.spec import KVCacheConfig, KVCacheGroupSpec, dtype_size
+from pagedkv.core.spec import KVCacheConfig, KVCacheGroupSpec, cdiv, dtype_size
 from pagedkv.engine.async_scheduler import AsyncScheduler
 from pagedkv.engine.heap import freeze_after_startup
 from pagedkv.engine.memory import (
@@ -52,7 +52,10 @@ from pagedkv.engine.memory import (
     KVCacheSizing,
     block_bytes,
     check_pool,
+    kv_bytes_held_by_other_engines,
+    register_engine,
     size_kv_cache,
+    warn_if_others_hold_memory,
 )
 from pagedkv.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedkv.errors import ConfigError, InvalidRequestError, InvariantError, UnknownRequestError
@@ -775,6 +778,9 @@ def build_engine(
         check=user_max_model_len is not None,
         max_num_seqs=max_num_seqs,
     )
+    if device.type == "cuda":
+        warn_if_others_hold_memory(sizing, max_num_seqs * cdiv(max_model_len, block_size) + 1,
+                                   kv_bytes_held_by_other_engines(device))
     if user_max_model_len is None and sizing.token_capacity < max_model_len:
         # max_model_len was not given: fit it to the pool instead of failing
         max_model_len = sizing.token_capacity
@@ -797,6 +803,7 @@ def build_engine(
     runner.capture_cuda_graphs()
     engine = LLMEngine(model, tokenizer, scheduler, runner, sizing, async_scheduling=async_scheduling,
                        generation_defaults=generation_defaults)
+    register_engine(engine)
     if warmup is None:
         warmup = device.type == "cuda"
     if warmup:

@@ -269,3 +269,35 @@ def test_graph_variants_for_balanced_lengths_on_cpu(tiny_dir, hf_ref):
         assert seen and {v for _, v in seen} == {balanced} and {s for s, _ in seen} == {4}
         for o in outs:
             assert o.outputs[0].token_ids == ref.greedy(o.prompt_token_ids, 5)
+
+
+def test_warning_when_other_engines_hold_device_memory():
+    """A GPU-profiled pool below its cap while another engine of the process holds KV memory
+    (a notebook rebinding llm = LLM(...)) is reported, with the way out."""
+    from pagedkv.engine.memory import GiB, KVCacheSizing, warn_if_others_hold_memory
+
+    small = KVCacheSizing(num_blocks=5066, block_size=16, bytes_per_block=1 << 20,
+                          max_model_len=4096, source="gpu_profile")
+    msg = warn_if_others_hold_memory(small, 65537, 116 * GiB)
+    assert msg and "116.0 GiB" in msg and "5,066 blocks" in msg and "shutdown()" in msg
+    assert warn_if_others_hold_memory(small, 65537, 0) is None
+    assert warn_if_others_hold_memory(small, 5066, 116 * GiB) is None  # got its cap
+    budget = KVCacheSizing(num_blocks=10, block_size=16, bytes_per_block=1, max_model_len=64,
+                           source="budget")
+    assert warn_if_others_hold_memory(budget, 100, GiB) is None  # sized by the user
+
+
+def test_live_engines_are_counted_per_device(tiny_dir):
+    import gc
+
+    from engine_helpers import make_llm
+
+    from pagedkv.engine.memory import kv_bytes_held_by_other_engines
+
+    gc.collect()
+    base = kv_bytes_held_by_other_engines(torch.device("cpu"))
+    llm = make_llm(tiny_dir("llama"))
+    held = llm.engine.runner.kv_cache_bytes
+    assert kv_bytes_held_by_other_engines(torch.device("cpu")) == base + held
+    del llm
+    assert kv_bytes_held_by_other_engines(torch.device("cpu")) == base
