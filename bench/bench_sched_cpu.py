@@ -124,9 +124,29 @@ class PagedkvSide:
         return {}, batch, InputPreparer.for_batch(batch), acc
 
 
-def replay_pagedkv(side: PagedkvSide, trace: dict, next_token, worker: bool = False) -> dict:
-    """Same step loop as vllm_sched_driver.replay (keep the two in step)."""
+def replay_pagedkv(side: PagedkvSide, trace: dict, next_token, worker: bool = False,
+                   freeze: bool = True) -> dict:
+    """Same step loop as vllm_sched_driver.replay (keep the two in step). With ``freeze`` the
+    objects built at "start-up" (scheduler, block pool, worker buffers; not the requests) are
+    frozen out of the cyclic GC, as the engine does (``pagedkv.engine.heap``), and thawed after
+    the replay."""
     sched = side.new_scheduler()
+    if worker:
+        w_reqs, batch, prep, slot_acc = side.new_worker()
+    if freeze:
+        from pagedkv.engine.heap import freeze_after_startup
+
+        freeze_after_startup()
+    try:
+        return _replay(side, sched, trace, next_token,
+                       (w_reqs, batch, prep, slot_acc) if worker else None)
+    finally:
+        if freeze:
+            gc.unfreeze()
+
+
+def _replay(side: PagedkvSide, sched, trace: dict, next_token, worker_parts) -> dict:
+    worker = worker_parts is not None
     vocab = trace["vocab"]
     arrivals: dict[int, list] = {}
     for r in trace["requests"]:
@@ -138,7 +158,7 @@ def replay_pagedkv(side: PagedkvSide, trace: dict, next_token, worker: bool = Fa
     perf = time.perf_counter_ns
     if worker:
         from pagedkv.worker.state_update import record_sampled_tokens, update_states
-        w_reqs, batch, prep, slot_acc = side.new_worker()
+        w_reqs, batch, prep, slot_acc = worker_parts
         thr = side.reorder_threshold
     t_sched, t_upd, n_reqs, n_tok, n_new, n_running = [], [], [], [], [], []
     t_apply, t_prep, t_rec, t_slot = [], [], [], []
@@ -199,14 +219,17 @@ def replay_pagedkv(side: PagedkvSide, trace: dict, next_token, worker: bool = Fa
 
 def run_pagedkv(preset: str, trace: dict, next_token, a) -> dict:
     side = PagedkvSide(trace["engine"], a.log_stats, a.reorder_threshold)
+    fz = not a.no_freeze
     for _ in range(a.warmup):
-        replay_pagedkv(side, trace, next_token)
-    reps = [_timed(lambda: replay_pagedkv(side, trace, next_token), a.no_gc) for _ in range(a.reps)]
+        replay_pagedkv(side, trace, next_token, freeze=fz)
+    reps = [_timed(lambda: replay_pagedkv(side, trace, next_token, freeze=fz), a.no_gc)
+            for _ in range(a.reps)]
     worker_reps = []
     if not a.no_worker:
         for _ in range(a.warmup):
-            replay_pagedkv(side, trace, next_token, worker=True)
-        worker_reps = [_timed(lambda: replay_pagedkv(side, trace, next_token, worker=True), a.no_gc)
+            replay_pagedkv(side, trace, next_token, worker=True, freeze=fz)
+        worker_reps = [_timed(lambda: replay_pagedkv(side, trace, next_token, worker=True,
+                                                     freeze=fz), a.no_gc)
                        for _ in range(a.reps)]
     return {"reps": reps, "worker_reps": worker_reps}
 
@@ -266,13 +289,27 @@ def _med_ms(rep: dict, key, sel: list[int]) -> float:
     return statistics.median(vals) / 1e6
 
 
+def _tail_ms(rep: dict, key, sel: list[int], q: float) -> float:
+    """The q-quantile (0..1) of the per-step values (ms), nearest rank."""
+    if not sel:
+        return float("nan")
+    keys = key if isinstance(key, tuple) else (key,)
+    vals = sorted(sum(rep[k][i] for k in keys) for i in sel)
+    return vals[min(len(vals) - 1, max(0, round(q * len(vals)) - 1))] / 1e6
+
+
 def summarize(preset: str, trace: dict, reps: list[dict], keys: dict) -> dict:
     per_rep = []
+    tail_key = keys.get("total_ms", keys.get("input_prep_ms"))
     for rep in reps:
         sel = select_steps(preset, trace, rep)
         per_rep.append({name: _med_ms(rep, key, sel) for name, key in keys.items()}
-                       | {"steps_timed": len(sel), "steps": len(rep["num_reqs"])})
+                       | {"steps_timed": len(sel), "steps": len(rep["num_reqs"]),
+                          "p99_ms": _tail_ms(rep, tail_key, sel, 0.99),
+                          "max_ms": _tail_ms(rep, tail_key, sel, 1.0)})
     out = {name: statistics.median(r[name] for r in per_rep) for name in keys}
+    out["p99_ms"] = statistics.median(r["p99_ms"] for r in per_rep)
+    out["max_ms"] = max(r["max_ms"] for r in per_rep)
     out["steps_timed"] = per_rep[0]["steps_timed"] if per_rep else 0
     out["steps"] = per_rep[0]["steps"] if per_rep else 0
     out["per_rep"] = per_rep
@@ -301,6 +338,8 @@ def main() -> int:
                     help="both schedulers build per-step stats (prefix-cache counters), as the "
                          "recorded logs did")
     ap.add_argument("--no-gc", action="store_true", help="disable the GC during timed replays")
+    ap.add_argument("--no-freeze", action="store_true",
+                    help="do not freeze the start-up objects out of the GC (the engine does)")
     ap.add_argument("--no-worker", action="store_true", help="skip pagedkv input-prep timing")
     ap.add_argument("--reorder-threshold", type=int, default=None,
                     help="worker batch reorder threshold (default: none, as the model runner's "
@@ -345,6 +384,7 @@ def main() -> int:
         "platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
         "nproc": os.cpu_count(), "loadavg_end": os.getloadavg(),
         "reps": a.reps, "warmup": a.warmup, "log_stats": a.log_stats, "gc": not a.no_gc,
+        "freeze": not a.no_freeze,
         "wall_s": round(time.time() - started, 1),
     }
     try:
@@ -360,8 +400,9 @@ def main() -> int:
     print("input prep = update_states + prepare (CPU tensors; slot mapping via the numpy "
           "host path, shown apart); 'x incl prep' = vLLM total / (pagedkv total + input prep)")
     print(f"{'trace':10s} | {'vLLM sched':>10s} {'update':>7s} {'total':>7s} | "
-          f"{'pagedkv sched':>13s} {'update':>7s} {'total':>7s} | {'speedup':>7s} | "
-          f"{'input prep':>10s} {'(slot map)':>10s} | {'x incl prep':>11s} | steps | same sched")
+          f"{'pagedkv sched':>13s} {'update':>7s} {'total':>7s} {'p99':>7s} {'max':>7s} | "
+          f"{'speedup':>7s} | {'input prep':>10s} {'(slot map)':>10s} | {'x incl prep':>11s} | "
+          "steps | same sched")
     for r in results:
         v = r.get("vllm") or {}
         p = r["pagedkv"]
@@ -371,7 +412,8 @@ def main() -> int:
                                         if v and w else None)
         print(f"{r['preset']:10s} | {f3(v.get('schedule_ms', nan)):>10s} "
               f"{f3(v.get('update_ms', nan))} {f3(v.get('total_ms', nan))} | "
-              f"{f3(p['schedule_ms']):>13s} {f3(p['update_ms'])} {f3(p['total_ms'])} | "
+              f"{f3(p['schedule_ms']):>13s} {f3(p['update_ms'])} {f3(p['total_ms'])} "
+              f"{f3(p['p99_ms'])} {f3(p['max_ms'])} | "
               f"{fx(r.get('speedup', nan))} | {f3(prep):>10s} {f3(w.get('slot_mapping_ms', nan)):>10s} | "
               f"{fx(r['speedup_incl_input_prep'] or nan):>11s} | {p['steps_timed']:5d} | "
               f"{r.get('same_schedule', 'n/a')}")
