@@ -5,4 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# one thread per worker: 2 workers on a 2-core machine (tests/conftest.py sets torch's too)
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 exec .venv/bin/python -m pytest -q -n 2 -p no:cacheprovider "$@"

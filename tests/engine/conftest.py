@@ -4,18 +4,9 @@ references computed once per module (helpers live in ``engine_helpers``)."""
 import os
 
 import pytest
-import torch
 from engine_helpers import HFReference
 
 transformers = pytest.importorskip("transformers")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
 
 
 @pytest.fixture(scope="session")

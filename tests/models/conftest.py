@@ -3,17 +3,6 @@
 import os
 
 import pytest
-import torch
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models run fastest single-threaded (and the test machine's cores are shared);
-    the previous setting is restored after each module."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
 
 
 @pytest.fixture(scope="session")
