@@ -76,3 +76,14 @@ class SamplingError(PagedKVError, ValueError):
     """The sampler or the detokenizer was driven inconsistently: logits whose shape, dtype or
     device do not match the batch's ``SamplingMetadata``, or tokens fed to a detokenizer whose
     request already finished. Rebuild the metadata for the current batch composition."""
+
+
+class ModelUnavailableError(CheckpointError):
+    """A packaged model cannot be materialized here: the package that ships its weights (or a
+    package the conversion needs, such as ``gguf``) is not installed. The message names the
+    missing package and the pip command that installs it."""
+
+
+class ChatTemplateError(PagedKVError, ValueError):
+    """A chat template is missing, malformed, or refused the messages (the template called
+    ``raise_exception``, e.g. for roles out of order). The message names the template's file."""
