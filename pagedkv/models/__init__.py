@@ -21,6 +21,9 @@ _EXPORTS = {
     "Tokenizer": "tokenizer",
     "build_tiny_checkpoint": "tiny",
     "PagedHarness": "harness",
+    "ChatTemplate": "chat_template",
+    "render_chat": "chat_template",
+    "smollm2_dir": "smollm2",
 }
 
 

@@ -24,6 +24,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field, replace
 
 from pagedkv.errors import ConfigError, InvariantError
+from pagedkv.models.cache_dir import cache_root
 
 FORMAT_VERSION = 1
 MARKER = "pagedkv_tiny.json"
@@ -112,8 +113,7 @@ class TinySpec:
 
 
 def default_cache_dir() -> str:
-    root = os.environ.get("PAGEDKV_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedkv")
-    return os.path.join(root, "tiny")
+    return os.path.join(cache_root(), "tiny")
 
 
 def hf_config_dict(spec: TinySpec) -> dict:
@@ -231,8 +231,8 @@ def _build(spec: TinySpec, out_dir: str) -> None:
 
 def build_tiny_checkpoint(family: str, cache_dir: str | os.PathLike | None = None, **options) -> str:
     """Path of the tiny checkpoint of ``family`` with ``options`` (``TinySpec`` fields),
-    building it into ``cache_dir`` (default ``$PAGEDKV_CACHE_DIR/tiny`` or
-    ``~/.cache/pagedkv/tiny``) unless it is there already."""
+    building it into ``cache_dir`` (default ``<cache_root()>/tiny``: ``$PAGEDKV_CACHE``,
+    ``$PAGEDKV_CACHE_DIR`` or ``~/.cache/pagedkv``) unless it is there already."""
     try:
         spec = TinySpec(family=family, **options)
     except TypeError as e:
