@@ -25,21 +25,21 @@ def test_w1_workload_matches_perf_md():
     assert wl.fit_vocab(200_000) is wl and max(max(p) for p in wl.fit_vocab(512).prompts) < 512
 
 
-def test_demo_end_to_end(tmp_path, capsys):
-    env = {"PAGEDKV_CACHE": str(tmp_path)}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        assert main(["demo", "--device", "cpu", "--max-tokens", "8", "--num-prompts", "6"]) == 0
-        first = capsys.readouterr().out
-        assert main(["demo", "--device", "cpu", "--max-tokens", "8", "--num-prompts", "6"]) == 0
-        second = capsys.readouterr().out
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def test_demo_end_to_end(tmp_path, capsys, monkeypatch):
+    """The random-weight checkpoint: first as the fallback when the real model's package is
+    missing (a package name that does not exist), then chosen with PAGEDKV_DEMO_MODEL=tiny.
+    The real model's demo is tested in tests/models/test_real_model.py."""
+    from pagedkv.models import smollm2
+
+    monkeypatch.setenv("PAGEDKV_CACHE", str(tmp_path))
+    monkeypatch.setattr(smollm2, "PACKAGE", "pagedkv_no_such_package")
+    assert main(["demo", "--device", "cpu", "--max-tokens", "8", "--num-prompts", "6"]) == 0
+    first = capsys.readouterr().out
+    monkeypatch.setenv("PAGEDKV_DEMO_MODEL", "tiny")
+    assert main(["demo", "--device", "cpu", "--max-tokens", "8", "--num-prompts", "6"]) == 0
+    second = capsys.readouterr().out
+    assert "real model is unavailable" in first and "FALLING BACK" in first
+    assert "FALLING BACK" not in second and not os.path.exists(tmp_path / smollm2.DIR_NAME)
     assert "built now" in first and "cached" in second
     assert os.path.isdir(tmp_path / "tiny")
     for text in (first, second):
