@@ -50,19 +50,20 @@ def _copy_token(
     t,
     blk,
     off,
-    ok,
     num_heads,
     head_dim,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    """Copy token ``t``'s ``num_heads x head_dim`` tile to ``(blk, off)``; ``num_heads == 0``
+    copies nothing (the caller passes 0 for a skipped slot)."""
     d = tl.arange(0, BLOCK_D)[None, :]
     src_tok = src_ptr + t.to(tl.int64) * src_s0
     dst_tok = dst_ptr + blk * dst_s0 + off * dst_s1
     h0 = tl.full([], 0, tl.int32)
     while h0 < num_heads:
         h = h0 + tl.arange(0, BLOCK_H)[:, None]
-        m = ok & (h < num_heads) & (d < head_dim)
+        m = (h < num_heads) & (d < head_dim)
         hh = h.to(tl.int64)
         dd = d.to(tl.int64)
         x = tl.load(src_tok + hh * src_s1 + dd * src_s2, mask=m)
@@ -94,11 +95,15 @@ def _reshape_and_cache_kernel(
     safe = tl.where(ok, slot, 0)
     blk = safe // block_size
     off = safe % block_size
-    _copy_token(k_ptr, k_s0, k_s1, k_s2, kc_ptr, kc_s0, kc_s1, kc_s2, kc_s3, t, blk, off, ok,
-                num_heads, head_dim, BLOCK_H, BLOCK_D)
+    # A skipped slot copies zero heads. The scalar predicate `ok` never enters a block mask:
+    # broadcast into one, its data is not boolean in the Triton interpreter, and triton >= 3.9
+    # rejects such a mask ("mask has unsupported dtype").
+    heads = tl.where(ok, num_heads, 0)
+    _copy_token(k_ptr, k_s0, k_s1, k_s2, kc_ptr, kc_s0, kc_s1, kc_s2, kc_s3, t, blk, off,
+                heads, head_dim, BLOCK_H, BLOCK_D)
     if HAS_VALUE:
         _copy_token(v_ptr, v_s0, v_s1, v_s2, vc_ptr, vc_s0, vc_s1, vc_s2, vc_s3, t, blk, off,
-                    ok, num_heads, head_dim_v, BLOCK_HV, BLOCK_DV)
+                    heads, head_dim_v, BLOCK_HV, BLOCK_DV)
 
 
 def _check(fn, key, value, key_cache, value_cache, slot_mapping):

@@ -67,6 +67,10 @@ def _sparse_index_kernel(
     t = tl.program_id(0)
     req = tl.load(req_ptr + t)
     row_ok = (req >= 0) & (req < bt_rows)
+    # A bad row admits no index: the scalar `row_ok` is folded into the upper bound, so that
+    # every block mask is built from block comparisons (a scalar predicate broadcast into a
+    # block mask has non-boolean data in the Triton interpreter; triton >= 3.9 rejects it).
+    idx_hi = tl.where(row_ok, 2147483647, -1)
     t64 = t.to(tl.int64)
     count = tl.zeros((BLOCK_K,), dtype=tl.int32)
     for c in tl.static_range(NUM_CHUNKS):
@@ -74,7 +78,7 @@ def _sparse_index_kernel(
         in_k = k < num_k
         idx = tl.load(topk_ptr + t64 * topk_stride_t + k.to(tl.int64) * topk_stride_k,
                       mask=in_k, other=-1)
-        ok = in_k & row_ok & (idx >= 0) & (idx <= 2147483647)
+        ok = in_k & (idx >= 0) & (idx <= idx_hi)
         idx = tl.where(ok, idx, 0).to(tl.int32)
         col = idx // BLOCK_SIZE
         ok = ok & (col < bt_width)
