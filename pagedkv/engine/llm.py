@@ -114,6 +114,11 @@ class LLM:
             )
         self.engine = _engine
         self.model_name = os.fspath(model)
+        # where the chat template lives: the tokenizer's directory (tokenizer_config.json /
+        # chat_template.jinja), which is the model's unless tokenizer=DIR named another
+        self._chat_template_dir = (os.fspath(tokenizer) if isinstance(tokenizer, (str, os.PathLike))
+                                   and tokenizer != "auto" else self.model_name)
+        self._chat_template = None
 
     # ----- life cycle ----------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -252,6 +257,66 @@ class LLM:
         finally:
             bar.close()
         return [results[rid] for rid in request_ids]
+
+    # ----- chat ----------------------------------------------------------------------------
+    def get_chat_template(self):
+        """The checkpoint's chat template (``pagedkv.models.chat_template.ChatTemplate``),
+        loaded once; ``ChatTemplateError`` when the checkpoint has none."""
+        if self._chat_template is None:
+            from pagedkv.errors import ChatTemplateError
+            from pagedkv.models.chat_template import ChatTemplate
+
+            if not os.path.isdir(self._chat_template_dir):
+                raise ChatTemplateError(
+                    f"{self.model_name} is not a checkpoint directory, so it has no chat "
+                    "template; render the prompt yourself and call generate")
+            self._chat_template = ChatTemplate.from_dir(self._chat_template_dir)
+        return self._chat_template
+
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools=None,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations, as vLLM's ``LLM.chat``: ``messages`` is one
+        conversation (a list of ``{"role": ..., "content": ...}`` dicts) or a list of them.
+        Each is rendered with the checkpoint's chat template exactly as transformers'
+        ``apply_chat_template`` renders it (``chat_template``: a template string to use
+        instead; ``chat_template_kwargs``: extra template variables such as
+        ``enable_thinking``), tokenized without adding special tokens (the template wrote
+        them), and generated like ``generate``. Returns one ``RequestOutput`` per conversation."""
+        from pagedkv.models.chat_template import ChatTemplate
+
+        if self.tokenizer is None:
+            raise InvalidRequestError("chat needs a tokenizer; this model has none")
+        if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
+            conversations = [messages]
+        elif isinstance(messages, (list, tuple)):
+            conversations = list(messages)
+        else:
+            raise InvalidRequestError(
+                "messages must be a conversation (a list of {'role', 'content'} dicts) or a list "
+                f"of conversations, got {type(messages).__name__}")
+        if not conversations:
+            return []
+        template = self.get_chat_template()
+        if chat_template is not None:
+            template = ChatTemplate.from_string(chat_template, template.special_tokens)
+        kwargs = dict(chat_template_kwargs or {})
+        prompts = []
+        for conv in conversations:
+            text = template.render(conv, add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message, tools=tools,
+                                   **kwargs)
+            prompts.append({"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     # ----- step-level API ------------------------------------------------------------------
     def add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,

@@ -77,7 +77,7 @@ def test_cpu_fallback_path(monkeypatch):
         torch.tensor([10], dtype=torch.int32), torch.ones(3, dtype=torch.int64), ind, lens, 1,
         3, 4, 4)
     assert ind[2].tolist() == [14, 15, 20, 21]
-    indptr, indices, last = poison(3, torch.int32), poison(4, torch.int32), poison(2, torch.int32)
+    indptr, indices, last = poison(3, torch.int32), poison(8, torch.int32), poison(2, torch.int32)
     mods["page_indices"].build_page_indices(bt, torch.tensor([20, 33], dtype=torch.int32), 16,
                                             2, 2, indptr, indices, last)
     assert indptr.tolist() == [0, 2, 5] and last.tolist() == [4, 1]

@@ -189,3 +189,25 @@ def test_demo_answers_with_the_real_model(smollm2_path, smollm2_cache, capsys):
     assert "all returned: True" in text
     hits = int(next(l for l in lines if l.strip().startswith("prefix cache")).split()[2])
     assert hits > 0
+
+
+def test_llm_chat_equals_transformers_greedy(smollm2_path, hf_greedy):
+    """LLM.chat renders each conversation with the checkpoint's template, tokenizes it without
+    extra special tokens and generates: the same tokens as transformers on
+    apply_chat_template's ids; one conversation or a list; typed errors."""
+    from pagedkv import LLM, SamplingParams
+    from pagedkv.errors import InvalidRequestError
+
+    llm = LLM(smollm2_path, device="cpu", dtype="float32", max_model_len=512,
+              num_gpu_blocks_override=64)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+        outs = llm.chat([_messages(s, t) for s, t in PARITY_CHATS], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == hf_greedy
+        one = llm.chat(_messages(*PARITY_CHATS[1]), params, use_tqdm=False)
+        assert len(one) == 1 and one[0].outputs[0].token_ids == hf_greedy[1]
+        assert llm.chat([], params) == []
+        with pytest.raises(InvalidRequestError, match="conversation"):
+            llm.chat("hello", params)
+    finally:
+        llm.shutdown()
