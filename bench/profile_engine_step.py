@@ -76,9 +76,9 @@ class NullBackend(AttentionBackend):
     """No attention: returns zeros (writes nothing). Keeps the model call cheap."""
 
     name = "null"
-    cuda_graph_capturable = False
+    supports_cuda_graphs = False
 
-    def forward(self, layer_idx, q, k, v, kv_cache, metadata, scale):
+    def forward(self, layer_idx, q, k, v, kv_cache, plan, scale):
         return torch.zeros_like(q)
 
 

@@ -15,12 +15,17 @@ Conventions (shared by every backend):
   ``h // (num_heads // num_kv_heads)`` (GQA).
 - ``block_table_tensor[r, j]`` is the physical block of the request's logical block ``j``;
   slot ``s = block * block_size + offset``; ``slot_mapping[t] < 0`` means "do not write".
+
+The step's plan (``AttentionBackend.plan``) is made once per step and KV-cache group and handed
+to every layer of the group (see ``AttentionBackend``); a model's forward pass receives them as
+a :class:`StepAttention`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -41,28 +46,115 @@ class AttentionMetadataLike(Protocol):
     slot_mapping: torch.Tensor  # int64 [>= num_actual_tokens], device
 
 
-class AttentionBackend(ABC):
-    """Paged attention for one step of one layer.
+@dataclass(frozen=True)
+class AttentionLayout:
+    """What a plan must know of the layers it serves (the layers of one KV-cache group share
+    it): query heads, KV heads, head size, the dtype and device of queries and cache."""
 
-    ``fused_kv_write``: True when ``forward`` also accepts ``k = v = None``, meaning the caller
-    has already written the step's K/V into ``kv_cache`` at ``metadata.slot_mapping`` (the
-    decoder then fuses q/k norms, RoPE and the KV write into one kernel)."""
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, q: torch.Tensor, kv_cache: torch.Tensor) -> "AttentionLayout":
+        """The layout of one layer's query ``[T, H, D]`` and KV cache ``[2, N, B, Hkv, D]``."""
+        return cls(q.shape[1], kv_cache.shape[3], q.shape[2], q.dtype, q.device)
+
+
+class AttentionPlan:
+    """One step's attention for the layers of one KV-cache group: its ``metadata`` (block
+    table, slot mapping, lengths) and whatever the backend decided from it once, on the host,
+    for all those layers (``AttentionBackend.plan``). A plan lives for one forward pass (or
+    one CUDA-graph capture) and is never reused for another step."""
+
+    __slots__ = ("metadata", "layout")
+
+    def __init__(self, metadata: AttentionMetadataLike, layout: AttentionLayout) -> None:
+        self.metadata = metadata
+        self.layout = layout
+
+
+@dataclass
+class StepAttention:
+    """The attention part of one forward pass: the step's base ``metadata`` (what the model
+    reads itself: lengths for dynamic RoPE) and, per layer index, the plan of the layer's
+    KV-cache group (layers of one group share one plan object)."""
+
+    metadata: AttentionMetadataLike
+    plans: Sequence[AttentionPlan]
+
+    @classmethod
+    def uniform(cls, backend: "AttentionBackend", metadata: AttentionMetadataLike,
+                layout: AttentionLayout, num_layers: int) -> "StepAttention":
+        """One group for every layer: one plan of ``metadata`` for all of them."""
+        plan = backend.plan(metadata, layout)
+        return cls(metadata, [plan] * num_layers)
+
+
+class AttentionBackend(ABC):
+    """Paged attention for the layers of a model, one step at a time.
+
+    The contract: the caller (the model runner, or a harness) calls ``plan(metadata, layout)``
+    once per step and KV-cache group (or inside a CUDA-graph capture) and passes that plan to
+    ``forward`` for every layer of the group. Capabilities are declared class attributes, read
+    by the runner as they are (never probed):
+
+    * ``supports_cuda_graphs``: ``forward``'s launches depend only on host values fixed in the
+      plan, never on device values read on the host, so a decode step may be captured and
+      replayed;
+    * ``fused_kv_write``: ``forward`` also accepts ``k = v = None``, meaning the caller has
+      already written the step's K/V into ``kv_cache`` at the plan's slot mapping (the decoder
+      then fuses q/k norms, RoPE and the KV write into one kernel);
+    * ``reorder_batch_threshold``: rows with at most this many scheduled tokens are decodes that
+      the batch should put first (None: no reordering);
+    * ``graph_variants`` / ``graph_variant``: host decisions a decode graph bakes in besides its
+      size (default: none, one graph per size).
+    """
 
     name: str = "abstract"
+    supports_cuda_graphs: bool = False
     fused_kv_write: bool = False
+    reorder_batch_threshold: int | None = None
+
+    def plan(self, metadata: AttentionMetadataLike, layout: AttentionLayout) -> AttentionPlan:
+        """This step's plan for the layers of ``layout`` (default: the metadata as it is)."""
+        return AttentionPlan(metadata, layout)
 
     @abstractmethod
     def forward(
         self,
         layer_idx: int,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         kv_cache: torch.Tensor,
-        metadata: AttentionMetadataLike,
+        plan: AttentionPlan,
         scale: float,
     ) -> torch.Tensor:
-        """Write ``k``/``v`` into ``kv_cache`` and return the attention output ``[T, num_heads, head_dim]``."""
+        """Write ``k``/``v`` into ``kv_cache`` at the plan's slot mapping and return the
+        attention output ``[T, num_heads, head_dim]``."""
+
+    def forward_with_metadata(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None,
+                              v: torch.Tensor | None, kv_cache: torch.Tensor,
+                              metadata: AttentionMetadataLike, scale: float) -> torch.Tensor:
+        """One layer of one step from its metadata: :meth:`plan` (for this layer's layout),
+        then :meth:`forward` (tests and single-layer drivers)."""
+        return self.forward(layer_idx, q, k, v, kv_cache,
+                            self.plan(metadata, AttentionLayout.of(q, kv_cache)), scale)
+
+    def graph_variants(self, num_reqs: int, num_kv_heads: int, device: torch.device) -> tuple:
+        """The values of the host decision a decode graph of ``num_reqs`` requests bakes in
+        besides its size (one graph per value); carried as the capture metadata's
+        ``decode_balanced``. Default: ``(None,)``."""
+        return (None,)
+
+    def graph_variant(self, num_reqs: int, num_kv_heads: int, seq_lens, device: torch.device):
+        """The value of :meth:`graph_variants` a decode step of ``num_reqs`` (padded) requests
+        replays, from its actual requests' host lengths ``seq_lens``."""
+        return None
 
 
-__all__ = ["AttentionBackend", "AttentionMetadataLike"]
+__all__ = ["AttentionBackend", "AttentionLayout", "AttentionMetadataLike", "AttentionPlan",
+           "StepAttention"]

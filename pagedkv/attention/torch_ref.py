@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv.attention.backend import AttentionBackend, AttentionMetadataLike
+from pagedkv.attention.backend import AttentionBackend, AttentionMetadataLike, AttentionPlan
 from pagedkv.attention.kv_write import WRITERS, write_kv
 from pagedkv.errors import ConfigError, InvariantError
 
@@ -77,6 +77,8 @@ class TorchRefBackend(AttentionBackend):
     """
 
     name = "torch_ref"
+    # reads the host copies of the lengths per request: a CUDA graph would freeze them
+    supports_cuda_graphs = False
 
     def __init__(self, writer: str = "auto"):
         if writer not in WRITERS:
@@ -90,11 +92,13 @@ class TorchRefBackend(AttentionBackend):
         k: torch.Tensor,
         v: torch.Tensor,
         kv_cache: torch.Tensor,
-        metadata: AttentionMetadataLike,
+        plan: AttentionPlan,
         scale: float,
     ) -> torch.Tensor:
-        n = int(metadata.num_actual_tokens)
-        write_kv(k, v, kv_cache, metadata.slot_mapping[:n], writer=self.writer)
+        metadata = plan.metadata
+        if k is not None:
+            n = int(metadata.num_actual_tokens)
+            write_kv(k, v, kv_cache, metadata.slot_mapping[:n], writer=self.writer)
         return paged_attention_ref(q, kv_cache, metadata, scale)
 
 

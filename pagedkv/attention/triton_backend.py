@@ -30,7 +30,12 @@ import numpy as np
 import torch
 
 from pagedkv.attention._triton_common import num_sms
-from pagedkv.attention.backend import AttentionBackend, AttentionMetadataLike
+from pagedkv.attention.backend import (
+    AttentionBackend,
+    AttentionLayout,
+    AttentionMetadataLike,
+    AttentionPlan,
+)
 from pagedkv.attention.torch_ref import paged_attention_ref
 from pagedkv.attention.triton_decode import (
     DecodeConfig,
@@ -43,7 +48,7 @@ from pagedkv.attention.triton_decode import (
 from pagedkv.attention.triton_prefill import (
     PrefillConfig,
     paged_prefill_attention,
-    varlen_available,
+    varlen_available_for,
     varlen_prefill_attention,
 )
 from pagedkv.errors import ConfigError, InvariantError
@@ -79,8 +84,8 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     name = "triton"
-    # Grids and buffers depend only on host ints fixed at capture: safe to replay in a CUDA graph.
-    cuda_graph_capturable = True
+    # Grids and buffers depend only on host ints fixed in the plan: safe to replay in a CUDA graph.
+    supports_cuda_graphs = True
 
     def __init__(self, *, fresh_prefill: str = "auto", decode_config: DecodeConfig | None = None,
                  prefill_config: PrefillConfig | None = None):
@@ -118,6 +123,10 @@ class TritonAttentionBackend(AttentionBackend):
         return (one_range_if_balanced(num_reqs, num_kv_heads, num_sms(device), cfg)
                 and lengths_balanced(seq_lens, cfg))
 
+    def plan(self, metadata: AttentionMetadataLike, layout: AttentionLayout) -> "TritonPlan":
+        """This step's plan for the layers of one KV-cache group (see :class:`TritonPlan`)."""
+        return TritonPlan(self, metadata, layout)
+
     def forward(
         self,
         layer_idx: int,
@@ -125,15 +134,13 @@ class TritonAttentionBackend(AttentionBackend):
         k: torch.Tensor | None,
         v: torch.Tensor | None,
         kv_cache: torch.Tensor,
-        metadata: AttentionMetadataLike,
+        plan: "TritonPlan",
         scale: float,
     ) -> torch.Tensor:
-        plan = self._plan
-        if plan is None or not plan.serves(metadata, q, kv_cache):
-            plan = self._plan = _StepPlan(self, metadata, q, kv_cache)
-            check = True  # first layer of a step: the launchers validate the shapes
-        else:
-            check = False  # later layers: same shapes, same metadata
+        check = not plan.checked
+        if check:  # first layer of the step: the plan's layout and the launchers' shapes
+            plan.check(q, kv_cache)
+        metadata = plan.metadata
         if k is not None:
             reshape_and_cache(k, v, kv_cache[0], kv_cache[1], plan.slots)
         elif not self.fused_kv_write:
@@ -173,38 +180,34 @@ class TritonAttentionBackend(AttentionBackend):
                                 config=self.prefill_config, check=check)
         return out
 
-    _plan: "_StepPlan | None" = None
 
-
-class _StepPlan:
+class TritonPlan(AttentionPlan):
     """What :meth:`TritonAttentionBackend.forward` derives from one step's metadata, once for
-    all layers: host ints, length checks, the path (decode-only, varlen, mixed) and a workspace
-    for the decode kernel's split partials. Reused while the same metadata object comes with
-    queries and caches of the same shape (the layers of one step), and never across the start
-    or the end of a CUDA-graph capture (a graph must own the workspace it writes: buffers
-    allocated before the capture would be freed and reused while the graph still writes them)."""
+    all layers of a KV-cache group: host ints, length checks, the path (decode-only, varlen,
+    mixed) and a workspace for the decode kernel's split partials (allocated by the first
+    layer's launch). A plan made inside a CUDA-graph capture serves that capture only, and one
+    made outside never serves a capture: a graph must own the workspace it writes (buffers
+    allocated before the capture would be freed and reused while the graph still writes them),
+    so the first ``forward`` checks the capture state against the plan's."""
 
-    def __init__(self, backend: TritonAttentionBackend, metadata, q: torch.Tensor,
-                 kv_cache: torch.Tensor):
-        if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-            raise InvariantError("kv-cache-shape",
-                                 "KV cache must be [2, num_blocks, block_size, num_kv_heads, head_dim]",
-                                 cache_shape=tuple(kv_cache.shape))
-        self.metadata = metadata
-        self.key = self._key(metadata, q, kv_cache)
+    __slots__ = ("slots", "triton", "workspace", "n", "decode_only", "varlen", "has_decode",
+                 "balanced", "end", "max_q", "max_seq_len", "capturing", "checked")
+
+    def __init__(self, backend: TritonAttentionBackend, metadata, layout: AttentionLayout):
+        super().__init__(metadata, layout)
+        self.checked = False
+        dev = layout.device
+        self.capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
         num_actual = int(metadata.num_actual_tokens)
         self.slots = metadata.slot_mapping[:num_actual]
-        self.triton = use_triton(_decode_kernel, kv_cache)
+        self.triton = use_triton(_decode_kernel, metadata.slot_mapping)
         self.workspace: dict = {}
         n = self.n = int(metadata.num_reqs)
         self.decode_only = self.varlen = self.has_decode = self.balanced = False
         self.end = self.max_q = self.max_seq_len = 0
         if not self.triton or n == 0:
             return
-        end = self.end = int(_host_ints(metadata.query_start_loc_cpu, n + 1)[n])
-        if end > q.shape[0]:
-            raise InvariantError("attention-token-count", "query_start_loc ends past the query rows",
-                                 end=end, rows=q.shape[0])
+        self.end = int(_host_ints(metadata.query_start_loc_cpu, n + 1)[n])
         self.max_q = int(metadata.max_query_len)
         self.max_seq_len = int(metadata.max_seq_len)
         if self.max_q <= 1:
@@ -213,8 +216,8 @@ class _StepPlan:
             # where it changes the launch
             self.balanced = getattr(metadata, "decode_balanced", None)
             if self.balanced is None:
-                cfg = backend._decode_cfg(q.device)
-                self.balanced = one_range_if_balanced(n, kv_cache.shape[3], num_sms(q.device), cfg) \
+                cfg = backend._decode_cfg(dev)
+                self.balanced = one_range_if_balanced(n, layout.num_kv_heads, num_sms(dev), cfg) \
                     and lengths_balanced(_host_ints(metadata.seq_lens_cpu,
                                                     getattr(metadata, "num_actual_reqs", n)), cfg)
             return
@@ -225,21 +228,30 @@ class _StepPlan:
             r = int(np.flatnonzero((q_lens < 0) | (seq_h < q_lens))[0])
             raise InvariantError("attention-lengths", "need 0 <= query_len <= seq_len",
                                  request=r, query_len=int(q_lens[r]), seq_len=int(seq_h[r]))
-        self.varlen = (backend.fresh_prefill == "varlen" and varlen_available(q)
+        self.varlen = (backend.fresh_prefill == "varlen"
+                       and varlen_available_for(layout.dtype, dev)
                        and np.array_equal(seq_h, q_lens))
         self.has_decode = bool((q_lens == 1).any())
 
-    @staticmethod
-    def _key(metadata, q: torch.Tensor, kv_cache: torch.Tensor) -> tuple:
-        # A plan never crosses into or out of a CUDA-graph capture: its workspace must be
-        # allocated inside the capture (graph memory) to be valid at every replay.
+    def check(self, q: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        """The first layer's tensors against the plan (later layers of the group have the same
+        shapes), and the CUDA-graph capture state against the plan's."""
+        if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+            raise InvariantError("kv-cache-shape",
+                                 "KV cache must be [2, num_blocks, block_size, num_kv_heads, head_dim]",
+                                 cache_shape=tuple(kv_cache.shape))
+        got = AttentionLayout.of(q, kv_cache)
+        if got != self.layout:
+            raise InvariantError("attention-layout", "the layer's query/cache do not match the "
+                                 "plan's layout", plan=self.layout, layer=got)
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-        return (q.shape, q.dtype, q.device, kv_cache.shape, kv_cache.dtype, capturing,
-                int(metadata.num_reqs), int(metadata.num_actual_tokens),
-                int(metadata.max_query_len), int(metadata.max_seq_len))
+        if capturing != self.capturing:
+            raise InvariantError("plan-capture", "a plan serves the forward passes it was made "
+                                 "for: make plans inside a CUDA-graph capture for the capture")
+        if self.end > q.shape[0]:
+            raise InvariantError("attention-token-count", "query_start_loc ends past the query rows",
+                                 end=self.end, rows=q.shape[0])
+        self.checked = True
 
-    def serves(self, metadata, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-        return metadata is self.metadata and self._key(metadata, q, kv_cache) == self.key
 
-
-__all__ = ["AUTO_FRESH_PREFILL", "FRESH_PREFILL_CHOICES", "TritonAttentionBackend"]
+__all__ = ["AUTO_FRESH_PREFILL", "FRESH_PREFILL_CHOICES", "TritonAttentionBackend", "TritonPlan"]

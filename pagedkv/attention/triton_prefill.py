@@ -326,7 +326,12 @@ def _varlen_fn():
 
 def varlen_available(q: torch.Tensor) -> bool:
     """True where ``varlen_prefill_attention`` can run: CUDA, bf16/fp16, torch has varlen."""
-    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    return varlen_available_for(q.dtype, q.device)
+
+
+def varlen_available_for(dtype: torch.dtype, device: torch.device) -> bool:
+    """:func:`varlen_available` for queries of ``dtype`` on ``device``."""
+    return (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
             and _varlen_fn()[0] is not None)
 
 
@@ -385,5 +390,6 @@ __all__ = [
     "paged_prefill_attention",
     "paged_prefill_attention_ref",
     "varlen_available",
+    "varlen_available_for",
     "varlen_prefill_attention",
 ]

@@ -65,7 +65,6 @@ from pagedkv.sampling.params import SamplingParams
 from pagedkv.worker.model_runner import (
     ModelRunner,
     attention_layer_names,
-    backend_is_graph_capturable,
     kv_cache_spec_for,
     profile_peak_memory,
     torch_dtype_name,
@@ -764,7 +763,7 @@ def build_engine(
     per_block = block_bytes(cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim,
                             dtype_size(torch_dtype_name(model.dtype)))
     backend = model.attn_backend
-    graphs = device.type == "cuda" and not enforce_eager and backend_is_graph_capturable(backend)
+    graphs = device.type == "cuda" and not enforce_eager and backend.supports_cuda_graphs
     sizing = size_kv_cache(
         bytes_per_block=per_block,
         block_size=block_size,

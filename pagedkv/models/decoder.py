@@ -24,7 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedkv.attention.backend import AttentionBackend, AttentionMetadataLike
+from pagedkv.attention.backend import (
+    AttentionBackend,
+    AttentionLayout,
+    AttentionMetadataLike,
+    AttentionPlan,
+    StepAttention,
+)
 from pagedkv.attention.kv_cache import allocate_kv_caches
 from pagedkv.attention.torch_ref import TorchRefBackend
 from pagedkv.errors import InvalidRequestError
@@ -58,14 +64,14 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
-        metadata: AttentionMetadataLike,
+        plan: AttentionPlan,
         backend: AttentionBackend,
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = backend.forward(self.layer_idx, q, k, v, kv_cache, metadata, self.scale)
+        out = backend.forward(self.layer_idx, q, k, v, kv_cache, plan, self.scale)
         return self.o_proj(out.reshape(hidden.shape[0], self.num_heads * self.head_dim))
 
 
@@ -187,8 +193,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype, device=device)
 
-    def forward(self, hidden, cos, sin, kv_cache, metadata, backend) -> torch.Tensor:
-        hidden, delta = self.forward_split(hidden, None, cos, sin, kv_cache, metadata, backend)
+    def forward(self, hidden, cos, sin, kv_cache, plan, backend) -> torch.Tensor:
+        hidden, delta = self.forward_split(hidden, None, cos, sin, kv_cache, plan, backend)
         return hidden + delta
 
     def pre_qkv_args(self) -> tuple:
@@ -203,22 +209,23 @@ class DecoderLayer(nn.Module):
                 self.post_attention_layernorm.eps, mlp.gate_up_proj.weight,
                 mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias)
 
-    def attend_fused(self, qkv_out, cos, sin, kv_cache, metadata, backend) -> torch.Tensor:
-        """The fused path's attention: q/k norms + RoPE + KV write in one kernel
-        (``qk_norm_rope_cache``), then the backend with ``k = v = None``."""
+    def attend_fused(self, qkv_out, cos, sin, kv_cache, plan, backend) -> torch.Tensor:
+        """The fused path's attention: q/k norms + RoPE + KV write (at the plan's slot mapping)
+        in one kernel (``qk_norm_rope_cache``), then the backend with ``k = v = None``."""
         from pagedkv.kernels.qk_norm_rope_cache import qk_norm_rope_cache
 
         attn = self.self_attn
         qn = attn.q_norm
+        metadata = plan.metadata
         slots = metadata.slot_mapping[: int(metadata.num_actual_tokens)]
         q = qk_norm_rope_cache(
             qkv_out, attn.num_heads, attn.num_kv_heads, attn.head_dim,
             None if qn is None else qn.weight, None if qn is None else attn.k_norm.weight,
             0.0 if qn is None else qn.eps, cos, sin, slots, kv_cache[0], kv_cache[1],
             check=attn.layer_idx == 0)  # every layer has layer 0's shapes
-        return backend.forward(attn.layer_idx, q, None, None, kv_cache, metadata, attn.scale)
+        return backend.forward(attn.layer_idx, q, None, None, kv_cache, plan, attn.scale)
 
-    def forward_split(self, hidden, delta, cos, sin, kv_cache, metadata, backend,
+    def forward_split(self, hidden, delta, cos, sin, kv_cache, plan, backend,
                       pre=pre_attention, post=post_attention,
                       pre_qkv=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(hidden, mlp_out)`` of this layer for ``hidden + delta`` (see
@@ -232,7 +239,7 @@ class DecoderLayer(nn.Module):
         qn = attn.q_norm
         if pre_qkv is not None:
             hidden, qkv_out = pre_qkv(hidden, delta, *self.pre_qkv_args())
-            out = self.attend_fused(qkv_out, cos, sin, kv_cache, metadata, backend)
+            out = self.attend_fused(qkv_out, cos, sin, kv_cache, plan, backend)
         else:
             hidden, q, k, v = pre(
                 hidden, delta, self.input_layernorm.weight, self.input_layernorm.eps,
@@ -241,7 +248,7 @@ class DecoderLayer(nn.Module):
                 0.0 if qn is None else qn.eps,
                 cos, sin, attn.num_heads, attn.num_kv_heads, attn.head_dim,
             )
-            out = backend.forward(attn.layer_idx, q, k, v, kv_cache, metadata, attn.scale)
+            out = backend.forward(attn.layer_idx, q, k, v, kv_cache, plan, attn.scale)
         return post(hidden, out, *self.post_args())
 
 
@@ -293,15 +300,31 @@ class DecoderForCausalLM(nn.Module):
         self.attn_backend = backend
 
     # ---- forward
+    def attention_layout(self) -> AttentionLayout:
+        """The layout every attention layer of this model has (one for all layers)."""
+        cfg = self.config
+        return AttentionLayout(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                               self.dtype, self.device)
+
+    def step_attention(self, attn: StepAttention | AttentionMetadataLike) -> StepAttention:
+        """``attn`` as the forward pass takes it: a :class:`StepAttention` as it is, or one
+        metadata object for every layer (harnesses, profiling), planned here once."""
+        if isinstance(attn, StepAttention):
+            return attn
+        return StepAttention.uniform(self.attn_backend, attn, self.attention_layout(),
+                                     len(self.layers))
+
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: Sequence[torch.Tensor],
-        attn_metadata: AttentionMetadataLike,
+        attn: StepAttention | AttentionMetadataLike,
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm for packed tokens ``input_ids [T]``
-        at ``positions [T]``; writes each layer's K/V into ``kv_caches[layer]``."""
+        at ``positions [T]``; writes each layer's K/V into ``kv_caches[layer]``. ``attn``: the
+        step's plans per layer (:class:`StepAttention`, what the runner passes), or a single
+        metadata object for all layers."""
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise InvalidRequestError(
                 f"input_ids and positions must both be flat [T] tensors, got "
@@ -311,7 +334,9 @@ class DecoderForCausalLM(nn.Module):
             raise InvalidRequestError(
                 f"expected one KV cache per layer ({len(self.layers)}), got {len(kv_caches)}"
             )
-        seq_lens = tokens_seq_lens(attn_metadata, input_ids.shape[0]) if self.rotary.is_dynamic else None
+        attn = self.step_attention(attn)
+        plans = attn.plans
+        seq_lens = tokens_seq_lens(attn.metadata, input_ids.shape[0]) if self.rotary.is_dynamic else None
         cos, sin = self._rope(positions, seq_lens)
         hidden = F.embedding(input_ids, self.embed_tokens)
         backend = self.attn_backend
@@ -322,7 +347,7 @@ class DecoderForCausalLM(nn.Module):
             hidden, qkv = pre_qkv(hidden, None, *layers[0].pre_qkv_args())
             last = len(layers) - 1
             for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches)):
-                out = layer.attend_fused(qkv, cos, sin, kv_cache, attn_metadata, backend)
+                out = layer.attend_fused(qkv, cos, sin, kv_cache, plans[i], backend)
                 if i < last:
                     hidden, qkv = mid(hidden, out, *layer.post_args(),
                                       *layers[i + 1].pre_qkv_args())
@@ -331,8 +356,8 @@ class DecoderForCausalLM(nn.Module):
                     hidden = hidden + delta
             return self.norm(hidden)
         delta = None
-        for layer, kv_cache in zip(layers, kv_caches):
-            hidden, delta = layer.forward_split(hidden, delta, cos, sin, kv_cache, attn_metadata,
+        for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches)):
+            hidden, delta = layer.forward_split(hidden, delta, cos, sin, kv_cache, plans[i],
                                                 backend, pre, post)
         if delta is not None:
             hidden = hidden + delta
@@ -342,7 +367,7 @@ class DecoderForCausalLM(nn.Module):
         """Whether layers take the fused path (q/k norms + RoPE + KV write in one kernel): the
         backend accepts K/V written by the caller (``fused_kv_write``), the kernel runs on this
         cache's device (CUDA, or the Triton interpreter) and ``fuse_kv_write`` is not off."""
-        if not (self.fuse_kv_write and getattr(self.attn_backend, "fused_kv_write", False)):
+        if not (self.fuse_kv_write and self.attn_backend.fused_kv_write):
             return False
         from pagedkv.kernels._common import use_triton
         from pagedkv.kernels.qk_norm_rope_cache import _qk_norm_rope_cache_kernel

@@ -18,9 +18,10 @@ Host values baked into the captured kernels: ``num_reqs = num_actual_tokens = B`
 ``max_query_len = 1`` and ``max_seq_len = max_model_len`` (as ``prepare(...,
 for_cudagraph_capture=True)`` defines), so a backend must be correct for every real length up
 to ``max_model_len`` under those launch parameters and must never read a device value on the
-host. Only graph-capturable backends are captured (``backend_is_graph_capturable``: a
-``cuda_graph_capturable`` attribute, else the Triton backend by name; never the torch reference,
-which loops over requests with host lengths); ``enforce_eager`` turns graphs off.
+host. Only backends that declare ``supports_cuda_graphs`` are captured (never the torch
+reference, which loops over requests with host lengths); ``enforce_eager`` turns graphs off.
+The step's attention plans are made inside each capture (the model plans the capture metadata
+when it runs), so a graph owns the workspace its plan allocates.
 
 Graph variants: a backend may bake host decisions besides the size into its launches. Its
 ``graph_variants(size, num_kv_heads, device)`` lists them (default ``(None,)``: one graph per
@@ -118,12 +119,8 @@ class CudaGraphManager:
         self.graph_capture = graph_capture
         backend = runner.attn_backend
         hkv = runner.model.config.num_key_value_heads
-        if hasattr(backend, "graph_variants"):
-            self._variants = {s: tuple(backend.graph_variants(s, hkv, runner.device)) for s in clean}
-            self._pick = lambda size, seq_lens: backend.graph_variant(size, hkv, seq_lens, runner.device)
-        else:
-            self._variants = {s: (None,) for s in clean}
-            self._pick = lambda size, seq_lens: None
+        self._variants = {s: tuple(backend.graph_variants(s, hkv, runner.device)) for s in clean}
+        self._pick = lambda size, seq_lens: backend.graph_variant(size, hkv, seq_lens, runner.device)
 
     @property
     def max_size(self) -> int:

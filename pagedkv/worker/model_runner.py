@@ -84,16 +84,6 @@ def torch_dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def backend_is_graph_capturable(backend: Any) -> bool:
-    """Whether ``backend`` may be captured in a CUDA graph: its ``cuda_graph_capturable``
-    attribute, else True only for the Triton backend (the torch reference reads host copies of
-    the lengths per request, so a graph would freeze them)."""
-    flag = getattr(backend, "cuda_graph_capturable", None)
-    if flag is not None:
-        return bool(flag)
-    return getattr(backend, "name", "") == "triton"
-
-
 def kv_cache_spec_for(model: Any, block_size: int) -> FullAttentionSpec:
     """The full-attention spec of ``model``'s layers (KV in the model's dtype)."""
     cfg = model.config
@@ -224,7 +214,7 @@ class ModelRunner:
             gen.manual_seed(seed)
             sampler = Sampler(generator=gen)
         self.sampler = sampler
-        self.reorder_threshold = getattr(self.attn_backend, "reorder_batch_threshold", None)
+        self.reorder_threshold = self.attn_backend.reorder_batch_threshold
         self.enforce_eager = enforce_eager
         self.cuda_graph_sizes = cuda_graph_sizes
         self.cuda_graphs = None  # a CudaGraphManager once captured
@@ -296,7 +286,7 @@ class ModelRunner:
 
     def cuda_graphs_supported(self) -> bool:
         """A CUDA device and a backend that declares itself graph-capturable."""
-        return self.device.type == "cuda" and backend_is_graph_capturable(self.attn_backend)
+        return self.device.type == "cuda" and self.attn_backend.supports_cuda_graphs
 
     def capture_cuda_graphs(self) -> int:
         """Capture the pure-decode graphs (see ``pagedkv.worker.cuda_graphs``). Returns the
@@ -734,7 +724,6 @@ __all__ = [
     "RunnerOutput",
     "SampledLogprobs",
     "attention_layer_names",
-    "backend_is_graph_capturable",
     "kv_cache_spec_for",
     "profile_peak_memory",
 ]

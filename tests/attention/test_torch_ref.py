@@ -85,7 +85,7 @@ def make_case(reqs, *, block_size, num_heads=4, num_kv_heads=2, head_dim=8, seed
 
 
 def check_case(case, atol=1e-5):
-    out = TorchRefBackend().forward(0, case["q"], case["k"], case["v"], case["cache"], case["meta"], case["scale"])
+    out = TorchRefBackend().forward_with_metadata(0, case["q"], case["k"], case["v"], case["cache"], case["meta"], case["scale"])
     assert out.shape == case["q"].shape
     start = 0
     for r, (c, ql) in enumerate(case["reqs"]):
@@ -142,7 +142,7 @@ def test_bfloat16_close_to_dense():
 def test_reference_reads_only_through_block_table():
     """Same logical content in different physical blocks gives identical outputs."""
     a = make_case([(9, 3), (4, 1)], block_size=2, seed=1)
-    out_a = TorchRefBackend().forward(0, a["q"], a["k"], a["v"], a["cache"], a["meta"], a["scale"])
+    out_a = TorchRefBackend().forward_with_metadata(0, a["q"], a["k"], a["v"], a["cache"], a["meta"], a["scale"])
     assert not torch.isnan(out_a).any()
     # relocate every block of the cache to a new id via a permutation
     nb = a["cache"].shape[1]
@@ -200,7 +200,7 @@ def test_write_kv_errors():
 def test_backend_with_triton_writer():
     """The backend through the index layer's Triton writer (interpreted on CPU)."""
     case = make_case([(3, 4), (6, 1)], block_size=4, pad_tokens=2)
-    out = TorchRefBackend(writer="kernel").forward(
+    out = TorchRefBackend(writer="kernel").forward_with_metadata(
         0, case["q"], case["k"], case["v"], case["cache"], case["meta"], case["scale"])
     ref_case = make_case([(3, 4), (6, 1)], block_size=4, pad_tokens=2)
     assert torch.equal(out, check_case(ref_case))

@@ -18,10 +18,10 @@ def both(reqs, *, backend=None, **kw):
     """Run the Triton backend and the reference on twin cases; returns outputs and caches."""
     a = make_case(reqs, **kw)
     b = make_case(reqs, **kw)
-    out = (backend or TritonAttentionBackend()).forward(
+    out = (backend or TritonAttentionBackend()).forward_with_metadata(
         0, a["q"], a["k"], a["v"], a["cache"], a["meta"], a["scale"])
     b["cache"] = b["cache"].float()  # the reference attends in fp32 over the same values
-    ref = TorchRefBackend(writer="ref").forward(
+    ref = TorchRefBackend(writer="ref").forward_with_metadata(
         0, b["q"].float(), b["k"].float(), b["v"].float(), b["cache"], b["meta"], b["scale"])
     return a, out, b, ref
 
@@ -82,17 +82,21 @@ def test_decode_balanced_lengths_from_host_or_metadata(kernel_device, reqs, bala
 
     from pagedkv.attention.triton_decode import default_decode_config
 
+    from pagedkv.attention.backend import AttentionLayout
+
     cfg = dataclasses.replace(default_decode_config(torch.device(kernel_device)), **WIDE)
     backend = TritonAttentionBackend(decode_config=cfg)
     check(reqs, backend=backend, block_size=16, device=kernel_device, pad_tokens=2,
           padded_reqs=2, seed=4)
-    assert backend._plan.decode_only and backend._plan.balanced is balanced
+    a = make_case(reqs, block_size=16, device=kernel_device, pad_tokens=2, padded_reqs=2, seed=4)
+    plan = backend.plan(a["meta"], AttentionLayout.of(a["q"], a["cache"]))
+    assert plan.decode_only and plan.balanced is balanced
     for forced in (True, False):
         a, out, b, ref = both(reqs, backend=backend, block_size=16, device=kernel_device, seed=4)
         a["meta"].decode_balanced = forced
-        backend._plan = None
-        out = backend.forward(0, a["q"], a["k"], a["v"], a["cache"], a["meta"], a["scale"])
-        assert backend._plan.balanced is forced
+        plan = backend.plan(a["meta"], AttentionLayout.of(a["q"], a["cache"]))
+        assert plan.balanced is forced
+        out = backend.forward(0, a["q"], a["k"], a["v"], a["cache"], plan, a["scale"])
         torch.testing.assert_close(out.float().cpu()[:3], ref.float().cpu()[:3], atol=1e-4, rtol=1e-4)
     # graph variants: two where the rule applies, one where it cannot
     assert backend.graph_variants(3, 2, torch.device(kernel_device)) == (False, True)
@@ -103,7 +107,7 @@ def test_decode_balanced_lengths_from_host_or_metadata(kernel_device, reqs, bala
 
 def test_empty_batch(kernel_device):
     a = make_case([], block_size=4, device=kernel_device, pad_tokens=3)
-    out = TritonAttentionBackend().forward(0, a["q"], a["k"], a["v"], a["cache"], a["meta"],
+    out = TritonAttentionBackend().forward_with_metadata(0, a["q"], a["k"], a["v"], a["cache"], a["meta"],
                                            a["scale"])
     assert torch.all(out == 0) and out.shape == (3, 4, 16)
 
@@ -114,7 +118,7 @@ def test_backend_errors(kernel_device):
     a = make_case([(2, 3), (0, 2)], block_size=4, device=kernel_device)
     a["meta"].seq_lens_cpu[0] = 2  # shorter than its query: an invariant breach
     with pytest.raises(InvariantError, match="query_len <= seq_len"):
-        TritonAttentionBackend().forward(0, a["q"], a["k"], a["v"], a["cache"], a["meta"],
+        TritonAttentionBackend().forward_with_metadata(0, a["q"], a["k"], a["v"], a["cache"], a["meta"],
                                          a["scale"])
 
 
@@ -149,11 +153,12 @@ def test_decode_batch_gpu_bf16():
 
 
 @pytest.mark.parametrize("reqs", [MIXED, [(30, 1), (0, 1), (15, 1)]])
-def test_step_plan_serves_every_layer_of_a_step_and_no_other(kernel_device, reqs):
-    """The backend derives its per-step plan (validation, host ints, split workspace) once for
-    all layers of a step: a second layer with the same metadata reuses it and still gets its
-    own exact result; another metadata object gets a new plan."""
-    import copy
+def test_one_plan_serves_every_layer_of_a_step(kernel_device, reqs):
+    """The runner makes one plan per step and KV-cache group (validation, host ints, split
+    workspace) and hands it to every layer of the group: each layer still gets its own exact
+    result; the first layer checks the tensors against the plan's layout, so a layer of
+    another layout is refused."""
+    from pagedkv.attention.backend import AttentionLayout
 
     base = make_case(reqs, block_size=4, device=kernel_device, seed=1)
     meta = base["meta"]
@@ -165,17 +170,18 @@ def test_step_plan_serves_every_layer_of_a_step_and_no_other(kernel_device, reqs
         noise = lambda t: (t.cpu() + torch.randn(t.shape, generator=g, dtype=t.dtype)).to(t.device)  # noqa: E731
         return noise(base["q"]), noise(base["k"]), noise(base["v"]), noise(base["cache"])
 
-    inputs = [layer_inputs(i) for i in range(2)]
+    inputs = [layer_inputs(i) for i in range(3)]
     backend = TritonAttentionBackend()
-    outs = []
-    for i, (q, k, v, cache) in enumerate(inputs):
-        outs.append(backend.forward(i, q, k, v, cache.clone(), meta, base["scale"]))
-        if i == 0:
-            plan = backend._plan
-        assert backend._plan is plan  # the second layer reused the first layer's plan
-    for (q, k, v, cache), out in zip(inputs, outs):  # as a fresh backend computes it
-        ref = TritonAttentionBackend().forward(0, q, k, v, cache.clone(), meta, base["scale"])
+    plan = backend.plan(meta, AttentionLayout.of(base["q"], base["cache"]))
+    assert not plan.checked
+    outs = [backend.forward(i, q, k, v, cache.clone(), plan, base["scale"])
+            for i, (q, k, v, cache) in enumerate(inputs)]
+    assert plan.checked
+    for (q, k, v, cache), out in zip(inputs, outs):  # as a fresh plan computes it
+        ref = TritonAttentionBackend().forward_with_metadata(0, q, k, v, cache.clone(), meta,
+                                                             base["scale"])
         torch.testing.assert_close(out, ref, atol=0, rtol=0, equal_nan=True)
     q, k, v, cache = inputs[0]
-    backend.forward(0, q, k, v, cache.clone(), copy.copy(meta), base["scale"])
-    assert backend._plan is not plan  # another metadata object: a new plan
+    other = backend.plan(meta, AttentionLayout.of(q[:, :2], cache))  # fewer query heads
+    with pytest.raises(InvariantError, match="layout"):
+        backend.forward(0, q, k, v, cache.clone(), other, base["scale"])
