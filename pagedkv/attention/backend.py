@@ -109,6 +109,7 @@ class AttentionBackend(ABC):
       then fuses q/k norms, RoPE and the KV write into one kernel);
     * ``reorder_batch_threshold``: rows with at most this many scheduled tokens are decodes that
       the batch should put first (None: no reordering);
+    * ``metadata_builder``: the builder of the page-index format ``forward`` reads;
     * ``graph_variants`` / ``graph_variant``: host decisions a decode graph bakes in besides its
       size (default: none, one graph per size).
     """
@@ -117,6 +118,9 @@ class AttentionBackend(ABC):
     supports_cuda_graphs: bool = False
     fused_kv_write: bool = False
     reorder_batch_threshold: int | None = None
+    # the metadata builder class of the page-index format ``forward`` reads
+    # (``pagedkv.worker.attn_builders``); None: the step's common metadata per KV-cache group
+    metadata_builder: type | None = None
 
     def plan(self, metadata: AttentionMetadataLike, layout: AttentionLayout) -> AttentionPlan:
         """This step's plan for the layers of ``layout`` (default: the metadata as it is)."""

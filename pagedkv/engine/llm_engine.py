@@ -44,7 +44,7 @@ from pagedkv.attention.backend import AttentionBackend
 from pagedkv.config import CacheConfig, SchedulerConfig
 from pagedkv.core.request import FinishReason, Request, RequestStatus, StopParams
 from pagedkv.core.scheduler import Scheduler
-from pagedkv.core.spec import KVCacheConfig, KVCacheGroupSpec, cdiv, dtype_size
+from pagedkv.core.spec import KVCacheConfig, cdiv, dtype_size
 from pagedkv.engine.async_scheduler import AsyncScheduler
 from pagedkv.engine.heap import freeze_after_startup
 from pagedkv.engine.memory import (
@@ -64,8 +64,7 @@ from pagedkv.sampling.detokenizer import IncrementalDetokenizer
 from pagedkv.sampling.params import SamplingParams
 from pagedkv.worker.model_runner import (
     ModelRunner,
-    attention_layer_names,
-    kv_cache_spec_for,
+    kv_cache_groups_for,
     profile_peak_memory,
     torch_dtype_name,
 )
@@ -759,8 +758,10 @@ def build_engine(
     # Validates block_size, prefix caching and utilization before any memory work.
     CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
                 gpu_memory_utilization=gpu_memory_utilization)
-    spec = kv_cache_spec_for(model, block_size)
-    per_block = block_bytes(cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim,
+    groups = kv_cache_groups_for(model, block_size)
+    # a block's bytes over the shared tensor slots (one per layer with one group)
+    per_block = block_bytes(max(len(g.layer_names) for g in groups), block_size,
+                            cfg.num_key_value_heads, cfg.head_dim,
                             dtype_size(torch_dtype_name(model.dtype)))
     backend = model.attn_backend
     graphs = device.type == "cuda" and not enforce_eager and backend.supports_cuda_graphs
@@ -787,10 +788,7 @@ def build_engine(
             sc = dataclasses.replace(sc, max_model_len=max_model_len)
             sizing = dataclasses.replace(sizing, max_model_len=max_model_len)
         check_pool(sizing.num_blocks, block_size, max_model_len, sizing.source)
-    kv = KVCacheConfig(
-        num_blocks=sizing.num_blocks,
-        kv_cache_groups=(KVCacheGroupSpec(attention_layer_names(cfg.num_hidden_layers), spec),),
-    )
+    kv = KVCacheConfig(num_blocks=sizing.num_blocks, kv_cache_groups=groups)
     cc = CacheConfig(block_size=block_size, num_gpu_blocks=sizing.num_blocks,
                      enable_prefix_caching=enable_prefix_caching,
                      gpu_memory_utilization=gpu_memory_utilization)

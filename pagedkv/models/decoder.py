@@ -486,6 +486,18 @@ class DecoderForCausalLM(nn.Module):
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
 
+    def kv_cache_specs(self, block_size: int) -> dict:
+        """Each attention layer's KV-cache spec, keyed by the runner's layer names
+        (``model.layers.{i}.self_attn``), in layer order: full attention, KV in the model's
+        dtype, for every layer of these families."""
+        from pagedkv.core.spec import FullAttentionSpec
+
+        cfg = self.config
+        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=cfg.num_key_value_heads,
+                                 head_size=cfg.head_dim,
+                                 dtype=str(self.dtype).removeprefix("torch."))
+        return {f"model.layers.{i}.self_attn": spec for i in range(len(self.layers))}
+
     def allocate_kv_caches(
         self, num_blocks: int, block_size: int, *, dtype: torch.dtype | None = None,
         device: str | torch.device | None = None, fill: float | None = 0.0,

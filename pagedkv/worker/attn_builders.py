@@ -69,6 +69,21 @@ class AttentionMetadataBuilder:
         )
 
 
+class CommonMetadataBuilder(AttentionMetadataBuilder):
+    """The group's metadata is the step's :class:`CommonAttentionMetadata` with the group's
+    block table and slot mapping (``build_attention_metadata`` swaps them in): what the
+    Triton and torch-reference backends read."""
+
+    supports_update_block_table = True
+
+    def build(self, common: CommonAttentionMetadata, for_cudagraph_capture: bool = False) -> CommonAttentionMetadata:
+        return common
+
+    def update_block_table(self, metadata: CommonAttentionMetadata, block_table: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> CommonAttentionMetadata:
+        return dataclasses.replace(metadata, block_table_tensor=block_table, slot_mapping=slot_mapping)
+
+
 @dataclass
 class FlashAttentionMetadata:
     num_actual_tokens: int

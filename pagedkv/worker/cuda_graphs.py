@@ -148,25 +148,27 @@ class CudaGraphManager:
         return None
 
     # ----- capture -------------------------------------------------------------------------
-    def _capture_inputs(self, size: int, variant=None) -> tuple[torch.Tensor, torch.Tensor,
-                                                                CommonAttentionMetadata]:
-        """Fill the persistent buffers with ``size`` padded requests and return views of them
-        plus the decode metadata the replays stand for. The padding is written by the one
-        padding path, ``InputPreparer.prepare`` (here on the empty batch with
-        ``num_reqs_padded = num_tokens_padded = size``); the metadata is the step's
-        (``common_metadata_from_inputs``) with the values a replay bakes in: ``num_reqs =
-        num_actual_reqs = num_actual_tokens = size``, ``max_query_len`` 1, ``max_seq_len``
-        ``max_model_len``."""
+    def _capture_inputs(self, size: int, variant=None):
+        """Fill the persistent buffers with ``size`` padded requests and return ``(input ids,
+        positions, step, metadata)``: views of them and the decode metadata the replays stand
+        for. The padding is written by the one padding path, ``InputPreparer.prepare`` (here
+        on the empty batch with ``num_reqs_padded = num_tokens_padded = size``); the metadata
+        is the step's (``common_metadata_from_inputs``) with the values a replay bakes in:
+        ``num_reqs = num_actual_reqs = num_actual_tokens = size``, ``max_query_len`` 1,
+        ``max_seq_len`` ``max_model_len``."""
         r = self.runner
         batch = r.input_batch
         step = r.preparer.prepare(batch, np.zeros(0, dtype=np.int32), num_reqs_padded=size,
                                   num_tokens_padded=size, for_cudagraph_capture=True)
         md = dataclasses.replace(common_metadata_from_inputs(step, batch.block_table),
                                  num_actual_reqs=size, max_query_len=1, decode_balanced=variant)
-        return step.input_ids, step.positions, md
+        return step.input_ids, step.positions, step, md
 
     @torch.inference_mode()
     def capture(self, warmup: int = 2) -> None:
+        """Capture every size (and variant). Each run, eager warm-up or capture, makes its own
+        attention plans (``ModelRunner.attention_for`` inside the captured function): a graph
+        owns what its plans allocate."""
         r = self.runner
         model = r.model
         if r.input_batch.num_reqs:
@@ -174,12 +176,16 @@ class CudaGraphManager:
         gc = self.graph_capture
         for size in reversed(self.sizes):
             for variant in self._variants[size]:
-                ids, pos, md = self._capture_inputs(size, variant)
+                ids, pos, step, md = self._capture_inputs(size, variant)
+
+                def run(ids=ids, pos=pos, step=step, md=md):
+                    return model(ids, pos, r.kv_caches,
+                                 r.attention_for(step, md, for_cudagraph_capture=True))
+
                 for _ in range(warmup):
-                    model(ids, pos, r.kv_caches, md)
+                    run()
                 gc.synchronize()
-                self._graphs[(size, variant)] = gc.capture(
-                    lambda ids=ids, pos=pos, md=md: model(ids, pos, r.kv_caches, md))
+                self._graphs[(size, variant)] = gc.capture(run)
         gc.synchronize()
 
     # ----- replay --------------------------------------------------------------------------

@@ -58,17 +58,24 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from pagedkv.attention.backend import AttentionBackend
+from pagedkv.attention.backend import AttentionBackend, AttentionLayout, StepAttention
 from pagedkv.config import CacheConfig, SchedulerConfig
 from pagedkv.core.output import ModelRunnerOutput, SchedulerOutput
-from pagedkv.core.spec import AttentionSpec, FullAttentionSpec, KVCacheConfig
+from pagedkv.core.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
 from pagedkv.errors import ConfigError, InvariantError
 from pagedkv.sampling.metadata import SamplingMetadata
 from pagedkv.sampling.params import GREEDY_EPS, SamplingParams
 from pagedkv.sampling.sampler import LogprobsTensors, Sampler
 from pagedkv.worker.input_batch import CachedRequestState, InputBatch
 from pagedkv.worker.inputs import InputPreparer, StepInputs
-from pagedkv.worker.metadata import CommonAttentionMetadata, common_metadata_from_inputs
+from pagedkv.worker.attn_builders import CommonMetadataBuilder
+from pagedkv.worker.kv_caches import allocate_group_kv_caches
+from pagedkv.worker.metadata import (
+    CommonAttentionMetadata,
+    build_attention_metadata,
+    common_metadata_from_inputs,
+    make_attention_groups,
+)
 from pagedkv.worker.state_update import StateUpdate, update_states
 
 # Requests that carry no SamplingParams (driven directly through the scheduler) decode greedily.
@@ -93,6 +100,15 @@ def kv_cache_spec_for(model: Any, block_size: int) -> FullAttentionSpec:
         head_size=cfg.head_dim,
         dtype=torch_dtype_name(model.dtype),
     )
+
+
+def kv_cache_groups_for(model: Any, block_size: int) -> list[KVCacheGroupSpec]:
+    """The model's KV-cache groups: each attention layer's spec (``model.kv_cache_specs``,
+    keyed by :func:`attention_layer_names`) formed into groups by the planner
+    (``pagedkv.core.planning.get_kv_cache_groups``: equal specs share one group)."""
+    from pagedkv.core.planning import get_kv_cache_groups
+
+    return get_kv_cache_groups(model.kv_cache_specs(block_size))
 
 
 @dataclass
@@ -188,9 +204,11 @@ class ModelRunner:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.kv_cache_config = kv_cache_config
+        self.layer_names = attention_layer_names(len(model.layers))
         self._check_kv_cache_config(kv_cache_config)
-        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        self.block_size = spec.block_size
+        groups = kv_cache_config.kv_cache_groups
+        specs = [g.kv_cache_spec for g in groups]
+        self.block_size = specs[0].block_size  # group 0's (one value for every group today)
         self.num_blocks = kv_cache_config.num_blocks
         sc = scheduler_config
         self.max_model_len = sc.max_model_len
@@ -200,15 +218,24 @@ class ModelRunner:
             max_num_batched_tokens=sc.max_num_batched_tokens,
             device=self.device,
             pin_memory=self.device.type == "cuda",
-            block_sizes=[spec.block_size],
-            max_num_blocks_per_req=[spec.max_num_blocks_per_req(sc.max_model_len)],
-            slot_mapping_modes=[spec.slot_mapping_mode],
+            block_sizes=[s.block_size for s in specs],
+            max_num_blocks_per_req=[s.max_num_blocks_per_req(sc.max_model_len) for s in specs],
+            slot_mapping_modes=[s.slot_mapping_mode for s in specs],
         )
         self.requests: dict[str, CachedRequestState] = {}
         self.preparer = InputPreparer.for_batch(self.input_batch)
-        self.kv_caches: list[torch.Tensor] = model.allocate_kv_caches(
-            self.num_blocks, self.block_size, dtype=model.dtype, device=self.device, fill=0.0
-        )
+        # one tensor per layer, shared across groups by position (the hybrid allocator's layout)
+        self.kv_caches: list[torch.Tensor] = allocate_group_kv_caches(
+            kv_cache_config, self.layer_names, device=self.device, fill=0.0)
+        # per KV-cache group: its metadata builder (the backend's) and the layout its plan serves
+        builder = self.attn_backend.metadata_builder or CommonMetadataBuilder
+        self.attn_groups = make_attention_groups(kv_cache_config, [builder] * len(groups),
+                                                 self.input_batch.block_table)
+        group_of = {name: gid for gid, g in enumerate(groups) for name in g.layer_names}
+        self._layer_group = [group_of[name] for name in self.layer_names]
+        cfg = model.config
+        self._layouts = [AttentionLayout(cfg.num_attention_heads, s.num_kv_heads, s.head_size,
+                                         model.dtype, self.device) for s in specs]
         if sampler is None:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(seed)
@@ -255,34 +282,56 @@ class ModelRunner:
     # ----- setup ---------------------------------------------------------------------------
     def _check_kv_cache_config(self, kv: KVCacheConfig) -> None:
         groups = kv.kv_cache_groups
-        n_layers = len(self.model.layers)
-        if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, AttentionSpec):
+        if not groups:
+            raise ConfigError("the KV-cache config has no group; the model's attention layers "
+                              "need one (kv_cache_groups_for(model, block_size))")
+        names = [n for g in groups for n in g.layer_names]
+        if sorted(names) != sorted(self.layer_names) or len(set(names)) != len(names):
             raise ConfigError(
-                f"the model runner serves one full-attention KV-cache group, got "
-                f"{[type(g.kv_cache_spec).__name__ for g in groups]}"
-            )
-        names = tuple(groups[0].layer_names)
-        if names != attention_layer_names(n_layers):
-            raise ConfigError(
-                f"the KV-cache group must list the model's {n_layers} attention layers in order "
-                f"(attention_layer_names({n_layers})), got {names[:3]}..."
-            )
-        spec = groups[0].kv_cache_spec
+                f"the KV-cache groups must list each of the model's {len(self.layer_names)} "
+                f"attention layers (attention_layer_names) exactly once, got {names[:3]}...")
         cfg = self.model.config
-        if (spec.num_kv_heads, spec.head_size) != (cfg.num_key_value_heads, cfg.head_dim):
-            raise ConfigError(
-                f"KV-cache spec has {spec.num_kv_heads} KV heads of size {spec.head_size}, the "
-                f"model {cfg.num_key_value_heads} of size {cfg.head_dim}"
-            )
-        if spec.dtype != torch_dtype_name(self.model.dtype):
-            raise ConfigError(
-                f"KV-cache spec dtype {spec.dtype} differs from the model dtype "
-                f"{torch_dtype_name(self.model.dtype)}"
-            )
+        for gid, g in enumerate(groups):
+            spec = g.kv_cache_spec
+            if not isinstance(spec, FullAttentionSpec) or isinstance(spec, MLAAttentionSpec):
+                raise ConfigError(
+                    f"KV-cache group {gid} has a {type(spec).__name__}; this model's attention "
+                    "layers are full attention")
+            if (spec.num_kv_heads, spec.head_size) != (cfg.num_key_value_heads, cfg.head_dim):
+                raise ConfigError(
+                    f"KV-cache group {gid} has {spec.num_kv_heads} KV heads of size "
+                    f"{spec.head_size}, the model {cfg.num_key_value_heads} of size {cfg.head_dim}"
+                )
+            if spec.dtype != torch_dtype_name(self.model.dtype):
+                raise ConfigError(
+                    f"KV-cache group {gid} dtype {spec.dtype} differs from the model dtype "
+                    f"{torch_dtype_name(self.model.dtype)}"
+                )
 
     @property
     def kv_cache_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kv_caches)
+        """Bytes of the KV tensors (each shared tensor counted once)."""
+        return sum(t.numel() * t.element_size() for t in self._unique_kv_caches())
+
+    def _unique_kv_caches(self) -> list[torch.Tensor]:
+        return list({id(t): t for t in self.kv_caches}.values())
+
+    def attention_for(self, step: StepInputs, common: CommonAttentionMetadata | None = None,
+                      for_cudagraph_capture: bool = False) -> StepAttention:
+        """The step's attention: the base metadata (``common``, default the step's), each
+        KV-cache group's metadata through its builder (``build_attention_metadata``: same spec
+        and builder -> only the table and slot mapping swapped), one backend plan per group,
+        and the plans per layer. Inside a CUDA-graph capture this runs in the captured
+        function, so the plans belong to the graph."""
+        bt = self.input_batch.block_table
+        if common is None:
+            common = common_metadata_from_inputs(step, bt)
+        mds = build_attention_metadata(common, self.attn_groups, bt, step.slot_mappings,
+                                       for_cudagraph_capture=for_cudagraph_capture)
+        backend = self.attn_backend
+        plans = [backend.plan(per_group[0], layout)
+                 for per_group, layout in zip(mds.by_group, self._layouts)]
+        return StepAttention(common, [plans[g] for g in self._layer_group])
 
     def cuda_graphs_supported(self) -> bool:
         """A CUDA device and a backend that declares itself graph-capturable."""
@@ -349,8 +398,8 @@ class ModelRunner:
             step = self.preparer.prepare(batch, nsched)
             if pending is not None:
                 self._fill_pending_inputs(prev, pending, nsched, num_tokens, n)
-            metadata = common_metadata_from_inputs(step, batch.block_table)
-            hidden = self.model(step.input_ids, step.positions, self.kv_caches, metadata)
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches,
+                                self.attention_for(step))
 
         # Rows whose known tokens are all computed after this step sample one token.
         seq = batch.num_computed_tokens_cpu[:n] + nsched
@@ -587,12 +636,12 @@ class ModelRunner:
         """Zero the blocks the scheduler asks for, then apply copy-on-write pairs."""
         if upd.block_ids_to_zero:
             ids = torch.tensor(upd.block_ids_to_zero, dtype=torch.int64, device=self.device)
-            for kv in self.kv_caches:
+            for kv in self._unique_kv_caches():
                 kv.index_fill_(1, ids, 0)
         if upd.block_copies:
             src = torch.tensor([s for s, _ in upd.block_copies], dtype=torch.int64, device=self.device)
             dst = torch.tensor([d for _, d in upd.block_copies], dtype=torch.int64, device=self.device)
-            for kv in self.kv_caches:
+            for kv in self._unique_kv_caches():
                 kv[:, dst] = kv[:, src]
 
     def _sample(self, logits: torch.Tensor, rows: np.ndarray | None, n: int,
@@ -724,6 +773,7 @@ __all__ = [
     "RunnerOutput",
     "SampledLogprobs",
     "attention_layer_names",
+    "kv_cache_groups_for",
     "kv_cache_spec_for",
     "profile_peak_memory",
 ]

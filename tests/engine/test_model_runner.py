@@ -215,7 +215,7 @@ def test_graph_manager_padding_and_buffers_on_cpu(tiny_dir, hf_ref):
     bt.block_table.gpu.fill_(7)
     bt.slot_mappings.fill_(5)
     runner.preparer.seq_lens.gpu.fill_(9)
-    ids, pos, md = mgr._capture_inputs(8)
+    ids, pos, _, md = mgr._capture_inputs(8)
     assert md.query_start_loc.tolist() == [0] * 9 and md.seq_lens.tolist() == [0] * 8
     assert md.block_table_tensor.tolist() == [[0] * bt.block_table.gpu.shape[1]] * 8
     assert md.slot_mapping.tolist() == [-1] * 8 and pos.tolist() == [0] * 8
@@ -301,3 +301,58 @@ def test_live_engines_are_counted_per_device(tiny_dir):
     assert kv_bytes_held_by_other_engines(torch.device("cpu")) == base + held
     del llm
     assert kv_bytes_held_by_other_engines(torch.device("cpu")) == base
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_one_runner_serves_several_kv_cache_groups(tiny_dir, hf_ref, async_scheduling):
+    """The layers split into two full-attention KV-cache groups (even / odd layers): one
+    scheduler, one runner, two block tables and slot mappings committed and computed together,
+    one plan per group handed to its layers; tokens equal transformers' with a small pool
+    (preemption), chunked prefill and prefix hits; every block comes back."""
+    from pagedkv import LLM
+    from pagedkv.config import CacheConfig
+    from pagedkv.engine.async_scheduler import AsyncScheduler
+    from pagedkv.engine.llm_engine import LLMEngine
+
+    path = tiny_dir("llama", num_layers=4)
+    ck = load_checkpoint(path, dtype="float32")
+    model = ck.model
+    spec = kv_cache_spec_for(model, 16)
+    names = attention_layer_names(len(model.layers))
+    kv = KVCacheConfig(num_blocks=13, kv_cache_groups=(KVCacheGroupSpec(names[0::2], spec),
+                                                       KVCacheGroupSpec(names[1::2], spec)))
+    sc = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=96)
+    cc = CacheConfig(block_size=16, num_gpu_blocks=13)
+    sched = (AsyncScheduler if async_scheduling else Scheduler)(sc, kv, cc)
+    runner = ModelRunner(model, kv, sc, cc)
+    assert runner.input_batch.block_table.num_groups == 2
+    # the two groups share tensors by position: layer 0 (group 0) and layer 1 (group 1)
+    assert runner.kv_caches[0] is runner.kv_caches[1]
+    assert runner.kv_cache_bytes == runner.kv_caches[0].numel() * 4 * (len(names) // 2)
+    plans_seen = []
+    attention_for = runner.attention_for
+
+    def spy(*a, **k):
+        attn = attention_for(*a, **k)
+        plans_seen.append(attn)
+        return attn
+
+    runner.attention_for = spy
+    engine = LLMEngine(model, ck.tokenizer, sched, runner, async_scheduling=async_scheduling)
+    llm = LLM(path, _engine=engine)
+    prompts = [ck.tokenizer.encode(t) for t in TEXTS] + [ck.tokenizer.encode(TEXTS[3])]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)
+    ref = hf_ref(path)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == ref.greedy(p, 12)
+    stats = llm.get_kv_stats()
+    assert stats["preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["free_blocks"] == 12
+    attn = plans_seen[0]
+    assert attn.plans[0] is attn.plans[2] and attn.plans[1] is attn.plans[3]
+    assert attn.plans[0] is not attn.plans[1]
+    # each group's plan carries that group's table and slot mapping
+    bt = runner.input_batch.block_table
+    assert attn.plans[1].metadata.block_table_tensor.data_ptr() == \
+        bt[1].get_device_tensor(1).data_ptr()
