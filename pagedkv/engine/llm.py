@@ -64,6 +64,7 @@ class LLM:
     ``ModelArchConfig.max_trained_len``) is refused unless ``allow_long_max_model_len=True``
     (or ``PAGEDKV_ALLOW_LONG_MAX_MODEL_LEN=1``). Deleting the ``LLM`` (or :meth:`shutdown`)
     gives its memory back, so a second one in the same process starts as the first did.
+    ``sanitize=True`` checks every index-layer invariant on every step (``pagedkv.sanitizer``).
     """
 
     def __init__(
@@ -89,6 +90,7 @@ class LLM:
         compile_model: bool | None = None,
         warmup: bool | None = None,
         allow_long_max_model_len: bool = False,
+        sanitize: bool = False,
         _engine: LLMEngine | None = None,
     ) -> None:
         self.engine = None
@@ -110,7 +112,7 @@ class LLM:
                 num_gpu_blocks_override=num_gpu_blocks_override, enforce_eager=enforce_eager,
                 seed=seed, kv_cache_memory_bytes=kv_cache_memory_bytes,
                 cuda_graph_sizes=cuda_graph_sizes, async_scheduling=async_scheduling,
-                compile_model=compile_model, warmup=warmup,
+                compile_model=compile_model, warmup=warmup, sanitize=sanitize,
             )
         self.engine = _engine
         self.model_name = os.fspath(model)

@@ -163,7 +163,8 @@ class LLMEngine:
 
     def __init__(self, model: Any, tokenizer: Any, scheduler: Scheduler, runner: ModelRunner,
                  sizing: KVCacheSizing | None = None, *, async_scheduling: bool = False,
-                 generation_defaults: GenerationDefaults | None = None) -> None:
+                 generation_defaults: GenerationDefaults | None = None,
+                 sanitize: bool = False) -> None:
         if async_scheduling and not isinstance(scheduler, AsyncScheduler):
             raise ConfigError("async_scheduling needs an AsyncScheduler (build_engine makes one)")
         self.async_scheduling = async_scheduling
@@ -191,6 +192,18 @@ class LLMEngine:
         # True from the start of a step until it returns: still True after an exception or a
         # KeyboardInterrupt escaped a step (``recover`` then knows the step's state is torn).
         self._stepping = False
+        self.sanitize = sanitize
+        if sanitize:
+            from pagedkv.sanitizer import check_pool, check_step
+
+            mgr, batch = scheduler.kv_cache_manager, runner.input_batch
+
+            def step_check(step) -> None:  # after input preparation, before the forward pass
+                check_pool(mgr)
+                check_step(mgr, batch, step)
+
+            runner.step_check = step_check
+            self._check_pool = lambda: check_pool(mgr)
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -502,6 +515,8 @@ class LLMEngine:
     def _process(self, mro, eco, changed: list, finished_only: bool) -> None:
         """Output processing of one step: metrics, logprobs, detokenization, stop strings."""
         sched = self.scheduler
+        if self.sanitize:
+            self._check_pool()
         reqs = self._requests
         now = time.monotonic()
         stats = self.stats
@@ -709,6 +724,7 @@ def build_engine(
     warmup: bool | None = None,
     generation_defaults: GenerationDefaults | None = None,
     allow_long_max_model_len: bool = False,
+    sanitize: bool = False,
 ) -> LLMEngine:
     """Everything around a loaded ``model`` (its attention backend already installed).
 
@@ -721,6 +737,9 @@ def build_engine(
     kernel compiles during the first requests.
     ``generation_defaults``: the checkpoint's ``generation_config.json`` (its EOS ids join the
     model's; its sampling values are the default ``SamplingParams``).
+    ``sanitize``: check every invariant of ``pagedkv.sanitizer`` on every step (the pool after
+    each update; tables, padding and slot mappings of every group after each input
+    preparation, before the forward pass), raising ``InvariantError``; slow, for debugging.
     ``max_model_len``: default the model's trained context (``max_trained_len``), fitted to the
     pool when that is smaller; a larger value than the trained context is refused unless
     ``allow_long_max_model_len`` (or ``PAGEDKV_ALLOW_LONG_MAX_MODEL_LEN=1``).
@@ -799,7 +818,7 @@ def build_engine(
         model.compile_regions()
     runner.capture_cuda_graphs()
     engine = LLMEngine(model, tokenizer, scheduler, runner, sizing, async_scheduling=async_scheduling,
-                       generation_defaults=generation_defaults)
+                       generation_defaults=generation_defaults, sanitize=sanitize)
     register_engine(engine)
     if warmup is None:
         warmup = device.type == "cuda"

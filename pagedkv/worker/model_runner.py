@@ -245,6 +245,9 @@ class ModelRunner:
         self.enforce_eager = enforce_eager
         self.cuda_graph_sizes = cuda_graph_sizes
         self.cuda_graphs = None  # a CudaGraphManager once captured
+        # called with every step's prepared inputs before the forward pass (the engine's
+        # sanitizer: pagedkv.sanitizer.check_step), padding for CUDA graphs included
+        self.step_check = None
         # Sampling metadata cache: (req ids of the sampled rows) -> metadata.
         self._sampling_key: tuple[str, ...] | None = None
         self._sampling_md: SamplingMetadata | None = None
@@ -389,6 +392,8 @@ class ModelRunner:
             graph_size = self.cuda_graphs.padded_size(n)
         if graph_size is not None:
             step = self.preparer.prepare(batch, nsched, graph_size, graph_size)
+            if self.step_check is not None:
+                self.step_check(step)
             if pending is not None:
                 self._fill_pending_inputs(prev, pending, nsched, num_tokens, n)
             variant = self.cuda_graphs.variant(graph_size, self.preparer.seq_lens.np[:n])
@@ -396,6 +401,8 @@ class ModelRunner:
             self.num_graph_steps += 1
         else:
             step = self.preparer.prepare(batch, nsched)
+            if self.step_check is not None:
+                self.step_check(step)
             if pending is not None:
                 self._fill_pending_inputs(prev, pending, nsched, num_tokens, n)
             hidden = self.model(step.input_ids, step.positions, self.kv_caches,

@@ -44,11 +44,13 @@ class HFReference:
 
 
 def make_llm(path: str, **kw):
-    """An engine on CPU, fp32, torch reference attention, a small KV pool by default."""
+    """An engine on CPU, fp32, torch reference attention, a small KV pool by default, with the
+    sanitizer checking every invariant on every step."""
     from pagedkv import LLM
 
     opts = dict(dtype="float32", device="cpu", max_num_seqs=8, max_num_batched_tokens=256,
-                max_model_len=256, kv_cache_memory_bytes=2 << 20, attention_backend="torch_ref")
+                max_model_len=256, kv_cache_memory_bytes=2 << 20, attention_backend="torch_ref",
+                sanitize=True)
     opts.update(kw)
     return LLM(path, **opts)
 

@@ -167,3 +167,31 @@ def test_torn_step_leaves_no_stale_prefix_cache_entries(tiny_dir):
     undo()
     out = llm.generate(TEXTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == want
+
+
+def test_sanitizer_runs_on_the_engine_every_step(tiny_dir):
+    """LLM(sanitize=True) checks the prepared inputs of every step before the forward pass: a
+    slot corrupted after preparation is caught (and the call's requests are aborted)."""
+    from pagedkv.errors import InvariantError
+
+    llm = make_llm(tiny_dir("llama"), sanitize=True)
+    runner = llm.engine.runner
+    checks = []
+    inner_check = runner.step_check
+    runner.step_check = lambda step: (checks.append(step.num_tokens), inner_check(step))
+    n0 = runner.num_steps
+    llm.generate(TEXTS, GREEDY, use_tqdm=False)
+    assert len(checks) == runner.num_steps - n0 >= 12  # every step that ran the model
+    prepare = runner.preparer.prepare
+
+    def corrupting_prepare(*a, **kw):
+        step = prepare(*a, **kw)
+        step.slot_mappings[0, 0] += 1  # a token writes one slot off
+        return step
+
+    runner.preparer.prepare = corrupting_prepare
+    with pytest.raises(InvariantError, match="slot"):
+        llm.generate(TEXTS[:2], GREEDY, use_tqdm=False)
+    runner.preparer.prepare = prepare
+    assert pool_is_idle(llm)
+    assert make_llm(tiny_dir("llama"), sanitize=False).engine.runner.step_check is None
