@@ -49,18 +49,28 @@ class AttentionMetadataLike(Protocol):
 @dataclass(frozen=True)
 class AttentionLayout:
     """What a plan must know of the layers it serves (the layers of one KV-cache group share
-    it): query heads, KV heads, head size, the dtype and device of queries and cache."""
+    it): query heads, KV heads, head size, the dtype and device of queries and cache, and the
+    attention variant: ``sliding_window`` W (a query at ``p`` sees keys ``p - W < k <= p``;
+    None: full causal attention) and ``logits_soft_cap`` c (scores -> ``c tanh(s / c)``)."""
 
     num_heads: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
     device: torch.device
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
 
     @classmethod
-    def of(cls, q: torch.Tensor, kv_cache: torch.Tensor) -> "AttentionLayout":
-        """The layout of one layer's query ``[T, H, D]`` and KV cache ``[2, N, B, Hkv, D]``."""
-        return cls(q.shape[1], kv_cache.shape[3], q.shape[2], q.dtype, q.device)
+    def of(cls, q: torch.Tensor, kv_cache: torch.Tensor, **variant) -> "AttentionLayout":
+        """The layout of one layer's query ``[T, H, D]`` and KV cache ``[2, N, B, Hkv, D]``
+        (``variant``: ``sliding_window`` / ``logits_soft_cap``)."""
+        return cls(q.shape[1], kv_cache.shape[3], q.shape[2], q.dtype, q.device, **variant)
+
+    def same_shapes(self, other: "AttentionLayout") -> bool:
+        """Equal heads, head size, dtype and device (the variant aside)."""
+        return (self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.device) == (
+            other.num_heads, other.num_kv_heads, other.head_dim, other.dtype, other.device)
 
 
 class AttentionPlan:
@@ -142,11 +152,13 @@ class AttentionBackend(ABC):
 
     def forward_with_metadata(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None,
                               v: torch.Tensor | None, kv_cache: torch.Tensor,
-                              metadata: AttentionMetadataLike, scale: float) -> torch.Tensor:
-        """One layer of one step from its metadata: :meth:`plan` (for this layer's layout),
-        then :meth:`forward` (tests and single-layer drivers)."""
-        return self.forward(layer_idx, q, k, v, kv_cache,
-                            self.plan(metadata, AttentionLayout.of(q, kv_cache)), scale)
+                              metadata: AttentionMetadataLike, scale: float,
+                              **variant) -> torch.Tensor:
+        """One layer of one step from its metadata: :meth:`plan` (for this layer's layout;
+        ``variant``: ``sliding_window`` / ``logits_soft_cap``), then :meth:`forward` (tests and
+        single-layer drivers)."""
+        layout = AttentionLayout.of(q, kv_cache, **variant)
+        return self.forward(layer_idx, q, k, v, kv_cache, self.plan(metadata, layout), scale)
 
     def graph_variants(self, num_reqs: int, num_kv_heads: int, device: torch.device) -> tuple:
         """The values of the host decision a decode graph of ``num_reqs`` requests bakes in

@@ -23,9 +23,16 @@ def paged_attention_ref(
     kv_cache: torch.Tensor,
     metadata: AttentionMetadataLike,
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q [T, H, D]`` over each request's paged context (read only).
 
+    ``sliding_window`` W: a query at position ``p`` sees the keys ``p - W < k <= p`` (W keys,
+    itself included, as transformers' and vLLM's windows); only the blocks that hold such keys
+    are read (older ones may be the null block, as the sliding-window manager leaves them).
+    ``logits_soft_cap`` c: scores become ``c * tanh(scores / c)`` before the softmax.
     Rows past ``metadata.num_actual_tokens`` are zero.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -54,14 +61,25 @@ def paged_attention_ref(
         if num_blocks > table.shape[1]:
             raise InvariantError("attention-table-width", "sequence needs more blocks than the table has",
                                  request=r, blocks=num_blocks, width=table.shape[1])
-        blocks = table[r, :num_blocks].to(torch.int64)
-        k = kv_cache[0][blocks].reshape(num_blocks * block_size, num_kv_heads, head_dim)[:seq_len]
-        v = kv_cache[1][blocks].reshape(num_blocks * block_size, num_kv_heads, head_dim)[:seq_len]
+        # first key any query of the request sees, and its block (earlier blocks are not read)
+        k_lo = max(0, seq_len - q_len - sliding_window + 1) if sliding_window else 0
+        b_lo = k_lo // block_size
+        blocks = table[r, b_lo:num_blocks].to(torch.int64)
+        first = b_lo * block_size
+        k = kv_cache[0][blocks].reshape(-1, num_kv_heads, head_dim)[: seq_len - first]
+        v = kv_cache[1][blocks].reshape(-1, num_kv_heads, head_dim)[: seq_len - first]
         qr = q[start:end].reshape(q_len, num_kv_heads, group, head_dim).to(torch.float32)
         scores = torch.einsum("qhgd,khd->hgqk", qr, k.to(torch.float32)) * scale
+        if logits_soft_cap:
+            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        k_pos = torch.arange(seq_len, device=q.device)
-        visible = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # [q_len, seq_len]
+        k_pos = torch.arange(first, seq_len, device=q.device)
+        visible = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # [q_len, keys]
+        if sliding_window:
+            visible &= k_pos.unsqueeze(0) > q_pos.unsqueeze(1) - sliding_window
+        # keys of the first block before the window hold finite values but are not attended:
+        # their V rows are zeroed so that 0 * NaN (a never-written slot) cannot occur
+        v = torch.where((k_pos >= k_lo)[:, None, None], v, torch.zeros((), dtype=v.dtype))
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         o = torch.einsum("hgqk,khd->qhgd", probs, v.to(torch.float32))
@@ -99,7 +117,10 @@ class TorchRefBackend(AttentionBackend):
         if k is not None:
             n = int(metadata.num_actual_tokens)
             write_kv(k, v, kv_cache, metadata.slot_mapping[:n], writer=self.writer)
-        return paged_attention_ref(q, kv_cache, metadata, scale)
+        layout = plan.layout
+        return paged_attention_ref(q, kv_cache, metadata, scale,
+                                   sliding_window=layout.sliding_window,
+                                   logits_soft_cap=layout.logits_soft_cap)
 
 
 __all__ = ["TorchRefBackend", "paged_attention_ref"]

@@ -146,8 +146,11 @@ class TritonAttentionBackend(AttentionBackend):
         elif not self.fused_kv_write:
             raise InvariantError("kv-write", "k/v are None but this backend's fresh-prefill path "
                                  "needs them (fresh_prefill='varlen')")
+        layout = plan.layout
+        window, cap = layout.sliding_window, layout.logits_soft_cap
         if not plan.triton:
-            return paged_attention_ref(q, kv_cache, metadata, scale)
+            return paged_attention_ref(q, kv_cache, metadata, scale, sliding_window=window,
+                                       logits_soft_cap=cap)
 
         n = plan.n
         out = torch.empty_like(q)
@@ -164,7 +167,8 @@ class TritonAttentionBackend(AttentionBackend):
             paged_decode_attention(q, kv_cache, table, qsl, seq_lens, n, scale, out,
                                    max_seq_len=plan.max_seq_len, balanced=plan.balanced,
                                    config=self.decode_config, zero_padded_rows=True,
-                                   check=check, workspace=plan.workspace)
+                                   check=check, workspace=plan.workspace,
+                                   sliding_window=window, logits_soft_cap=cap)
             return out
         if plan.end < q.shape[0]:
             out[plan.end:].zero_()
@@ -174,10 +178,12 @@ class TritonAttentionBackend(AttentionBackend):
         if plan.has_decode:
             paged_decode_attention(q, kv_cache, table, qsl, seq_lens, n, scale, out,
                                    max_seq_len=plan.max_seq_len, config=self.decode_config,
-                                   check=check, workspace=plan.workspace)
+                                   check=check, workspace=plan.workspace,
+                                   sliding_window=window, logits_soft_cap=cap)
         paged_prefill_attention(q, kv_cache, table, qsl, seq_lens, n, scale, out,
                                 num_tokens=plan.end, skip_decode=plan.has_decode,
-                                config=self.prefill_config, check=check)
+                                config=self.prefill_config, check=check,
+                                sliding_window=window, logits_soft_cap=cap)
         return out
 
 
@@ -229,6 +235,7 @@ class TritonPlan(AttentionPlan):
             raise InvariantError("attention-lengths", "need 0 <= query_len <= seq_len",
                                  request=r, query_len=int(q_lens[r]), seq_len=int(seq_h[r]))
         self.varlen = (backend.fresh_prefill == "varlen"
+                       and layout.sliding_window is None and layout.logits_soft_cap is None
                        and varlen_available_for(layout.dtype, dev)
                        and np.array_equal(seq_h, q_lens))
         self.has_decode = bool((q_lens == 1).any())
@@ -241,7 +248,7 @@ class TritonPlan(AttentionPlan):
                                  "KV cache must be [2, num_blocks, block_size, num_kv_heads, head_dim]",
                                  cache_shape=tuple(kv_cache.shape))
         got = AttentionLayout.of(q, kv_cache)
-        if got != self.layout:
+        if not got.same_shapes(self.layout):
             raise InvariantError("attention-layout", "the layer's query/cache do not match the "
                                  "plan's layout", plan=self.layout, layer=got)
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()

@@ -189,24 +189,46 @@ def choose_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int | None,
 
 
 @triton.jit
-def _split_range(seq_len, s, num_splits, min_split_tiles, TILE_N: tl.constexpr):
-    """Tiles ``[t0, t1)`` of split ``s``, the tiles per split and the tile count."""
-    n_tiles = tl.cdiv(seq_len, TILE_N)
+def _window_start(seq_len, window):
+    """The first position a decode query at ``seq_len - 1`` sees: ``seq_len - window`` with a
+    sliding window (``window > 0``), else 0."""
+    return tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+
+
+@triton.jit
+def _split_range(seq_len, lo, s, num_splits, min_split_tiles, TILE_N: tl.constexpr):
+    """Tiles ``[t0, t1)`` of split ``s`` over the tiles holding positions ``[lo, seq_len)``,
+    the tiles per split and that tile count."""
+    t_lo = lo // TILE_N
+    n_tiles = tl.cdiv(seq_len, TILE_N) - t_lo
     used = tl.maximum(tl.minimum(tl.cdiv(n_tiles, min_split_tiles), num_splits), 1)
     per = tl.maximum(tl.cdiv(n_tiles, used), 1)
-    t0 = s * per
-    t1 = tl.minimum(t0 + per, n_tiles)
+    t0 = t_lo + s * per
+    t1 = tl.minimum(t0 + per, t_lo + n_tiles)
     return t0, t1, per, n_tiles
 
 
 @triton.jit
-def _decode_tile(acc, l_i, m_i, q, t, seq_len, k_ptr, v_ptr, bt_row, bt_width, c_sb, c_st,
+def _soft_cap(scores_log2, SOFTCAP: tl.constexpr):
+    """``c tanh(s / c)`` of base-2 scores (``s`` in natural units is ``scores_log2 / log2 e``);
+    the identity when ``SOFTCAP`` is 0. tanh through exp: finite for every input."""
+    if SOFTCAP > 0:
+        x = scores_log2 * (1.0 / (1.4426950408889634 * SOFTCAP))
+        t = 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+        return t * (SOFTCAP * 1.4426950408889634)
+    return scores_log2
+
+
+@triton.jit
+def _decode_tile(acc, l_i, m_i, q, t, seq_len, lo, k_ptr, v_ptr, bt_row, bt_width, c_sb, c_st,
                  head_off, d, scale_log2, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Positions ``[t * TILE_N, (t + 1) * TILE_N)`` of the online softmax."""
+                 BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PREC: tl.constexpr,
+                 SOFTCAP: tl.constexpr):
+    """Positions ``[t * TILE_N, (t + 1) * TILE_N)`` of the online softmax; positions before
+    ``lo`` (outside the sliding window) are neither read nor attended."""
     n = t * TILE_N + tl.arange(0, TILE_N)
     col = n // BLOCK_SIZE
-    valid = (n < seq_len) & (col < bt_width)
+    valid = (n < seq_len) & (n >= lo) & (col < bt_width)
     blk = tl.load(bt_row + col, mask=valid, other=0).to(tl.int64)
     tok = blk * c_sb + (n % BLOCK_SIZE).to(tl.int64) * c_st + head_off
     if HEAD_DIM == D_PAD:
@@ -215,7 +237,7 @@ def _decode_tile(acc, l_i, m_i, q, t, seq_len, k_ptr, v_ptr, bt_row, bt_width, c
         kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
     k = tl.load(k_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
+    scores = _soft_cap(tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2, SOFTCAP)
     scores = tl.where(valid[None, :], scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     alpha = tl.exp2(m_i - m_new)
@@ -225,15 +247,17 @@ def _decode_tile(acc, l_i, m_i, q, t, seq_len, k_ptr, v_ptr, bt_row, bt_width, c
     return acc, l_i, m_new
 
 
-@triton.jit(do_not_specialize=["num_reqs", "num_splits", "min_split_tiles", "zero_rows"])
+@triton.jit(do_not_specialize=["num_reqs", "num_splits", "min_split_tiles", "zero_rows",
+                               "window"])
 def _decode_kernel(
     q_ptr, q_s0, q_s1,
     k_ptr, v_ptr, c_sb, c_st, c_sh,
     bt_ptr, bt_s0, bt_width,
-    qsl_ptr, seq_ptr, num_reqs, num_splits, min_split_tiles, zero_rows,
+    qsl_ptr, seq_ptr, num_reqs, num_splits, min_split_tiles, zero_rows, window,
     out_ptr, o_s0, o_s1,
     m_ptr, l_ptr, acc_ptr,
     scale_log2,
+    SOFTCAP: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -262,8 +286,9 @@ def _decode_kernel(
                          mask=gd_mask)
         return
     seq_len = tl.load(seq_ptr + r)
-    t0, t1, per, n_tiles = _split_range(seq_len, s, num_splits, min_split_tiles, TILE_N)
-    if t0 >= n_tiles:
+    lo = _window_start(seq_len, window)
+    t0, t1, per, n_tiles = _split_range(seq_len, lo, s, num_splits, min_split_tiles, TILE_N)
+    if t0 >= t1:
         return
     q = tl.load(q_ptr + q_row.to(tl.int64) * q_s0 + head[:, None] * q_s1 + d[None, :],
                 mask=gd_mask, other=0.0)
@@ -276,15 +301,15 @@ def _decode_kernel(
     head_off = kvh.to(tl.int64) * c_sh
     if RANGE_LOOP:  # compiled: a for-range loop, software-pipelined by Triton
         for t in range(t0, t1):
-            acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, t, seq_len, k_ptr, v_ptr, bt_row,
+            acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, t, seq_len, lo, k_ptr, v_ptr, bt_row,
                                          bt_width, c_sb, c_st, head_off, d, scale_log2,
-                                         HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, DOT_PREC)
+                                         HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, DOT_PREC, SOFTCAP)
     else:  # the interpreter cannot iterate range() over runtime scalars
         t = t0
         while t < t1:
-            acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, t, seq_len, k_ptr, v_ptr, bt_row,
+            acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, t, seq_len, lo, k_ptr, v_ptr, bt_row,
                                          bt_width, c_sb, c_st, head_off, d, scale_log2,
-                                         HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, DOT_PREC)
+                                         HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, DOT_PREC, SOFTCAP)
             t += 1
 
     out_rows = out_ptr + q_row.to(tl.int64) * o_s0 + head[:, None] * o_s1 + d[None, :]
@@ -298,9 +323,9 @@ def _decode_kernel(
         tl.store(acc_ptr + part[:, None] * D_PAD + d[None, :], acc, mask=gd_mask)
 
 
-@triton.jit(do_not_specialize=["num_reqs", "num_splits", "min_split_tiles"])
+@triton.jit(do_not_specialize=["num_reqs", "num_splits", "min_split_tiles", "window"])
 def _decode_reduce_kernel(
-    qsl_ptr, seq_ptr, num_reqs, num_splits, min_split_tiles,
+    qsl_ptr, seq_ptr, num_reqs, num_splits, min_split_tiles, window,
     out_ptr, o_s0, o_s1,
     m_ptr, l_ptr, acc_ptr,
     NUM_HEADS: tl.constexpr,
@@ -315,7 +340,8 @@ def _decode_reduce_kernel(
     if tl.load(qsl_ptr + r + 1) - q_row != 1:
         return
     seq_len = tl.load(seq_ptr + r)
-    t0, t1, per, n_tiles = _split_range(seq_len, 0, num_splits, min_split_tiles, TILE_N)
+    t0, t1, per, n_tiles = _split_range(seq_len, _window_start(seq_len, window), 0, num_splits,
+                                        min_split_tiles, TILE_N)
     if per >= n_tiles:
         return  # written directly by the split kernel
     used = tl.cdiv(n_tiles, per)
@@ -363,6 +389,8 @@ def paged_decode_attention(
     zero_padded_rows: bool = False,
     check: bool = True,
     workspace: dict | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Attention of each single-token request's query row over its paged context.
 
@@ -387,6 +415,9 @@ def paged_decode_attention(
             e.g. the backend for every layer after the first of a step).
         workspace: a dict that keeps the split partial buffers between calls of one step
             (every layer reuses them; calls are stream-ordered).
+        sliding_window: W: the query (at ``seq_len - 1``) sees positions ``>= seq_len - W``;
+            only the tiles holding them are read and split (the rest may be the null block).
+        logits_soft_cap: c: scores become ``c tanh(s / c)`` before the softmax.
     Returns ``out``.
     """
     fn = "paged_decode_attention"
@@ -402,11 +433,16 @@ def paged_decode_attention(
         shape = attn_shape(q, kv_cache)
     if num_reqs == 0:
         return out
+    window = _check_window(fn, sliding_window)
+    softcap = _check_softcap(fn, logits_soft_cap)
     if not use_triton(_decode_kernel, q):
         return paged_decode_attention_ref(q, kv_cache, block_table, query_start_loc, seq_lens,
-                                          num_reqs, scale, out, zero_padded_rows=zero_padded_rows)
+                                          num_reqs, scale, out, zero_padded_rows=zero_padded_rows,
+                                          sliding_window=sliding_window,
+                                          logits_soft_cap=logits_soft_cap)
     cfg = config or default_decode_config(q.device)
-    auto_splits, min_split_tokens = choose_split(num_reqs, shape.num_kv_heads, max_seq_len,
+    span = max_seq_len if not window or max_seq_len is None else min(max_seq_len, window)
+    auto_splits, min_split_tokens = choose_split(num_reqs, shape.num_kv_heads, span,
                                                  num_sms(q.device), cfg, balanced)
     if num_splits is None:
         num_splits = auto_splits
@@ -432,9 +468,11 @@ def paged_decode_attention(
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table, block_table.stride(0), block_table.shape[1],
         query_start_loc, seq_lens, num_reqs, num_splits, min_split_tiles, int(bool(zero_padded_rows)),
+        window,
         out, out.stride(0), out.stride(1),
         m_buf, l_buf, acc_buf,
         float(scale) * LOG2E,
+        SOFTCAP=softcap,
         NUM_HEADS=shape.num_heads, GROUP=shape.group, GROUP_PAD=group_pad,
         HEAD_DIM=shape.head_dim, D_PAD=d_pad, BLOCK_SIZE=shape.block_size,
         TILE_N=cfg.tile_n,
@@ -443,7 +481,7 @@ def paged_decode_attention(
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_reqs, shape.num_heads)](
-            query_start_loc, seq_lens, num_reqs, num_splits, min_split_tiles,
+            query_start_loc, seq_lens, num_reqs, num_splits, min_split_tiles, window,
             out, out.stride(0), out.stride(1),
             m_buf, l_buf, acc_buf,
             NUM_HEADS=shape.num_heads, HEAD_DIM=shape.head_dim, D_PAD=d_pad,
@@ -469,6 +507,8 @@ def paged_decode_attention_ref(
     zero_padded_rows: bool = False,
     check: bool = True,
     workspace: dict | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Plain torch twin of :func:`paged_decode_attention` (``paged_attention_ref`` on the
     single-token requests; reads lengths back to the host). The launch hints are ignored."""
@@ -493,9 +533,28 @@ def paged_decode_attention_ref(
         seq_lens_cpu=lens[decode], block_table_tensor=block_table[decode],
     )
     idx = torch.tensor(rows, dtype=torch.int64, device=q.device)
-    res = paged_attention_ref(q[idx], kv_cache, meta, scale)
+    res = paged_attention_ref(q[idx], kv_cache, meta, scale, sliding_window=sliding_window,
+                              logits_soft_cap=logits_soft_cap)
     out[idx] = res.to(out.dtype)
     return out
+
+
+def _check_window(fn: str, window) -> int:
+    """The kernels' window argument: W >= 1, or 0 for none."""
+    if window is None:
+        return 0
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ConfigError(f"{fn}: sliding_window must be an int >= 1 or None, got {window!r}")
+    return window
+
+
+def _check_softcap(fn: str, cap) -> float:
+    """The kernels' soft-cap argument: c > 0, or 0.0 for none."""
+    if cap is None:
+        return 0.0
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
+        raise ConfigError(f"{fn}: logits_soft_cap must be a number > 0 or None, got {cap!r}")
+    return float(cap)
 
 
 __all__ = [

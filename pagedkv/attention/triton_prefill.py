@@ -44,6 +44,7 @@ from pagedkv.attention._triton_common import (
     interpreted,
 )
 from pagedkv.attention.torch_ref import paged_attention_ref
+from pagedkv.attention.triton_decode import _check_softcap, _check_window, _soft_cap
 from pagedkv.errors import ConfigError
 from pagedkv.kernels._common import check_tensor, next_pow2, use_triton
 
@@ -81,20 +82,26 @@ def default_prefill_config(device: torch.device) -> PrefillConfig:
 def _attend_tile(
     acc, l_i, m_i, q, q_pos,
     k_ptr, v_ptr, bt_row, bt_width, c_sb, c_st, head_off,
-    start, seq_len, d, scale_log2,
+    start, seq_len, kv_lo, window, d, scale_log2,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One key tile ``[start, start + BLOCK_N)`` of the online softmax. ``MASKED``: apply the
-    causal mask and the sequence end (otherwise every key is visible to every row)."""
+    causal mask and the sequence end (otherwise every key is visible to every row). With
+    ``HAS_WINDOW`` (always masked) keys before ``kv_lo`` (the tile's first key in any row's
+    window) are not read, and row ``i`` sees keys ``> q_pos[i] - window``."""
     n = start + tl.arange(0, BLOCK_N)
     col = n // BLOCK_SIZE
     if MASKED:
         valid = (n < seq_len) & (col < bt_width)
+        if HAS_WINDOW:
+            valid = valid & (n >= kv_lo)
     else:
         valid = col < bt_width
     blk = tl.load(bt_row + col, mask=valid, other=0).to(tl.int64)
@@ -110,25 +117,36 @@ def _attend_tile(
     else:
         kt = tl.load(k_ptr + tok[None, :] + d[:, None], mask=(d < HEAD_DIM)[:, None], other=0.0)
         v = tl.load(v_ptr + tok[:, None] + d[None, :], mask=(d < HEAD_DIM)[None, :], other=0.0)
-    qk = tl.dot(q, kt, input_precision=DOT_PREC) * scale_log2
+    qk = _soft_cap(tl.dot(q, kt, input_precision=DOT_PREC) * scale_log2, SOFTCAP)
     if MASKED:
-        qk = tl.where((n[None, :] <= q_pos[:, None]) & valid[None, :], qk, float("-inf"))
+        seen = (n[None, :] <= q_pos[:, None]) & valid[None, :]
+        if HAS_WINDOW:
+            seen = seen & (n[None, :] > q_pos[:, None] - window)
+        qk = tl.where(seen, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    if HAS_WINDOW:
+        # a row may see no key of this tile yet (its window starts later): keep its running
+        # max at -inf without computing -inf - -inf
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new  # every row sees key 0 in its first tile
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(qk - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
     return acc, l_i, m_new
 
 
-@triton.jit(do_not_specialize=["num_reqs", "skip_decode"])
+@triton.jit(do_not_specialize=["num_reqs", "skip_decode", "window"])
 def _prefill_kernel(
     q_ptr, q_s0, q_s1,
     k_ptr, v_ptr, c_sb, c_st, c_sh,
     bt_ptr, bt_s0, bt_width,
-    qsl_ptr, seq_ptr, num_reqs, skip_decode,
+    qsl_ptr, seq_ptr, num_reqs, skip_decode, window,
     out_ptr, o_s0, o_s1,
     scale_log2,
+    HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -175,33 +193,42 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     bt_row = bt_ptr + r.to(tl.int64) * bt_s0
     head_off = (h // GROUP).to(tl.int64) * c_sh
-    # keys [0, full_end) are visible to every row of the tile; [full_end, end) need the mask
-    full_end = (ctx + j * BLOCK_M + 1) // BLOCK_N * BLOCK_N
     end = tl.minimum(seq_len, ctx + (j + 1) * BLOCK_M)
+    if HAS_WINDOW:
+        # the tile's rows see keys in (q_pos - window, q_pos]: from the first row's window
+        # start on, all masked (earlier blocks may be the null block and are never read)
+        kv_lo = tl.maximum(ctx + j * BLOCK_M - window + 1, 0)
+        first = kv_lo // BLOCK_N * BLOCK_N
+        full_end = first
+    else:
+        # keys [0, full_end) are visible to every row of the tile; [full_end, end) need the mask
+        kv_lo = 0
+        first = 0
+        full_end = (ctx + j * BLOCK_M + 1) // BLOCK_N * BLOCK_N
     if RANGE_LOOP:  # compiled: for-range loops, software-pipelined by Triton
-        for start in range(0, full_end, BLOCK_N):
+        for start in range(first, full_end, BLOCK_N):
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row,
-                                         bt_width, c_sb, c_st, head_off, start, seq_len, d,
-                                         scale_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM, D_PAD,
-                                         False, DOT_PREC)
+                                         bt_width, c_sb, c_st, head_off, start, seq_len, kv_lo,
+                                         window, d, scale_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
+                                         D_PAD, False, DOT_PREC, HAS_WINDOW, SOFTCAP)
         for start in range(full_end, end, BLOCK_N):
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row,
-                                         bt_width, c_sb, c_st, head_off, start, seq_len, d,
-                                         scale_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM, D_PAD,
-                                         True, DOT_PREC)
+                                         bt_width, c_sb, c_st, head_off, start, seq_len, kv_lo,
+                                         window, d, scale_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
+                                         D_PAD, True, DOT_PREC, HAS_WINDOW, SOFTCAP)
     else:  # the interpreter cannot iterate range() over runtime scalars
-        start = full_end * 0
+        start = first + full_end * 0
         while start < full_end:
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row,
-                                         bt_width, c_sb, c_st, head_off, start, seq_len, d,
-                                         scale_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM, D_PAD,
-                                         False, DOT_PREC)
+                                         bt_width, c_sb, c_st, head_off, start, seq_len, kv_lo,
+                                         window, d, scale_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
+                                         D_PAD, False, DOT_PREC, HAS_WINDOW, SOFTCAP)
             start += BLOCK_N
         while start < end:
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row,
-                                         bt_width, c_sb, c_st, head_off, start, seq_len, d,
-                                         scale_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM, D_PAD,
-                                         True, DOT_PREC)
+                                         bt_width, c_sb, c_st, head_off, start, seq_len, kv_lo,
+                                         window, d, scale_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
+                                         D_PAD, True, DOT_PREC, HAS_WINDOW, SOFTCAP)
             start += BLOCK_N
     o = acc / l_i[:, None]
     tl.store(out_ptr + rows[:, None] * o_s0 + h * o_s1 + d[None, :],
@@ -222,6 +249,8 @@ def paged_prefill_attention(
     skip_decode: bool = False,
     config: PrefillConfig | None = None,
     check: bool = True,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of every request's query rows over its paged context.
 
@@ -235,6 +264,8 @@ def paged_prefill_attention(
         skip_decode: leave requests with exactly one query token alone.
         config: launch parameters; default per device.
         check: validate the arguments (False: the caller validated the same shapes already).
+        sliding_window: W: a query at ``p`` sees keys ``p - W < k <= p`` (blocks before a
+            tile's first window are not read). logits_soft_cap: c: scores -> ``c tanh(s / c)``.
     Returns ``out``.
     """
     fn = "paged_prefill_attention"
@@ -247,11 +278,15 @@ def paged_prefill_attention(
         num_tokens = q.shape[0]
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
         raise ConfigError(f"{fn}: num_tokens must be a host int >= 0, got {num_tokens!r}")
+    window = _check_window(fn, sliding_window)
+    softcap = _check_softcap(fn, logits_soft_cap)
     if num_reqs == 0 or num_tokens == 0:
         return out
     if not use_triton(_prefill_kernel, q):
         return paged_prefill_attention_ref(q, kv_cache, block_table, query_start_loc, seq_lens,
-                                           num_reqs, scale, out, skip_decode=skip_decode)
+                                           num_reqs, scale, out, skip_decode=skip_decode,
+                                           sliding_window=sliding_window,
+                                           logits_soft_cap=logits_soft_cap)
     cfg = config or default_prefill_config(q.device)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     grid = (num_tokens // cfg.block_m + num_reqs, shape.num_heads)
@@ -259,9 +294,10 @@ def paged_prefill_attention(
         q, q.stride(0), q.stride(1),
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table, block_table.stride(0), block_table.shape[1],
-        query_start_loc, seq_lens, num_reqs, int(bool(skip_decode)),
+        query_start_loc, seq_lens, num_reqs, int(bool(skip_decode)), window,
         out, out.stride(0), out.stride(1),
         float(scale) * LOG2E,
+        HAS_WINDOW=window > 0, SOFTCAP=softcap,
         GROUP=shape.group, HEAD_DIM=shape.head_dim,
         D_PAD=max(16, next_pow2(shape.head_dim)), BLOCK_SIZE=shape.block_size,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -284,6 +320,8 @@ def paged_prefill_attention_ref(
     num_tokens: int | None = None,
     skip_decode: bool = False,
     config: PrefillConfig | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Plain torch twin of :func:`paged_prefill_attention` (``paged_attention_ref`` per request;
     reads lengths back to the host). The launch hints are ignored."""
@@ -302,7 +340,8 @@ def paged_prefill_attention_ref(
     sub_qsl[1:] = torch.cumsum(torch.tensor([qsl[r + 1] - qsl[r] for r in keep]), 0)
     meta = SimpleNamespace(query_start_loc_cpu=sub_qsl, num_reqs=len(keep),
                            seq_lens_cpu=lens[keep], block_table_tensor=block_table[keep])
-    out[rows] = paged_attention_ref(q[rows], kv_cache, meta, scale).to(out.dtype)
+    out[rows] = paged_attention_ref(q[rows], kv_cache, meta, scale, sliding_window=sliding_window,
+                                    logits_soft_cap=logits_soft_cap).to(out.dtype)
     return out
 
 

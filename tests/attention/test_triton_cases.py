@@ -21,7 +21,10 @@ from pagedkv.kernels.reshape_and_cache import reshape_and_cache_ref
 
 def make_case(reqs, *, block_size, num_heads=4, num_kv_heads=2, head_dim=16, seed=0,
               dtype=torch.float32, device="cpu", pad_tokens=0, padded_reqs=0,
-              write_new=False, spare_blocks=3):
+              write_new=False, spare_blocks=3, sliding_window=None):
+    """``sliding_window`` W: table entries of blocks wholly before the request's first
+    query's window (positions ``< context - W + 1``) are the null block, as the
+    sliding-window manager leaves them; the case keeps the full table as ``full_table``."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     need = [math.ceil((c + q) / block_size) for c, q in reqs]
@@ -56,9 +59,15 @@ def make_case(reqs, *, block_size, num_heads=4, num_kv_heads=2, head_dim=16, see
     slot_mapping = torch.cat(slots + [torch.full((pad_tokens,), -1, dtype=torch.int64)])
     query_lens = [ql for _, ql in reqs] + [0] * padded_reqs
     seq_lens = [c + ql for c, ql in reqs] + [0] * padded_reqs
+    full_table = table.clone()
+    if sliding_window:
+        for r, (c, _) in enumerate(reqs):
+            first = max(0, c - sliding_window + 1)
+            table[r, : first // block_size] = 0  # wholly outside every query's window
     meta = build_attention_metadata(query_lens, seq_lens, table, slot_mapping, device=device)
     return dict(q=q.to(device), k=k_new.to(device), v=v_new.to(device), cache=cache,
-                meta=meta, reqs=list(reqs), scale=head_dim ** -0.5, device=device)
+                meta=meta, reqs=list(reqs), scale=head_dim ** -0.5, device=device,
+                full_table=full_table)
 
 
 def reference(case) -> torch.Tensor:
