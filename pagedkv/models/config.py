@@ -272,6 +272,8 @@ class ModelArchConfig:
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None = None
     hidden_act: str = "silu"
+    # per layer: its sliding window W (a query at p sees keys p - W < k <= p), None = full
+    layer_windows: tuple[int | None, ...] = ()
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived sizes
@@ -345,9 +347,8 @@ class ModelArchConfig:
     ) -> "ModelArchConfig":
         """Parse and validate a Hugging Face ``config.json`` dict.
 
-        ``max_model_len`` (optional) is the longest sequence the engine will run; a sliding
-        window shorter than it (or, without it, shorter than ``max_position_embeddings``) is
-        rejected, because only full attention is supported.
+        ``max_model_len`` is accepted for the callers' convenience and not used: sliding
+        windows are read per layer (``layer_windows``) whatever the engine's length.
         """
         if not isinstance(d, dict):
             raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
@@ -397,7 +398,7 @@ class ModelArchConfig:
             max_pos, "max_position_embeddings", source
         )
         rope = _parse_rope(d, max_pos)
-        _check_sliding_window(d, fam, arch, layers, max_model_len or max_pos, source)
+        windows = _layer_windows(d, fam, layers, source)
 
         def flag(spec: str | bool) -> bool:
             if isinstance(spec, bool):
@@ -448,6 +449,7 @@ class ModelArchConfig:
             eos_token_ids=eos_ids,
             pad_token_id=pad,
             hidden_act=act,
+            layer_windows=windows,
             raw=dict(d),
         )
 
@@ -500,30 +502,29 @@ def _opt_token(v: Any, key: str, vocab: int, source: str) -> int | None:
     return v
 
 
-def _check_sliding_window(d: dict, fam: _Family, arch: str, layers: int, max_len: int, source: str) -> None:
-    """Only full attention is supported: reject a sliding window that could cut the context."""
+def _layer_windows(d: dict, fam: _Family, layers: int, source: str) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full attention), as transformers reads the config:
+    Mistral: ``sliding_window`` on every layer when set; Qwen2/Qwen3: only with
+    ``use_sliding_window``, on the layers ``layer_types`` marks ``sliding_attention`` (or,
+    without ``layer_types``, layers ``>= max_window_layers``)."""
     window = d.get("sliding_window")
     if fam.sliding is None or window is None:
-        return
-    if fam.sliding == "qwen":
-        if not d.get("use_sliding_window", False):
-            return
-        layer_types = d.get("layer_types")
-        if layer_types is None:
-            first = d.get("max_window_layers", 28)
-            sliding_layers = [i for i in range(layers) if i >= first]
-        else:
-            sliding_layers = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
-        if not sliding_layers:
-            return
+        return (None,) * layers
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise ConfigError(f"{source}: sliding_window must be null or a positive integer, got {window!r}")
-    if window < max_len:
-        raise ConfigError(
-            f"{source}: {arch} uses a sliding window of {window} tokens, shorter than the maximum "
-            f"length {max_len}; pagedkv supports full attention only. Use a checkpoint without a "
-            f"sliding window, or cap max_model_len at {window}"
-        )
+    if fam.sliding == "mistral":
+        return (window,) * layers
+    if not d.get("use_sliding_window", False):
+        return (None,) * layers
+    layer_types = d.get("layer_types")
+    if layer_types is None:
+        first = d.get("max_window_layers", 28)
+        return tuple(window if i >= first else None for i in range(layers))
+    if not isinstance(layer_types, list) or len(layer_types) != layers or not set(layer_types) <= {
+            "full_attention", "sliding_attention"}:
+        raise ConfigError(f"{source}: layer_types must list 'full_attention' / 'sliding_attention' "
+                          f"for each of the {layers} layers, got {layer_types!r}")
+    return tuple(window if t == "sliding_attention" else None for t in layer_types)
 
 
 # --------------------------------------------------------------------------------------------

@@ -300,17 +300,23 @@ class DecoderForCausalLM(nn.Module):
         self.attn_backend = backend
 
     # ---- forward
-    def attention_layout(self) -> AttentionLayout:
-        """The layout every attention layer of this model has (one for all layers)."""
+    def attention_layout(self, spec=None) -> AttentionLayout:
+        """The layout of the attention layers with KV-cache spec ``spec`` (its sliding window,
+        if any); without a spec, full attention."""
         cfg = self.config
         return AttentionLayout(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                               self.dtype, self.device)
+                               self.dtype, self.device,
+                               sliding_window=getattr(spec, "sliding_window", None))
 
     def step_attention(self, attn: StepAttention | AttentionMetadataLike) -> StepAttention:
         """``attn`` as the forward pass takes it: a :class:`StepAttention` as it is, or one
         metadata object for every layer (harnesses, profiling), planned here once."""
         if isinstance(attn, StepAttention):
             return attn
+        if any(w is not None for w in self.config.layer_windows):
+            raise InvalidRequestError(
+                "this model has sliding-window layers: pass a StepAttention with each layer's "
+                "plan (the engine's runner builds it), not one metadata object for all layers")
         return StepAttention.uniform(self.attn_backend, attn, self.attention_layout(),
                                      len(self.layers))
 
@@ -488,15 +494,20 @@ class DecoderForCausalLM(nn.Module):
 
     def kv_cache_specs(self, block_size: int) -> dict:
         """Each attention layer's KV-cache spec, keyed by the runner's layer names
-        (``model.layers.{i}.self_attn``), in layer order: full attention, KV in the model's
-        dtype, for every layer of these families."""
-        from pagedkv.core.spec import FullAttentionSpec
+        (``model.layers.{i}.self_attn``), in layer order, KV in the model's dtype: a
+        ``SlidingWindowSpec`` for a layer with a sliding window, else a ``FullAttentionSpec``."""
+        from pagedkv.core.spec import FullAttentionSpec, SlidingWindowSpec
 
         cfg = self.config
-        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=cfg.num_key_value_heads,
-                                 head_size=cfg.head_dim,
-                                 dtype=str(self.dtype).removeprefix("torch."))
-        return {f"model.layers.{i}.self_attn": spec for i in range(len(self.layers))}
+        common = dict(block_size=block_size, num_kv_heads=cfg.num_key_value_heads,
+                      head_size=cfg.head_dim, dtype=str(self.dtype).removeprefix("torch."))
+        full = FullAttentionSpec(**common)
+        windows = cfg.layer_windows or (None,) * len(self.layers)
+        out = {}
+        for i, w in enumerate(windows):
+            out[f"model.layers.{i}.self_attn"] = (
+                full if w is None else SlidingWindowSpec(sliding_window=w, **common))
+        return out
 
     def allocate_kv_caches(
         self, num_blocks: int, block_size: int, *, dtype: torch.dtype | None = None,

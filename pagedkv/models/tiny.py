@@ -80,6 +80,10 @@ class TinySpec:
     max_shard_size: str | int | None = None
     seed: int = 0
     init_std: float = 0.1
+    # sliding window of the mistral family (every layer) or of qwen2/qwen3 (layers >=
+    # max_window_layers, transformers' rule); None: full attention everywhere
+    sliding_window: int | None = None
+    max_window_layers: int = 0
 
     def validate(self) -> None:
         if self.family not in FAMILY_ARCHITECTURES:
@@ -98,6 +102,8 @@ class TinySpec:
             raise ConfigError("attention_bias is a llama/qwen3 option")
         if self.mlp_bias and self.family != "llama":
             raise ConfigError("mlp_bias is a llama option")
+        if self.sliding_window is not None and self.family == "llama":
+            raise ConfigError("sliding_window is a mistral / qwen2 / qwen3 option")
 
     @property
     def tied(self) -> bool:
@@ -141,12 +147,16 @@ def hf_config_dict(spec: TinySpec) -> dict:
     )
     if spec.family == "llama":
         d.update(attention_bias=spec.attention_bias, mlp_bias=spec.mlp_bias)
-    elif spec.family == "qwen3":
-        d.update(attention_bias=spec.attention_bias, use_sliding_window=False)
-    elif spec.family == "qwen2":
-        d.update(use_sliding_window=False)
+    elif spec.family in ("qwen2", "qwen3"):
+        if spec.family == "qwen3":
+            d.update(attention_bias=spec.attention_bias)
+        if spec.sliding_window is None:
+            d.update(use_sliding_window=False)
+        else:
+            d.update(use_sliding_window=True, sliding_window=spec.sliding_window,
+                     max_window_layers=spec.max_window_layers)
     elif spec.family == "mistral":
-        d.update(sliding_window=None)
+        d.update(sliding_window=spec.sliding_window)
     return d
 
 

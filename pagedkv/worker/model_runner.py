@@ -51,6 +51,7 @@ throw-away one-block cache, to size the KV pool from the memory left (see
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -105,7 +106,8 @@ def kv_cache_spec_for(model: Any, block_size: int) -> FullAttentionSpec:
 def kv_cache_groups_for(model: Any, block_size: int) -> list[KVCacheGroupSpec]:
     """The model's KV-cache groups: each attention layer's spec (``model.kv_cache_specs``,
     keyed by :func:`attention_layer_names`) formed into groups by the planner
-    (``pagedkv.core.planning.get_kv_cache_groups``: equal specs share one group)."""
+    (``pagedkv.core.planning.get_kv_cache_groups``: equal specs share one group; full and
+    sliding-window layers form a hybrid of several groups)."""
     from pagedkv.core.planning import get_kv_cache_groups
 
     return get_kv_cache_groups(model.kv_cache_specs(block_size))
@@ -233,9 +235,8 @@ class ModelRunner:
                                                  self.input_batch.block_table)
         group_of = {name: gid for gid, g in enumerate(groups) for name in g.layer_names}
         self._layer_group = [group_of[name] for name in self.layer_names]
-        cfg = model.config
-        self._layouts = [AttentionLayout(cfg.num_attention_heads, s.num_kv_heads, s.head_size,
-                                         model.dtype, self.device) for s in specs]
+        self._layouts = [dataclasses.replace(model.attention_layout(s), device=self.device)
+                         for s in specs]
         if sampler is None:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(seed)
@@ -284,6 +285,8 @@ class ModelRunner:
 
     # ----- setup ---------------------------------------------------------------------------
     def _check_kv_cache_config(self, kv: KVCacheConfig) -> None:
+        """Every attention layer of the model in exactly one group, each group's spec the one
+        the model declares for its layers (``model.kv_cache_specs``)."""
         groups = kv.kv_cache_groups
         if not groups:
             raise ConfigError("the KV-cache config has no group; the model's attention layers "
@@ -293,23 +296,14 @@ class ModelRunner:
             raise ConfigError(
                 f"the KV-cache groups must list each of the model's {len(self.layer_names)} "
                 f"attention layers (attention_layer_names) exactly once, got {names[:3]}...")
-        cfg = self.model.config
         for gid, g in enumerate(groups):
             spec = g.kv_cache_spec
-            if not isinstance(spec, FullAttentionSpec) or isinstance(spec, MLAAttentionSpec):
+            want = self.model.kv_cache_specs(spec.block_size)
+            bad = [n for n in g.layer_names if want[n] != spec]
+            if bad:
                 raise ConfigError(
-                    f"KV-cache group {gid} has a {type(spec).__name__}; this model's attention "
-                    "layers are full attention")
-            if (spec.num_kv_heads, spec.head_size) != (cfg.num_key_value_heads, cfg.head_dim):
-                raise ConfigError(
-                    f"KV-cache group {gid} has {spec.num_kv_heads} KV heads of size "
-                    f"{spec.head_size}, the model {cfg.num_key_value_heads} of size {cfg.head_dim}"
-                )
-            if spec.dtype != torch_dtype_name(self.model.dtype):
-                raise ConfigError(
-                    f"KV-cache group {gid} dtype {spec.dtype} differs from the model dtype "
-                    f"{torch_dtype_name(self.model.dtype)}"
-                )
+                    f"KV-cache group {gid} has {spec!r}, but the model's layer {bad[0]} needs "
+                    f"{want[bad[0]]!r} (build the groups with kv_cache_groups_for)")
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -106,13 +106,19 @@ def test_runner_rejects_mismatched_kv_config(ck):
         ModelRunner(model, _kv(model, names=("a", "b")), sc)
     spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=16, dtype="float32")
     bad = KVCacheConfig(8, (KVCacheGroupSpec(attention_layer_names(len(model.layers)), spec),))
-    with pytest.raises(ConfigError, match="KV heads"):
+    with pytest.raises(ConfigError, match="num_kv_heads=1.*needs.*num_kv_heads=2"):
         ModelRunner(model, bad, sc)
     half = FullAttentionSpec(block_size=16, num_kv_heads=model.config.num_key_value_heads,
                              head_size=model.config.head_dim, dtype="bfloat16")
-    with pytest.raises(ConfigError, match="dtype"):
+    with pytest.raises(ConfigError, match="bfloat16.*needs.*float32"):
         names = attention_layer_names(len(model.layers))
         ModelRunner(model, KVCacheConfig(8, (KVCacheGroupSpec(names, half),)), sc)
+    from pagedkv.core.spec import SlidingWindowSpec
+
+    swa = SlidingWindowSpec(block_size=16, num_kv_heads=model.config.num_key_value_heads,
+                            head_size=model.config.head_dim, dtype="float32", sliding_window=8)
+    with pytest.raises(ConfigError, match="SlidingWindowSpec.*needs.*FullAttentionSpec"):
+        ModelRunner(model, KVCacheConfig(8, (KVCacheGroupSpec(names, swa),)), sc)
 
 
 # ----- KV pool sizing --------------------------------------------------------------------------

@@ -111,25 +111,28 @@ def test_unsupported_architecture_names_it_and_lists_supported():
 
 
 def test_sliding_window_rules():
-    # Mistral: a window shorter than the maximum length is rejected ...
-    with pytest.raises(ConfigError, match="sliding window of 4096"):
-        ModelArchConfig.from_dict(base("MistralForCausalLM", sliding_window=4096, max_position_embeddings=32768))
-    # ... unless the engine caps the length at the window
-    ModelArchConfig.from_dict(base("MistralForCausalLM", sliding_window=4096, max_position_embeddings=32768),
-                              max_model_len=4096)
-    ModelArchConfig.from_dict(base("MistralForCausalLM", sliding_window=32768, max_position_embeddings=32768))
-    ModelArchConfig.from_dict(base("MistralForCausalLM", sliding_window=None))
-    ModelArchConfig.from_dict(base("MistralForCausalLM"))  # absent
-    # Qwen: only counts when use_sliding_window is on and some layer slides
-    ModelArchConfig.from_dict(base("Qwen2ForCausalLM", use_sliding_window=False, sliding_window=128))
-    ModelArchConfig.from_dict(base("Qwen2ForCausalLM", use_sliding_window=True, sliding_window=128,
-                                   max_window_layers=28))  # 2 layers < 28: none slides
-    with pytest.raises(ConfigError, match="full attention only"):
-        ModelArchConfig.from_dict(base("Qwen3ForCausalLM", use_sliding_window=True, sliding_window=128,
-                                       max_window_layers=1))
-    with pytest.raises(ConfigError, match="full attention only"):
-        ModelArchConfig.from_dict(base("Qwen2ForCausalLM", use_sliding_window=True, sliding_window=128,
-                                       layer_types=["full_attention", "sliding_attention"]))
+    """Per-layer windows as transformers reads them (the engine serves them: SWA groups)."""
+    def windows(arch, **kw):
+        return ModelArchConfig.from_dict(base(arch, **kw)).layer_windows
+
+    # Mistral: sliding_window on every layer when set
+    assert windows("MistralForCausalLM", sliding_window=4096) == (4096, 4096)
+    assert windows("MistralForCausalLM", sliding_window=None) == (None, None)
+    assert windows("MistralForCausalLM") == (None, None)  # absent
+    # Qwen: only with use_sliding_window, on layers >= max_window_layers or per layer_types
+    assert windows("Qwen2ForCausalLM", use_sliding_window=False, sliding_window=128) == (None, None)
+    assert windows("Qwen2ForCausalLM", use_sliding_window=True, sliding_window=128,
+                   max_window_layers=28) == (None, None)  # 2 layers < 28: none slides
+    assert windows("Qwen3ForCausalLM", use_sliding_window=True, sliding_window=128,
+                   max_window_layers=1) == (None, 128)
+    assert windows("Qwen2ForCausalLM", use_sliding_window=True, sliding_window=128,
+                   layer_types=["sliding_attention", "full_attention"]) == (128, None)
+    assert windows("LlamaForCausalLM", sliding_window=64) == (None, None)  # never slides
+    with pytest.raises(ConfigError, match="sliding_window"):
+        windows("MistralForCausalLM", sliding_window=-3)
+    with pytest.raises(ConfigError, match="layer_types"):
+        windows("Qwen2ForCausalLM", use_sliding_window=True, sliding_window=8,
+                layer_types=["sliding_attention"])
 
 
 def test_json_file_errors(tmp_path):
