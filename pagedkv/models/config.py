@@ -38,8 +38,14 @@ class _Family:
     mlp_bias: str | bool
     qk_norm: bool
     # How a sliding window is switched on: "mistral" (sliding_window alone), "qwen"
-    # (use_sliding_window + max_window_layers / layer_types), None (never).
+    # (use_sliding_window + max_window_layers / layer_types), "gemma" (layer_types, default
+    # every ``sliding_pattern``-th layer full), None (never).
     sliding: str | None
+    # Gemma 2 / 3 (0 for the others): (1 + w) RMSNorms in float32, sandwich norms around
+    # attention and MLP, GeGLU, embeddings scaled by sqrt(hidden), query_pre_attn_scalar,
+    # logit soft-capping; Gemma 3: q/k norms and a local RoPE base for sliding layers.
+    gemma: int = 0
+    sliding_pattern: int = 0
 
 
 FAMILIES: dict[str, _Family] = {
@@ -92,6 +98,15 @@ FAMILIES: dict[str, _Family] = {
         sliding="qwen",
     ),
 }
+
+FAMILIES["Gemma2ForCausalLM"] = _Family(
+    name="gemma2", max_position_embeddings=8192, bos_token_id=2, eos_token_id=1, head_dim=256,
+    qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False, qk_norm=False,
+    sliding="gemma", gemma=2, sliding_pattern=2)
+FAMILIES["Gemma3ForCausalLM"] = _Family(
+    name="gemma3", max_position_embeddings=131072, bos_token_id=2, eos_token_id=1, head_dim=256,
+    qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False, qk_norm=True,
+    sliding="gemma", gemma=3, sliding_pattern=6)
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(FAMILIES)
 
@@ -274,6 +289,13 @@ class ModelArchConfig:
     hidden_act: str = "silu"
     # per layer: its sliding window W (a query at p sees keys p - W < k <= p), None = full
     layer_windows: tuple[int | None, ...] = ()
+    # Gemma 2 / 3 only (see _Family.gemma): 2 or 3, else 0
+    gemma: int = 0
+    attn_scale: float | None = None  # softmax scale (default head_dim ** -0.5)
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    embed_scale: float | None = None  # embeddings times this (sqrt(hidden))
+    local_rope: "RopeConfig | None" = None  # RoPE of the sliding-window layers (Gemma 3)
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived sizes
@@ -386,9 +408,15 @@ class ModelArchConfig:
         if head_dim % 2:
             raise ConfigError(f"{source}: head_dim must be even for rotary embeddings, got {head_dim}")
 
-        act = d.get("hidden_act", "silu")
-        if act != "silu":
-            raise ConfigError(f"{source}: hidden_act {act!r} is not supported; these families use 'silu'")
+        if fam.gemma:
+            act = d.get("hidden_activation", d.get("hidden_act", "gelu_pytorch_tanh"))
+            if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+                raise ConfigError(f"{source}: hidden_activation {act!r} is not supported; "
+                                  f"{arch} uses 'gelu_pytorch_tanh'")
+        else:
+            act = d.get("hidden_act", "silu")
+            if act != "silu":
+                raise ConfigError(f"{source}: hidden_act {act!r} is not supported; these families use 'silu'")
         eps = d.get("rms_norm_eps", 1e-6)
         if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps <= 0:
             raise ConfigError(f"{source}: rms_norm_eps must be a positive number, got {eps!r}")
@@ -397,8 +425,26 @@ class ModelArchConfig:
         max_pos = fam.max_position_embeddings if max_pos is None else _pos_int(
             max_pos, "max_position_embeddings", source
         )
-        rope = _parse_rope(d, max_pos)
+        local_rope = None
+        if fam.gemma == 3:
+            rope, local_rope = _parse_gemma3_rope(d, max_pos, source)
+        else:
+            rope = _parse_rope(d, max_pos)
         windows = _layer_windows(d, fam, layers, source)
+        gemma_fields = {}
+        if fam.gemma:
+            def opt_num(key, default):
+                v = d.get(key, default)
+                if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+                    raise ConfigError(f"{source}: {key} must be a positive number or null, got {v!r}")
+                return None if v is None else float(v)
+
+            scalar = opt_num("query_pre_attn_scalar", 256)
+            gemma_fields = dict(
+                attn_scale=scalar ** -0.5,
+                attn_logit_softcap=opt_num("attn_logit_softcapping", 50.0 if fam.gemma == 2 else None),
+                final_logit_softcap=opt_num("final_logit_softcapping", 30.0 if fam.gemma == 2 else None),
+                embed_scale=hidden ** 0.5, local_rope=local_rope, gemma=fam.gemma)
 
         def flag(spec: str | bool) -> bool:
             if isinstance(spec, bool):
@@ -451,6 +497,7 @@ class ModelArchConfig:
             hidden_act=act,
             layer_windows=windows,
             raw=dict(d),
+            **gemma_fields,
         )
 
 
@@ -502,18 +549,46 @@ def _opt_token(v: Any, key: str, vocab: int, source: str) -> int | None:
     return v
 
 
+def _parse_gemma3_rope(d: dict, max_pos: int, source: str) -> tuple[RopeConfig, RopeConfig]:
+    """Gemma 3's two RoPEs: ``rope_parameters`` keyed by layer type (``full_attention`` /
+    ``sliding_attention``, transformers 5.x), or the older ``rope_theta`` (global, default 1e6)
+    + ``rope_scaling`` + ``rope_local_base_freq`` (local, default 1e4)."""
+    rp = d.get("rope_parameters")
+    if isinstance(rp, dict) and ("full_attention" in rp or "sliding_attention" in rp):
+        full = dict(rp.get("full_attention") or {})
+        local = dict(rp.get("sliding_attention") or {})
+    else:
+        full = dict(d.get("rope_scaling") or {})
+        full.setdefault("rope_theta", d.get("rope_theta", 1_000_000.0))
+        local = {"rope_theta": d.get("rope_local_base_freq", 10_000.0)}
+    full.setdefault("rope_theta", 1_000_000.0)
+    local.setdefault("rope_theta", 10_000.0)
+    return (_parse_rope({"rope_parameters": full}, max_pos),
+            _parse_rope({"rope_parameters": local}, max_pos))
+
+
 def _layer_windows(d: dict, fam: _Family, layers: int, source: str) -> tuple[int | None, ...]:
     """Each layer's sliding window (None: full attention), as transformers reads the config:
     Mistral: ``sliding_window`` on every layer when set; Qwen2/Qwen3: only with
     ``use_sliding_window``, on the layers ``layer_types`` marks ``sliding_attention`` (or,
     without ``layer_types``, layers ``>= max_window_layers``)."""
-    window = d.get("sliding_window")
+    window = d.get("sliding_window", 4096 if fam.sliding == "gemma" else None)
     if fam.sliding is None or window is None:
         return (None,) * layers
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise ConfigError(f"{source}: sliding_window must be null or a positive integer, got {window!r}")
     if fam.sliding == "mistral":
         return (window,) * layers
+    if fam.sliding == "gemma":
+        layer_types = d.get("layer_types")
+        if layer_types is None:
+            pattern = d.get("sliding_window_pattern", fam.sliding_pattern)
+            return tuple(window if (i + 1) % pattern else None for i in range(layers))
+        if not isinstance(layer_types, list) or len(layer_types) != layers or not set(layer_types) <= {
+                "full_attention", "sliding_attention"}:
+            raise ConfigError(f"{source}: layer_types must list 'full_attention' / 'sliding_attention' "
+                              f"for each of the {layers} layers, got {layer_types!r}")
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
     if not d.get("use_sliding_window", False):
         return (None,) * layers
     layer_types = d.get("layer_types")

@@ -310,15 +310,21 @@ class DecoderForCausalLM(nn.Module):
 
     def step_attention(self, attn: StepAttention | AttentionMetadataLike) -> StepAttention:
         """``attn`` as the forward pass takes it: a :class:`StepAttention` as it is, or one
-        metadata object for every layer (harnesses, profiling), planned here once."""
+        metadata object for every layer (harnesses, profiling), planned here once per
+        distinct layer layout."""
         if isinstance(attn, StepAttention):
             return attn
-        if any(w is not None for w in self.config.layer_windows):
-            raise InvalidRequestError(
-                "this model has sliding-window layers: pass a StepAttention with each layer's "
-                "plan (the engine's runner builds it), not one metadata object for all layers")
-        return StepAttention.uniform(self.attn_backend, attn, self.attention_layout(),
-                                     len(self.layers))
+        # one plan per distinct layout (full / each window), from the one metadata (its table
+        # must hold every position: windows only mask)
+        specs = list(self.kv_cache_specs(16).values())
+        plans: dict = {}
+        per_layer = []
+        for spec in specs:
+            layout = self.attention_layout(spec)
+            if layout not in plans:
+                plans[layout] = self.attn_backend.plan(attn, layout)
+            per_layer.append(plans[layout])
+        return StepAttention(attn, per_layer)
 
     def forward(
         self,
@@ -552,6 +558,11 @@ class DecoderForCausalLM(nn.Module):
             if mlp.down_proj.bias is not None:
                 m[p + "mlp.down_proj.bias"] = (mlp.down_proj.bias, None)
         return m
+
+    def finish_loading(self) -> "DecoderForCausalLM":
+        """Called by the loader once the checkpoint's weights are in (a model that derives
+        values from its weights computes them here; nothing for these families)."""
+        return self
 
     @torch.no_grad()
     def init_random_weights(self, seed: int = 0, std: float = 0.02) -> "DecoderForCausalLM":

@@ -166,7 +166,7 @@ def load_model(
     cls = get_model_class(config.architecture)
     model = cls(config, backend=backend, dtype=resolve_dtype(dtype, config), device=device)
     load_weights(model, model_dir)
-    return model.eval()
+    return model.finish_loading().eval()
 
 
 @dataclass

@@ -5,8 +5,13 @@ from __future__ import annotations
 from pagedkv.errors import UnsupportedArchitectureError
 from pagedkv.models.config import SUPPORTED_ARCHITECTURES
 from pagedkv.models.decoder import DecoderForCausalLM
+from pagedkv.models.gemma import GemmaForCausalLM
 
-MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {arch: DecoderForCausalLM for arch in SUPPORTED_ARCHITECTURES}
+# one generic decoder for the Llama-like families; Gemma 2 / 3 have their own layers
+MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
+    arch: GemmaForCausalLM if arch.startswith("Gemma") else DecoderForCausalLM
+    for arch in SUPPORTED_ARCHITECTURES
+}
 
 
 def supported_architectures() -> list[str]:

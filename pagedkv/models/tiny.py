@@ -34,7 +34,11 @@ FAMILY_ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+# transformers config class per family where it is not "<Architecture minus ForCausalLM>Config"
+CONFIG_CLASSES = {"gemma3": "Gemma3TextConfig"}
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -98,8 +102,8 @@ class TinySpec:
             raise ConfigError("tiny num_heads must be a multiple of num_kv_heads")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"tiny dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.attention_bias and self.family not in ("llama", "qwen3"):
-            raise ConfigError("attention_bias is a llama/qwen3 option")
+        if self.attention_bias and self.family not in ("llama", "qwen3", "gemma2", "gemma3"):
+            raise ConfigError("attention_bias is a llama/qwen3/gemma option")
         if self.mlp_bias and self.family != "llama":
             raise ConfigError("mlp_bias is a llama option")
         if self.sliding_window is not None and self.family == "llama":
@@ -157,6 +161,15 @@ def hf_config_dict(spec: TinySpec) -> dict:
                      max_window_layers=spec.max_window_layers)
     elif spec.family == "mistral":
         d.update(sliding_window=spec.sliding_window)
+    elif spec.family in ("gemma2", "gemma3"):
+        # interleaved local/global layers need a window; the softcaps keep their defaults
+        d.update(sliding_window=spec.sliding_window or 16, query_pre_attn_scalar=spec.head_dim,
+                 hidden_activation="gelu_pytorch_tanh", attention_bias=spec.attention_bias)
+        if spec.family == "gemma3":
+            d["rope_parameters"] = {
+                "full_attention": dict(rope, rope_theta=float(spec.rope_theta) * 100),
+                "sliding_attention": {"rope_type": "default", "rope_theta": float(spec.rope_theta)},
+            }
     return d
 
 
@@ -190,7 +203,7 @@ def train_tokenizer(vocab_size: int, *, add_bos: bool):
 def _fill_weights(model, spec: TinySpec) -> None:
     import torch
 
-    family_salt = sorted(FAMILY_ARCHITECTURES).index(spec.family)
+    family_salt = list(FAMILY_ARCHITECTURES).index(spec.family)  # insertion order: stable
     gen = torch.Generator().manual_seed(spec.seed * 1000 + family_salt)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
@@ -208,7 +221,7 @@ def _build(spec: TinySpec, out_dir: str) -> None:
     import transformers
 
     arch = FAMILY_ARCHITECTURES[spec.family]
-    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    config_cls = getattr(transformers, CONFIG_CLASSES.get(spec.family, arch.replace("ForCausalLM", "Config")))
     model_cls = getattr(transformers, arch)
     config = config_cls(**hf_config_dict(spec))
     model = model_cls(config)
@@ -217,7 +230,7 @@ def _build(spec: TinySpec, out_dir: str) -> None:
     kwargs = {} if spec.max_shard_size is None else {"max_shard_size": spec.max_shard_size}
     model.save_pretrained(out_dir, **kwargs)
 
-    tok = train_tokenizer(spec.vocab_size, add_bos=spec.family in ("llama", "mistral"))
+    tok = train_tokenizer(spec.vocab_size, add_bos=spec.family in ("llama", "mistral", "gemma2", "gemma3"))
     if tok.get_vocab_size() > spec.vocab_size:
         raise ConfigError(f"trained tokenizer has {tok.get_vocab_size()} tokens > vocab_size {spec.vocab_size}")
     tok.save(os.path.join(out_dir, "tokenizer.json"))

@@ -1,7 +1,10 @@
 """Sliding-window models end to end on one runner (CPU, fp32, sanitizer on every step):
-Mistral with ``sliding_window`` (every layer windowed: one sliding-window group) and Qwen2 with
+Mistral with ``sliding_window`` (every layer windowed: one sliding-window group), Qwen2 with
 ``use_sliding_window`` + ``max_window_layers`` (full layers beside windowed ones: a hybrid of
-two KV-cache groups in one block pool). Greedy tokens equal transformers' ``generate`` with
+two KV-cache groups in one block pool), Gemma 2 (alternating local / global layers, attention
+and final logit soft-capping, sandwich norms, GeGLU, ``query_pre_attn_scalar``) and Gemma 3
+text (five local : one global, local and global RoPE bases, q/k norms: seven groups of one
+layer). Greedy tokens equal transformers' ``generate`` with
 prompts longer than the window, chunked prefill crossing the window edge, prefix hits (the
 sliding-window hit rule), preemption on a small pool, block sizes 16 and 32, both attention
 backends (the Triton kernels through the interpreter); blocks the window left behind are
@@ -17,6 +20,14 @@ W = 8
 FAMILIES = {
     "mistral": dict(sliding_window=W),
     "qwen2": dict(sliding_window=W, max_window_layers=1),  # layer 0 full, layer 1 windowed
+    "gemma2": dict(sliding_window=W, num_layers=4),  # local, global, local, global
+    "gemma3": dict(sliding_window=W, num_layers=7),  # 5 local : 1 global, then local
+}
+GROUP_KINDS = {
+    "mistral": ["SlidingWindowSpec"],
+    "qwen2": ["FullAttentionSpec", "SlidingWindowSpec"],
+    "gemma2": ["FullAttentionSpec", "SlidingWindowSpec"],
+    "gemma3": ["FullAttentionSpec"] + ["SlidingWindowSpec"] * 6,
 }
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
@@ -37,11 +48,8 @@ def test_greedy_matches_transformers_across_the_window(tiny_dir, hf_ref, family,
     llm = make_llm(path, attention_backend=backend, block_size=16, max_num_batched_tokens=16)
     groups = llm.scheduler.kv_cache_config.kv_cache_groups
     kinds = sorted(type(g.kv_cache_spec).__name__ for g in groups)
-    if family == "mistral":
-        assert kinds == ["SlidingWindowSpec"]
-    else:  # full + sliding window, one pool, two block tables
-        assert kinds == ["FullAttentionSpec", "SlidingWindowSpec"]
-        assert llm.runner.input_batch.block_table.num_groups == 2
+    assert kinds == GROUP_KINDS[family]  # hybrids: one pool, one block table per group
+    assert llm.runner.input_batch.block_table.num_groups == len(groups)
     assert max(len(llm.tokenizer.encode(t)) for t in TEXTS) > 3 * W
     _check(llm, hf_ref(path), TEXTS)  # lengths 3..58 against W = 8; chunks of 16 cross it
 
@@ -53,7 +61,7 @@ def test_prefix_hits_preemption_and_block_sizes(tiny_dir, hf_ref, family, block_
     ref = hf_ref(path)
     long = TEXTS[3]
     prompts = [long, TEXTS[2], long, long + " And more after the shared part.", TEXTS[1]]
-    groups = 1 if family == "mistral" else 2
+    groups = len(GROUP_KINDS[family])
     # the smallest pool one max-length request fits in: the others must wait or be preempted
     llm = make_llm(path, block_size=block_size, max_num_batched_tokens=16, max_num_seqs=4,
                    num_gpu_blocks_override=1 + groups * -(-96 // block_size), max_model_len=96)
@@ -94,6 +102,12 @@ def test_specs_follow_transformers_layer_rules(tiny_dir):
     assert m.layer_windows == (W, W)
     q = load_model_config(tiny_dir("qwen2", **FAMILIES["qwen2"]))
     assert q.layer_windows == (None, W)
+    g2 = load_model_config(tiny_dir("gemma2", **FAMILIES["gemma2"]))
+    assert g2.layer_windows == (W, None, W, None)
+    assert (g2.attn_logit_softcap, g2.final_logit_softcap, g2.attn_scale) == (50.0, 30.0, 16 ** -0.5)
+    g3 = load_model_config(tiny_dir("gemma3", **FAMILIES["gemma3"]))
+    assert g3.layer_windows == (W,) * 5 + (None, W) and g3.qk_norm
+    assert (g3.rope.rope_theta, g3.local_rope.rope_theta) == (1_000_000.0, 10_000.0)
     llm = make_llm(tiny_dir("qwen2", **FAMILIES["qwen2"]))
     specs = llm.engine.model.kv_cache_specs(16)
     assert isinstance(specs["model.layers.0.self_attn"], FullAttentionSpec)

@@ -133,8 +133,14 @@ def test_tiny_build_is_idempotent(tiny_cache):
 
 
 def test_registry():
+    from pagedkv.models.decoder import DecoderForCausalLM
+    from pagedkv.models.gemma import GemmaForCausalLM
+
     assert set(supported_architectures()) == {
-        "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"}
+        "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
+        "Gemma2ForCausalLM", "Gemma3ForCausalLM"}
+    assert get_model_class("Gemma3ForCausalLM") is GemmaForCausalLM
+    assert get_model_class("MistralForCausalLM") is DecoderForCausalLM
     with pytest.raises(UnsupportedArchitectureError, match="FalconForCausalLM.*LlamaForCausalLM"):
         get_model_class("FalconForCausalLM")
 
