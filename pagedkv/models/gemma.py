@@ -117,6 +117,10 @@ class GemmaForCausalLM(DecoderForCausalLM):
                                       device=device)
         self.local_rotary = None if config.local_rope is None else RotaryEmbedding(
             config.head_dim, config.local_rope, config.max_position_embeddings, device=device)
+        # sqrt(hidden) rounded to the model dtype, on the model's device (no host tensor in
+        # the forward: CUDA graphs capture it)
+        self.register_buffer("embed_scale", torch.tensor(config.embed_scale, dtype=dtype,
+                                                         device=device), persistent=False)
         self.fuse_kv_write = False
 
     # ---- the engine's interface
@@ -145,8 +149,7 @@ class GemmaForCausalLM(DecoderForCausalLM):
         local = cos, sin
         if self.local_rotary is not None:
             local = self._rope(self.local_rotary, positions)
-        scale = torch.tensor(self.config.embed_scale, dtype=self.dtype)
-        hidden = F.embedding(input_ids, self.embed_tokens) * scale.to(input_ids.device)
+        hidden = F.embedding(input_ids, self.embed_tokens) * self.embed_scale
         backend = self.attn_backend
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             c, s = local if layer.sliding_window is not None else (cos, sin)
