@@ -153,8 +153,16 @@ def cmd_trace(args) -> int:
     print(f"pagedkv trace: {args.requests} requests, {args.num_blocks} blocks x {args.block_size} "
           f"tokens, groups {args.groups}, device {device}, prefix caching "
           f"{'off' if args.no_prefix_caching else 'on'}, sanitizer {'on' if args.sanitize else 'off'}")
-    show = (lambda rec: print_step(rec, len(groups), args.limit)) if not args.quiet else None
-    driver.run(workload, max_steps=args.max_steps, on_step=show)
+    records = []
+    driver.record_cached = bool(args.html)
+
+    def on_step(rec) -> None:
+        if not args.quiet:
+            print_step(rec, len(groups), args.limit)
+        if args.html:
+            records.append(rec)
+
+    driver.run(workload, max_steps=args.max_steps, on_step=on_step)
     s = driver.summary()
     print("\nsummary")
     print(f"  steps              {s['steps']}")
@@ -168,6 +176,16 @@ def cmd_trace(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(s, f, indent=1)
+    if args.html:
+        from pagedkv.tools.trace_html import trace_page
+
+        labels = [f"{type(g.kv_cache_spec).__name__} (block {g.kv_cache_spec.block_size}"
+                  + (f", window {g.kv_cache_spec.sliding_window})"
+                     if hasattr(g.kv_cache_spec, "sliding_window") else ")") for g in groups]
+        with open(args.html, "w", encoding="utf-8") as f:
+            f.write(trace_page(records, s, labels, title=f"pagedkv trace: {args.groups}, "
+                               f"{args.requests} requests, {args.num_blocks} blocks"))
+        print(f"wrote {args.html}")
     return 0
 
 
@@ -331,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     t.add_argument("--json", default=None, help="write the summary as JSON here")
+    t.add_argument("--html", default=None,
+                   help="write a self-contained page of every step here (tables, slots, CSR, "
+                        "hits, preemptions; a step slider)")
     t.set_defaults(func=cmd_trace)
 
     g = sub.add_parser("generate", help="generate text with a Hugging Face checkpoint directory")

@@ -56,6 +56,7 @@ class StepRecord:
     num_free_blocks: int
     usage: float
     preempted: list[str] = field(default_factory=list)
+    cached_blocks: list[int] = field(default_factory=list)  # ids with a prefix-cache hash
 
 
 class IndexLayerDriver:
@@ -90,6 +91,8 @@ class IndexLayerDriver:
         self.preparer = InputPreparer.for_batch(self.batch)
         self.next_token = next_token or (lambda rid, pos: 0)
         self.sanitize = sanitize
+        # StepRecord.cached_blocks is filled when this is set (the trace page shows them)
+        self.record_cached = False
         self.step_index = 0
         # The last prepared step's inputs (views of persistent buffers; valid until next step).
         self.last_step_inputs: StepInputs | None = None
@@ -186,9 +189,15 @@ class IndexLayerDriver:
             num_free_blocks=sched.kv_cache_manager.num_free_blocks,
             usage=usage,
             preempted=sorted(so.preempted_req_ids),
+            cached_blocks=self._cached_blocks() if self.record_cached else [],
         )
         self.step_index += 1
         return record
+
+    def _cached_blocks(self) -> list[int]:
+        """Ids of the blocks that carry a prefix-cache hash now (held or evictable)."""
+        pool = self.scheduler.kv_cache_manager.block_pool
+        return [b.block_id for b in pool.blocks if b.block_hash is not None]
 
     def _group_indices(self, step: StepInputs) -> list[GroupIndices]:
         bt = self.batch.block_table
