@@ -540,23 +540,10 @@ class DecoderForCausalLM(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             m[p + "input_layernorm.weight"] = (layer.input_layernorm.weight, None)
             m[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, None)
-            for name in ("q", "k", "v"):
-                m[p + f"self_attn.{name}_proj.weight"] = (attn.qkv_proj.weight, attn.qkv_proj.shards[name])
-                if attn.qkv_proj.bias is not None:
-                    m[p + f"self_attn.{name}_proj.bias"] = (attn.qkv_proj.bias, attn.qkv_proj.shards[name])
-            m[p + "self_attn.o_proj.weight"] = (attn.o_proj.weight, None)
-            if attn.o_proj.bias is not None:
-                m[p + "self_attn.o_proj.bias"] = (attn.o_proj.bias, None)
-            if attn.q_norm is not None:
-                m[p + "self_attn.q_norm.weight"] = (attn.q_norm.weight, None)
-                m[p + "self_attn.k_norm.weight"] = (attn.k_norm.weight, None)
-            for name in ("gate", "up"):
-                m[p + f"mlp.{name}_proj.weight"] = (mlp.gate_up_proj.weight, mlp.gate_up_proj.shards[name])
-                if mlp.gate_up_proj.bias is not None:
-                    m[p + f"mlp.{name}_proj.bias"] = (mlp.gate_up_proj.bias, mlp.gate_up_proj.shards[name])
-            m[p + "mlp.down_proj.weight"] = (mlp.down_proj.weight, None)
-            if mlp.down_proj.bias is not None:
-                m[p + "mlp.down_proj.bias"] = (mlp.down_proj.bias, None)
+            m.update(attention_hf_entries(p, attn.qkv_proj, attn.o_proj, attn.q_norm, attn.k_norm))
+            m.update(mlp.gate_up_proj.hf_entries_of_shards(
+                {"gate": p + "mlp.gate_proj", "up": p + "mlp.up_proj"}))
+            m.update(mlp.down_proj.hf_entries(p + "mlp.down_proj"))
         return m
 
     def finish_loading(self) -> "DecoderForCausalLM":
@@ -579,6 +566,18 @@ class DecoderForCausalLM(nn.Module):
             else:
                 p.fill_(1.0)
         return self
+
+
+def attention_hf_entries(prefix: str, qkv_proj, o_proj, q_norm=None, k_norm=None) -> dict:
+    """The Hugging Face tensors of one layer's attention (``self_attn.{q,k,v,o}_proj``, the
+    q/k norms when present) in a model's ``hf_weight_map``."""
+    a = prefix + "self_attn."
+    m = qkv_proj.hf_entries_of_shards({s: f"{a}{s}_proj" for s in ("q", "k", "v")})
+    m.update(o_proj.hf_entries(a + "o_proj"))
+    if q_norm is not None:
+        m[a + "q_norm.weight"] = (q_norm.weight, None)
+        m[a + "k_norm.weight"] = (k_norm.weight, None)
+    return m
 
 
 def _close(ref: torch.Tensor, got: torch.Tensor) -> None:

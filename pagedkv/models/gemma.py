@@ -32,7 +32,7 @@ from torch import nn
 
 from pagedkv.attention.backend import AttentionBackend, AttentionLayout
 from pagedkv.models.config import ModelArchConfig
-from pagedkv.models.decoder import DecoderForCausalLM
+from pagedkv.models.decoder import DecoderForCausalLM, attention_hf_entries
 from pagedkv.models.layers import Linear, MergedLinear, QKVProjection
 from pagedkv.models.rotary import RotaryEmbedding, apply_rotary
 
@@ -193,21 +193,11 @@ class GemmaForCausalLM(DecoderForCausalLM):
             for name in ("input_layernorm", "post_attention_layernorm",
                          "pre_feedforward_layernorm", "post_feedforward_layernorm"):
                 m[p + f"{name}.weight"] = (getattr(layer, name).weight, None)
-            qkv = layer.qkv_proj
-            for name in ("q", "k", "v"):
-                m[p + f"self_attn.{name}_proj.weight"] = (qkv.weight, qkv.shards[name])
-                if qkv.bias is not None:
-                    m[p + f"self_attn.{name}_proj.bias"] = (qkv.bias, qkv.shards[name])
-            m[p + "self_attn.o_proj.weight"] = (layer.o_proj.weight, None)
-            if layer.o_proj.bias is not None:
-                m[p + "self_attn.o_proj.bias"] = (layer.o_proj.bias, None)
-            if layer.q_norm is not None:
-                m[p + "self_attn.q_norm.weight"] = (layer.q_norm.weight, None)
-                m[p + "self_attn.k_norm.weight"] = (layer.k_norm.weight, None)
-            for name in ("gate", "up"):
-                m[p + f"mlp.{name}_proj.weight"] = (layer.gate_up_proj.weight,
-                                                    layer.gate_up_proj.shards[name])
-            m[p + "mlp.down_proj.weight"] = (layer.down_proj.weight, None)
+            m.update(attention_hf_entries(p, layer.qkv_proj, layer.o_proj, layer.q_norm,
+                                          layer.k_norm))
+            m.update(layer.gate_up_proj.hf_entries_of_shards(
+                {"gate": p + "mlp.gate_proj", "up": p + "mlp.up_proj"}))
+            m.update(layer.down_proj.hf_entries(p + "mlp.down_proj"))
         return m
 
     @torch.no_grad()

@@ -64,6 +64,14 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    def hf_entries(self, name: str) -> dict:
+        """This projection's Hugging Face tensors (``name.weight``, ``name.bias`` if any) ->
+        ``(parameter, None)`` (the whole parameter), for a model's ``hf_weight_map``."""
+        m = {f"{name}.weight": (self.weight, None)}
+        if self.bias is not None:
+            m[f"{name}.bias"] = (self.bias, None)
+        return m
+
 
 class MergedLinear(Linear):
     """Several projections of the same input stacked into one weight (one GEMM).
@@ -79,6 +87,17 @@ class MergedLinear(Linear):
             self.shards[name] = (start, n)
             start += n
         self.split_sizes = list(sizes.values())
+
+    def hf_entries_of_shards(self, names: dict[str, str]) -> dict:
+        """Each shard's Hugging Face tensors (``names[shard]`` + ``.weight`` / ``.bias``) ->
+        ``(fused parameter, its row range)``."""
+        m = {}
+        for shard, name in names.items():
+            rows = self.shards[shard]
+            m[f"{name}.weight"] = (self.weight, rows)
+            if self.bias is not None:
+                m[f"{name}.bias"] = (self.bias, rows)
+        return m
 
 
 class QKVProjection(MergedLinear):
