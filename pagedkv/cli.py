@@ -315,6 +315,52 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """An OpenAI-compatible server on HOST:PORT until SIGTERM / Ctrl-C (then: stop admission,
+    let running requests finish for --drain-timeout seconds, abort the rest, exit 0)."""
+    import uvicorn
+
+    from pagedkv.engine.llm import LLM
+    from pagedkv.entrypoints.openai_server import make_server
+
+    tokenizer = args.tokenizer if args.tokenizer else "auto"
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, tokenizer=tokenizer,
+              attention_backend=args.attention_backend, **_engine_kwargs(args))
+    name = args.served_model_name or args.model
+    app, _, _ = make_server(llm, model_name=name, api_key=args.api_key,
+                            max_waiting=args.max_waiting, drain_timeout=args.drain_timeout)
+    print(f"pagedkv serve: {name} on http://{args.host}:{args.port}/v1 "
+          f"({llm.kv_cache_sizing.describe()})", flush=True)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=int(args.drain_timeout) + 5)
+    _graceful_server_class()(config).run()
+    return 0
+
+
+def _graceful_server_class():
+    import contextlib
+    import signal
+
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn's server, but SIGTERM / SIGINT end it with exit status 0 after the graceful
+        shutdown (uvicorn re-raises the signal once it has stopped, so the process would die of
+        it): a supervisor's stop is a clean exit."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            sigs = (signal.SIGINT, signal.SIGTERM)
+            previous = {s: signal.signal(s, self.handle_exit) for s in sigs}
+            try:
+                yield
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
+
+    return GracefulServer
+
+
 def cmd_demo(args) -> int:
     from pagedkv.engine.demo import run_demo
 
@@ -385,6 +431,22 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", default=None, help="write the result as JSON here")
     _engine_args(b)
     b.set_defaults(func=cmd_bench)
+
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server for a checkpoint directory")
+    sv.add_argument("model", help="checkpoint directory")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--served-model-name", default=None, help="the model name clients send "
+                    "(default: the directory as given)")
+    sv.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    sv.add_argument("--max-waiting", type=int, default=None,
+                    help="refuse requests (503) while this many are waiting")
+    sv.add_argument("--drain-timeout", type=float, default=30.0,
+                    help="seconds running requests may finish after SIGTERM")
+    sv.add_argument("--log-level", default="info")
+    _engine_args(sv)
+    sv.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", help="answer chat prompts with a real small model (SmolLM2-135M-Instruct)")
     d.add_argument("--cache-dir", default=None, help="default $PAGEDKV_CACHE or ~/.cache/pagedkv")

@@ -1,28 +1,10 @@
-"""Fixtures for engine tests: tiny checkpoints (built once per session) and transformers
-references computed once per module (helpers live in ``engine_helpers``)."""
-
-import os
+"""Fixtures for engine tests: transformers references computed once per module (helpers live
+in ``engine_helpers``; the tiny checkpoints come from the root conftest)."""
 
 import pytest
 from engine_helpers import HFReference
 
 transformers = pytest.importorskip("transformers")
-
-
-@pytest.fixture(scope="session")
-def tiny_cache(tmp_path_factory) -> str:
-    return os.environ.get("PAGEDKV_TEST_CACHE") or str(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="session")
-def tiny_dir(tiny_cache):
-    from pagedkv.models.tiny import build_tiny_checkpoint
-
-    def make(family: str, **options) -> str:
-        return build_tiny_checkpoint(family, tiny_cache, **options)
-
-    return make
-
 
 _HF: dict = {}
 
@@ -36,5 +18,3 @@ def hf_ref():
 
     yield get
     _HF.clear()
-
-

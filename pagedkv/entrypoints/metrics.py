@@ -1,0 +1,107 @@
+"""Prometheus metrics of a serving engine, named close to vLLM's (``pagedkv:`` prefix instead
+of ``vllm:``) so dashboards port.
+
+Updated on the engine thread after every step (``ServingMetrics.on_step``) from the engine's
+own counters and the requests' ``RequestMetrics``; exported by ``GET /metrics``. One registry
+per server (not the process-global default), so several servers or tests do not collide.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class ServingMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+        self.model_name = model_name
+        self.running = Gauge("pagedkv:num_requests_running", "Requests in the running batch",
+                             labels, registry=r)
+        self.waiting = Gauge("pagedkv:num_requests_waiting", "Requests waiting to be scheduled",
+                             labels, registry=r)
+        self.kv_usage = Gauge("pagedkv:kv_cache_usage_perc",
+                              "Fraction of KV-cache blocks in use (1 = full)", labels, registry=r)
+        self.kv_group_usage = Gauge(
+            "pagedkv:kv_cache_group_usage_perc",
+            "Fraction of the KV pool held by each KV-cache group", labels + ["group"], registry=r)
+        self.prefix_queries = Counter("pagedkv:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache", labels, registry=r)
+        self.prefix_hits = Counter("pagedkv:prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache", labels, registry=r)
+        self.preemptions = Counter("pagedkv:num_preemptions", "Preempted requests", labels, registry=r)
+        self.prompt_tokens = Counter("pagedkv:prompt_tokens", "Prompt tokens of finished requests",
+                                     labels, registry=r)
+        self.generation_tokens = Counter("pagedkv:generation_tokens", "Generated tokens",
+                                         labels, registry=r)
+        self.success = Counter("pagedkv:request_success", "Finished requests by finish reason",
+                               labels + ["finished_reason"], registry=r)
+        self.failed_steps = Counter("pagedkv:failed_steps", "Engine steps that raised", labels,
+                                    registry=r)
+        self.ttft = Histogram("pagedkv:time_to_first_token_seconds", "Time to first token",
+                              labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pagedkv:inter_token_latency_seconds", "Time between two tokens",
+                             labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("pagedkv:e2e_request_latency_seconds", "Arrival to finish", labels,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self._last = dict(queries=0, hits=0, preemptions=0, tokens=0, failed=0)
+        self._last_token_time: dict[str, tuple[float, int]] = {}
+        self._next_group_scan = 0.0  # per-group usage walks every held block: twice a second
+
+    def on_step(self, engine, outputs, failed_steps: int = 0) -> None:
+        """After a step, on the engine thread: gauges from the scheduler, counters from the
+        engine's totals (as deltas), latencies from the outputs' metrics."""
+        m, name = self, self.model_name
+        sched = engine.scheduler
+        mgr = sched.kv_cache_manager
+        m.running.labels(name).set(sched.num_running)
+        m.waiting.labels(name).set(sched.num_waiting)
+        m.kv_usage.labels(name).set(mgr.usage)
+        now = time.monotonic()
+        if now >= m._next_group_scan:
+            m._next_group_scan = now + 0.5
+            total = max(1, sched.kv_cache_config.num_blocks - 1)
+            for gid, smgr in enumerate(mgr.coordinator.single_type_managers):
+                held = sum(1 for blocks in smgr.req_to_blocks.values() for b in blocks
+                           if not b.is_null)
+                m.kv_group_usage.labels(name, str(gid)).set(held / total)
+        st = engine.stats
+        for key, value, counter in (("queries", st.prefix_cache_queries, m.prefix_queries),
+                                    ("hits", st.prefix_cache_hits, m.prefix_hits),
+                                    ("preemptions", sched.num_preemptions, m.preemptions),
+                                    ("tokens", st.tokens_generated, m.generation_tokens),
+                                    ("failed", failed_steps, m.failed_steps)):
+            if value > m._last[key]:
+                counter.labels(name).inc(value - m._last[key])
+            m._last[key] = value
+        last = m._last_token_time
+        for out in outputs:
+            rm = out.metrics
+            n = len(out.outputs[0].token_ids)
+            prev = last.get(out.request_id)
+            if rm.first_token_time is not None and prev is None and n:
+                m.ttft.labels(name).observe(rm.first_token_time - rm.arrival_time)
+            elif prev is not None and n > prev[1] and rm.last_token_time is not None:
+                gap = (rm.last_token_time - prev[0]) / (n - prev[1])
+                for _ in range(n - prev[1]):
+                    m.itl.labels(name).observe(gap)
+            if rm.last_token_time is not None and n:
+                last[out.request_id] = (rm.last_token_time, n)
+            if out.finished:
+                last.pop(out.request_id, None)
+                reason = out.outputs[0].finish_reason or "abort"
+                m.success.labels(name, reason).inc()
+                m.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))
+                if rm.finished_time is not None:
+                    m.e2e.labels(name).observe(rm.finished_time - rm.arrival_time)
+
+    def export(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+__all__ = ["ServingMetrics"]

@@ -1,0 +1,360 @@
+"""The OpenAI-compatible server, live on 127.0.0.1 (uvicorn in a thread) over a tiny checkpoint
+with a chat template, talked to with the official ``openai`` client and with raw HTTP (httpx).
+Outputs equal a separate ``LLM``'s ``generate`` for the same prompts and seeds; the serving
+engine runs with the sanitizer on every step."""
+
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+uvicorn = pytest.importorskip("uvicorn")
+
+from pagedkv import LLM, SamplingParams  # noqa: E402
+from pagedkv.entrypoints.openai_server import make_server  # noqa: E402
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+ENGINE = dict(device="cpu", dtype="float32", attention_backend="torch_ref", max_num_seqs=8,
+              max_num_batched_tokens=256, max_model_len=256, kv_cache_memory_bytes=2 << 20,
+              seed=0)
+PROMPTS = ["Hello", "The block table maps a request row", "Chunked prefill splits a long prompt",
+           "Prefix caching hashes full blocks so that", "A slot is a block id times"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_dir, tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("served") / "tiny-chat")
+    shutil.copytree(tiny_dir("llama"), d)
+    with open(os.path.join(d, "chat_template.jinja"), "w") as f:
+        f.write(CHAT_TEMPLATE)
+    return d
+
+
+class LiveServer:
+    def __init__(self, llm, **kw):
+        self.llm = llm
+        self.app, self.async_llm, self.serving = make_server(llm, model_name="tiny", **kw)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        for _ in range(500):
+            if self.server.started:
+                break
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def live(model_dir):
+    s = LiveServer(LLM(model_dir, sanitize=True, **ENGINE))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def ref(model_dir):
+    """A second engine (same checkpoint and settings) giving the expected outputs."""
+    return LLM(model_dir, **ENGINE)
+
+
+@pytest.fixture
+def client(live):
+    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused")
+
+
+def _expected(ref, prompt, **params):
+    p = SamplingParams(**params)
+    if isinstance(prompt, list):
+        prompt = {"prompt_token_ids": prompt}
+    return ref.generate([prompt], p, use_tqdm=False)[0].outputs[0]
+
+
+def _pool_idle(llm, timeout=10.0):
+    mgr = llm.engine.scheduler.kv_cache_manager
+    total = llm.engine.scheduler.kv_cache_config.num_blocks - 1
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if mgr.num_free_blocks == total and not llm.engine.scheduler.has_unfinished_requests():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_models_health(client, live):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert httpx.get(live.url + "/health").json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize("temperature,seed", [(0.0, None), (0.9, 1234)])
+def test_completion_equals_generate(client, ref, temperature, seed):
+    for prompt in PROMPTS[:3]:
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=12,
+                                        temperature=temperature, seed=seed,
+                                        extra_body={"ignore_eos": True})
+        want = _expected(ref, prompt, max_tokens=12, temperature=temperature, seed=seed,
+                         ignore_eos=True)
+        c = got.choices[0]
+        assert c.text == want.text and c.finish_reason == "length"
+        assert got.usage.completion_tokens == 12 and got.usage.prompt_tokens > 0
+
+
+def test_streamed_completion_concatenates_to_the_text(client, ref):
+    chunks = list(client.completions.create(
+        model="tiny", prompt=PROMPTS[1], max_tokens=16, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == _expected(ref, PROMPTS[1], max_tokens=16, temperature=0, ignore_eos=True).text
+    assert sum(1 for c in chunks if c.choices) >= 2
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+
+
+def test_chat_and_streamed_chat(client, ref, model_dir):
+    from pagedkv.models.chat_template import ChatTemplate
+
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    tok = ref.tokenizer
+    ids = tok.encode(ChatTemplate.from_dir(model_dir).render(msgs), add_special_tokens=False)
+    want = _expected(ref, ids, max_tokens=10, temperature=0, ignore_eos=True)
+    got = client.chat.completions.create(model="tiny", messages=msgs, max_completion_tokens=10,
+                                         temperature=0, extra_body={"ignore_eos": True})
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == want.text
+    assert got.usage.prompt_tokens == len(ids)
+    stream = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10,
+                                            temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True})
+    parts = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert "".join(parts) == want.text
+
+
+def test_n_samples_share_the_prompt_and_follow_the_seeds(client, ref, live):
+    got = client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=8, n=3,
+                                    temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in got.choices) == [0, 1, 2]
+    for c in got.choices:
+        want = _expected(ref, PROMPTS[3], max_tokens=8, temperature=1.0, seed=7 + c.index,
+                         ignore_eos=True)
+        assert c.text == want.text
+    # the prompt is counted once
+    n_prompt = len(ref.tokenizer.encode(PROMPTS[3]))
+    assert got.usage.prompt_tokens == n_prompt and got.usage.completion_tokens == 24
+
+
+def test_logprobs_formats(client):
+    c = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=5, temperature=0,
+                                  logprobs=2, extra_body={"ignore_eos": True}).choices[0]
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    # a dict keyed by token text (OpenAI's legacy format): byte tokens can share a text
+    assert all(1 <= len(t) <= 2 for t in lp.top_logprobs) and all(x <= 0 for x in lp.token_logprobs)
+    assert "".join(lp.tokens) == c.text
+    ch = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                        max_tokens=4, temperature=0, logprobs=True,
+                                        top_logprobs=3, extra_body={"ignore_eos": True}).choices[0]
+    content = ch.logprobs.content
+    assert len(content) == 4 and all(len(x.top_logprobs) == 3 for x in content)
+    # greedy: the sampled token is the most likely one
+    assert all(x.top_logprobs[0].token == x.token for x in content)
+
+
+def test_echo_stop_and_tokenize(live, ref):
+    body = {"model": "tiny", "prompt": PROMPTS[2], "max_tokens": 6, "temperature": 0,
+            "echo": True, "ignore_eos": True}
+    r = httpx.post(live.url + "/v1/completions", json=body, timeout=60).json()
+    assert r["choices"][0]["text"].startswith(PROMPTS[2])
+    full = _expected(ref, PROMPTS[2], max_tokens=6, temperature=0, ignore_eos=True).text
+    stop = full[2:4]
+    r = httpx.post(live.url + "/v1/completions", timeout=60,
+                   json={**body, "echo": False, "stop": [stop]}).json()
+    assert r["choices"][0]["finish_reason"] == "stop" and stop not in r["choices"][0]["text"]
+    t = httpx.post(live.url + "/tokenize", json={"prompt": PROMPTS[1]}).json()
+    assert t["tokens"] == ref.tokenizer.encode(PROMPTS[1]) and t["count"] == len(t["tokens"])
+    d = httpx.post(live.url + "/detokenize", json={"tokens": t["tokens"]}).json()
+    assert d["prompt"] == ref.tokenizer.decode(t["tokens"])
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"prompt": "x", "temperature": -1}, 400, None),
+    ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"prompt": "word " * 400}, 400, None),  # longer than the context
+    ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"prompt": "x", "n": 99}, 400, "n"),
+    ({}, 400, "prompt"),
+])
+def test_errors_are_openai_json(live, body, status, param):
+    r = httpx.post(live.url + "/v1/completions", json={"model": "tiny", **body}, timeout=60)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    if param:
+        assert err["param"] == param
+    assert _pool_idle(live.llm)
+
+
+def test_openai_client_raises_typed_errors(client):
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="x", top_p=0.0)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+
+
+def test_api_key_and_overload(model_dir):
+    s = LiveServer(LLM(model_dir, **ENGINE), api_key="sekrit", max_waiting=0)
+    try:
+        bad = openai.OpenAI(base_url=s.url + "/v1", api_key="wrong")
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        good = openai.OpenAI(base_url=s.url + "/v1", api_key="sekrit", max_retries=0)
+        assert good.models.list().data[0].id == "tiny"
+        with pytest.raises(openai.InternalServerError) as e:  # 503: max_waiting=0
+            good.completions.create(model="tiny", prompt="x", max_tokens=2)
+        assert e.value.status_code == 503
+    finally:
+        s.stop()
+
+
+def test_disconnect_aborts_at_once(live):
+    before = live.async_llm.engine.stats.tokens_generated
+    with httpx.stream("POST", live.url + "/v1/completions", timeout=60,
+                      json={"model": "tiny", "prompt": PROMPTS[4], "max_tokens": 200,
+                            "temperature": 0, "stream": True, "ignore_eos": True}) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(3)]
+        assert all(x.startswith("data: ") or x == "" for x in got)
+    assert _pool_idle(live.llm)
+    assert live.async_llm.engine.stats.tokens_generated - before < 150
+    text = httpx.get(live.url + "/metrics").text
+    assert 'pagedkv:request_success_total{finished_reason="abort",model_name="tiny"}' in text
+
+
+def test_metrics_are_consistent(live, client):
+    client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                              extra_body={"ignore_eos": True})
+    text = httpx.get(live.url + "/metrics").text
+
+    def value(name, **labels):
+        want = ",".join(f'{k}="{v}"' for k, v in sorted({**labels, "model_name": "tiny"}.items()))
+        for line in text.splitlines():
+            if line.startswith(f"{name}{{{want}}}"):
+                return float(line.split()[-1])
+        return None
+
+    gen = value("pagedkv:generation_tokens_total")
+    assert gen == live.async_llm.engine.stats.tokens_generated > 0
+    assert value("pagedkv:num_requests_running") == 0
+    assert value("pagedkv:time_to_first_token_seconds_count") > 0
+    assert value("pagedkv:e2e_request_latency_seconds_count") >= value(
+        "pagedkv:request_success_total", finished_reason="length")
+    assert value("pagedkv:kv_cache_usage_perc") == 0.0
+    assert value("pagedkv:failed_steps_total") in (None, 0.0)
+
+
+def test_load_with_disconnects(live, ref):
+    """200 streamed requests from 32 concurrent clients, a quarter of them disconnecting at a
+    random point: afterwards no block is held, no step failed, and every completed response
+    is the one a separate engine gives."""
+    rng = random.Random(0)
+    jobs = []
+    for i in range(200):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        max_tokens = rng.randint(4, 24)
+        cut = rng.randint(1, 6) if i % 4 == 3 else None
+        jobs.append((prompt, max_tokens, cut))
+    expected = {(p, m): _expected(ref, p, max_tokens=m, temperature=0, ignore_eos=True).text
+                for p, m, cut in jobs if cut is None}
+    results = {}
+
+    async def one(i, http, sem):
+        prompt, max_tokens, cut = jobs[i]
+        async with sem:
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+                    "temperature": 0, "stream": True, "ignore_eos": True}
+            text, n = "", 0
+            async with http.stream("POST", live.url + "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    text += json.loads(line[6:])["choices"][0]["text"]
+                    n += 1
+                    if cut is not None and n >= cut:
+                        return  # disconnect mid-stream
+            results[i] = text
+
+    async def main():
+        sem = asyncio.Semaphore(32)
+        async with httpx.AsyncClient(timeout=120) as http:
+            await asyncio.gather(*(one(i, http, sem) for i in range(len(jobs))))
+
+    asyncio.run(main())
+    done = [i for i, (_, _, cut) in enumerate(jobs) if cut is None]
+    assert sorted(results) == done
+    for i in done:
+        prompt, max_tokens, _ = jobs[i]
+        assert results[i] == expected[(prompt, max_tokens)], i
+    assert _pool_idle(live.llm)
+    assert live.async_llm.failed_steps == 0
+    text = httpx.get(live.url + "/metrics").text
+    assert "pagedkv:num_requests_running{model_name=\"tiny\"} 0.0" in text
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_command_and_graceful_sigterm(model_dir):
+    """`pagedkv serve DIR`: answers, and on SIGTERM lets the running request finish and exits 0."""
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedkv", "serve", model_dir, "--port", str(port), "--device",
+         "cpu", "--dtype", "float32", "--max-model-len", "128", "--kv-cache-memory-bytes",
+         "1000000", "--log-level", "warning", "--served-model-name", "tiny"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        else:
+            pytest.fail("the server did not come up: " + (proc.stdout.read() if proc.poll() else ""))
+        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                          json={"model": "tiny", "prompt": "Hello", "max_tokens": 40,
+                                "temperature": 0, "stream": True, "ignore_eos": True}) as r:
+            lines = r.iter_lines()
+            next(lines)
+            proc.send_signal(signal.SIGTERM)  # mid-stream: the request still completes
+            rest = list(lines)
+        assert "data: [DONE]" in rest
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
