@@ -273,7 +273,46 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_bench_serve(args) -> int:
+    """Replay W1 (or a variant) against a running server: throughput, TTFT, ITL, E2E."""
+    import asyncio
+    import math
+
+    from pagedkv.engine.benchmark import environment, w1_workload, write_json
+    from pagedkv.entrypoints.bench_serve import format_result, run_serve_bench
+
+    if not args.base_url:
+        raise ConfigError("pagedkv bench serve needs --base-url (e.g. http://127.0.0.1:8000)")
+    if args.model or args.shape:
+        raise ConfigError("pagedkv bench serve talks to a running server: give --base-url and "
+                          "--model-name, not --model/--shape")
+    wl = w1_workload(args.num_requests or 256, args.scale or 1.0)
+    prompts = wl.prompts
+    if args.vocab_size is not None:
+        if args.vocab_size < 1:
+            raise ConfigError(f"--vocab-size must be >= 1, got {args.vocab_size}")
+        prompts = [[t % args.vocab_size for t in p] for p in prompts]
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ConfigError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    rate = math.inf if args.request_rate in ("inf", None) else float(args.request_rate)
+    if not rate > 0:
+        raise ConfigError(f"--request-rate must be > 0 or inf, got {args.request_rate}")
+    print(f"pagedkv bench serve: {wl.name}: {wl.num_requests} requests, {wl.prompt_tokens:,} prompt "
+          f"tokens, {wl.requested_output_tokens:,} output tokens requested, against {args.base_url} "
+          f"(model {args.model_name})", flush=True)
+    res = asyncio.run(run_serve_bench(args.base_url, args.model_name, prompts, wl.max_tokens,
+                                      request_rate=rate, max_concurrency=args.max_concurrency))
+    print(format_result(res))
+    if args.json:
+        write_json(args.json, {"result": res.as_dict(), "args": vars(args) | {"func": None},
+                               "environment": environment()})
+        print(f"wrote {args.json}")
+    return 0 if res.failed == 0 else 1
+
+
 def cmd_bench(args) -> int:
+    if args.mode == "serve":
+        return cmd_bench_serve(args)
     from pagedkv.engine.benchmark import environment, result_table, run_throughput, w1_workload, write_json
     from pagedkv.engine.llm import LLM
 
@@ -418,7 +457,10 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(g)
     g.set_defaults(func=cmd_generate)
 
-    b = sub.add_parser("bench", help="offline throughput on workload W1 (PERF.md) or a variant")
+    b = sub.add_parser("bench", help="offline throughput on workload W1 (PERF.md) or a variant; "
+                       "'bench serve': the same workload against a running server")
+    b.add_argument("mode", nargs="?", choices=["offline", "serve"], default="offline",
+                   help="offline (default): an LLM in this process; serve: HTTP to --base-url")
     b.add_argument("--model", default=None, help="checkpoint directory")
     b.add_argument("--shape", default=None,
                    help="named architecture with random weights (default qwen3-0.6b)")
@@ -429,6 +471,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.add_argument("--json", default=None, help="write the result as JSON here")
+    sg = b.add_argument_group("serve mode")
+    sg.add_argument("--base-url", default=None, help="the server, e.g. http://127.0.0.1:8000")
+    sg.add_argument("--model-name", default=None, help="the model name to send (default: the first one the server lists)")
+    sg.add_argument("--request-rate", default="inf",
+                   help="Poisson arrivals per second, or inf (all at once; default)")
+    sg.add_argument("--max-concurrency", type=int, default=None,
+                   help="at most this many requests in flight (default: no cap)")
+    sg.add_argument("--vocab-size", type=int, default=None,
+                   help="take the workload's token ids modulo this (for models with < 10,001 ids)")
     _engine_args(b)
     b.set_defaults(func=cmd_bench)
 

@@ -358,3 +358,49 @@ def test_serve_command_and_graceful_sigterm(model_dir):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_bench_serve_replays_a_w1_variant(live):
+    """``run_serve_bench``: every request completes with exactly its max_tokens (ignore_eos),
+    one TTFT per request, ITLs between the remaining chunks, and the pool is idle afterwards."""
+    from pagedkv.engine.benchmark import w1_workload
+    from pagedkv.entrypoints.bench_serve import format_result, run_serve_bench
+
+    vocab = live.llm.engine.model.config.vocab_size
+    wl = w1_workload(6, 0.04, seed=3)
+    prompts = [[t % vocab for t in p] for p in wl.prompts]
+    res = asyncio.run(run_serve_bench(live.url, None, prompts, wl.max_tokens, request_rate=50.0,
+                                      max_concurrency=4, seed=1))
+    assert (res.completed, res.failed) == (6, 0)
+    assert res.total_output_tokens == sum(wl.max_tokens)
+    assert res.output_throughput > 0 and res.wall_s > 0
+    for d in (res.ttft_ms, res.itl_ms, res.e2e_ms):
+        assert 0 < d["p50"] <= d["p90"] <= d["p99"]
+    assert res.ttft_ms["p50"] <= res.e2e_ms["p99"]
+    assert "6 of 6 requests completed" in format_result(res)
+    assert _pool_idle(live.llm)
+
+
+def test_bench_serve_cli(live, tmp_path, capsys):
+    from pagedkv.cli import main
+
+    out = tmp_path / "serve.json"
+    rc = main(["bench", "serve", "--base-url", live.url, "--num-requests", "3", "--scale", "0.02",
+               "--vocab-size", str(live.llm.engine.model.config.vocab_size),
+               "--max-concurrency", "2", "--json", str(out)])
+    assert rc == 0
+    assert "3 of 3 requests completed" in capsys.readouterr().out
+    rec = json.loads(out.read_text())
+    assert rec["result"]["completed"] == 3 and rec["result"]["max_concurrency"] == 2
+
+
+def test_bench_serve_errors(live, capsys):
+    from pagedkv.cli import main
+
+    assert main(["bench", "serve"]) == 2
+    assert "--base-url" in capsys.readouterr().err
+    assert main(["bench", "serve", "--base-url", live.url, "--request-rate", "0"]) == 2
+    assert "--request-rate must be > 0" in capsys.readouterr().err
+    # a model the server does not serve: every request fails, exit status 1
+    assert main(["bench", "serve", "--base-url", live.url, "--model-name", "nope",
+                 "--num-requests", "2", "--scale", "0.02", "--vocab-size", "100"]) == 1
