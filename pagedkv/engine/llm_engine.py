@@ -214,8 +214,7 @@ class LLMEngine:
     @eos_token_ids.setter
     def eos_token_ids(self, ids) -> None:
         self._eos_token_ids = list(ids)
-        self.runner.eos_token_ids = tuple(self._eos_token_ids)
-        self.runner._sampling_key = None  # rebuild the per-row stop ids
+        self.runner.eos_token_ids = tuple(self._eos_token_ids)  # rebuilds the per-row stop ids
 
     # ----- requests ------------------------------------------------------------------------
     def new_request_id(self) -> str:

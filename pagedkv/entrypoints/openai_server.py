@@ -5,12 +5,11 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/mo
 
 Requests are translated to ``SamplingParams`` (names as OpenAI's and vLLM's: ``max_tokens`` /
 ``max_completion_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``,
-``stop_token_ids``, ``n``, ``logprobs`` / ``top_logprobs``, ``echo``, ``ignore_eos``,
+``stop_token_ids``, ``n``, ``presence_penalty``, ``frequency_penalty``,
+``repetition_penalty``, ``logprobs`` / ``top_logprobs``, ``echo``, ``ignore_eos``,
 ``min_tokens``) and run through one ``AsyncLLM`` (the engine in its own thread). ``n > 1`` runs
 ``n`` requests of the same prompt (their full prompt blocks are shared through the prefix
-cache); with a ``seed``, sample ``i`` uses ``seed + i``. ``presence_penalty``,
-``frequency_penalty`` and ``repetition_penalty`` other than their neutral values are refused
-(400): the sampler has no penalties yet.
+cache); with a ``seed``, sample ``i`` uses ``seed + i``.
 
 Streaming (``"stream": true``): server-sent events, one chunk per detokenized delta (the
 detokenizer never emits a broken UTF-8 sequence), ``data: [DONE]`` at the end; with
@@ -74,12 +73,6 @@ def _get(body: dict, key: str, types, default=None):
 def sampling_params_from(body: dict, *, chat: bool) -> tuple[SamplingParams, int, int | None]:
     """``(SamplingParams, n, logprobs)`` of an OpenAI request body; 400 on a bad field."""
     num = (int, float)
-    for key, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-                         ("repetition_penalty", 1.0)):
-        v = _get(body, key, num)
-        if v is not None and float(v) != neutral:
-            raise _bad(f"'{key}' is not supported yet (the sampler has no penalties); leave it at "
-                       f"{neutral}", key)
     max_tokens = _get(body, "max_completion_tokens", int) if chat else None
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", int, None if chat else 16)
@@ -109,6 +102,9 @@ def sampling_params_from(body: dict, *, chat: bool) -> tuple[SamplingParams, int
         stop_token_ids=_get(body, "stop_token_ids", list),
         ignore_eos=_get(body, "ignore_eos", bool, False),
         logprobs=logprobs,
+        presence_penalty=_get(body, "presence_penalty", num, 0.0),
+        frequency_penalty=_get(body, "frequency_penalty", num, 0.0),
+        repetition_penalty=_get(body, "repetition_penalty", num, 1.0),
         include_stop_str_in_output=_get(body, "include_stop_str_in_output", bool, False),
         skip_special_tokens=_get(body, "skip_special_tokens", bool, True),
     )

@@ -75,7 +75,11 @@ class SamplingParams:
     ``max_tokens`` / ``min_tokens``: output length bounds; ``max_tokens=None`` means "until the
     context is full". ``stop``: stop strings; ``stop_token_ids``: extra stop tokens (EOS is
     always one unless ``ignore_eos``). ``logprobs``: return the sampled token's log-probability
-    plus this many top alternatives (0..20). ``include_stop_str_in_output``: keep the matched
+    plus this many top alternatives (0..20). ``presence_penalty`` / ``frequency_penalty``
+    (in [-2, 2], 0 = off): subtract ``presence`` from the logit of every token the output
+    already holds and ``frequency`` times its count; ``repetition_penalty`` (> 0, 1 = off):
+    divide positive logits (multiply negative ones) of tokens seen in the prompt or the output
+    (see ``pagedkv.sampling.penalties``). ``include_stop_str_in_output``: keep the matched
     stop string in the text. ``skip_special_tokens``: drop special tokens when detokenizing.
     """
 
@@ -91,6 +95,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
@@ -177,6 +184,17 @@ class SamplingParams:
                 )
             self.logprobs = lp
 
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = _need_real(name, getattr(self, name), f"-2 <= {name} <= 2")
+            if not -2.0 <= v <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {v}")
+            setattr(self, name, v)
+        rp = _need_real("repetition_penalty", self.repetition_penalty, "repetition_penalty > 0")
+        if rp <= 0.0:
+            raise InvalidRequestError(
+                f"repetition_penalty must be greater than 0 (1 = off), got {rp}")
+        self.repetition_penalty = rp
+
         if self.temperature < GREEDY_EPS:
             # Greedy: the filters cannot change the argmax; store them disabled.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
@@ -215,6 +233,11 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
     def check_vocab(self, vocab_size: int) -> None:
         """Reject stop token ids outside ``[0, vocab_size)`` (called when the model is known)."""

@@ -4,16 +4,18 @@ Order of operations (vLLM V1's):
 
 1. logprobs, if any row asked (``logprobs_mode="raw_logprobs"``, vLLM's default): log_softmax
    of the logits exactly as the model produced them, before temperature and filters.
-2. greedy rows: argmax of the raw logits. If every row is greedy, stop here.
-3. temperature (greedy rows divide by 1 in a mixed batch),
-4. min-p (argmax-invariant; vLLM applies it as a logits processor right after temperature),
-5. top-k, 6. top-p (on the distribution renormalized after top-k),
-7. softmax, then the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)`` drawn per row from
+2. banned tokens (``min_tokens``) to ``-inf``, then the repetition / frequency / presence
+   penalties (``pagedkv.sampling.penalties``) of the rows that use them,
+3. greedy rows: argmax of those logits. If every row is greedy, stop here.
+4. temperature (greedy rows divide by 1 in a mixed batch),
+5. min-p (argmax-invariant; vLLM applies it as a logits processor right after temperature),
+6. top-k, 7. top-p (on the distribution renormalized after top-k),
+8. softmax, then the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)`` drawn per row from
    the row's own generator when the request is seeded,
-8. mixed batches: ``where(greedy_row, argmax, sampled)``.
+9. mixed batches: ``where(greedy_row, argmax, sampled)``.
 
-``logprobs_mode="processed_logprobs"`` instead reports log_softmax of the logits after steps 3-6
-(greedy rows: of the raw logits).
+``logprobs_mode="processed_logprobs"`` instead reports log_softmax of the logits after steps 2-7
+(greedy rows: after step 2).
 
 Nothing here reads a device value on the host: the only host sync of a step is the caller's
 ``.tolist()`` of the sampled ids (``SamplerOutput.tolist``). The input logits are not modified.
@@ -34,6 +36,7 @@ from pagedkv.sampling.filters import (
     exponential_race,
 )
 from pagedkv.sampling.metadata import SamplingMetadata
+from pagedkv.sampling.penalties import PenaltyCounts
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
@@ -77,15 +80,18 @@ class Sampler:
         self.generator = generator
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata,
-                 banned: tuple[torch.Tensor, torch.Tensor] | None = None) -> SamplerOutput:
-        return self.forward(logits, metadata, banned)
+                 banned: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 penalties: PenaltyCounts | None = None) -> SamplerOutput:
+        return self.forward(logits, metadata, banned, penalties)
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata,
-                banned: tuple[torch.Tensor, torch.Tensor] | None = None) -> SamplerOutput:
+                banned: tuple[torch.Tensor, torch.Tensor] | None = None,
+                penalties: PenaltyCounts | None = None) -> SamplerOutput:
         """Sample one token per row. ``banned``: ``(rows, token_ids)`` (int64, same length)
         pairs that cannot be sampled this step (``min_tokens``: a request's stop tokens before
         its minimum length); their logits become ``-inf`` after the raw logprobs are taken
-        (as vLLM's min-tokens logits processor: raw logprobs are those of the model)."""
+        (as vLLM's min-tokens logits processor: raw logprobs are those of the model).
+        ``penalties``: the penalized rows' token counts; applied after ``banned``."""
         self._check(logits, metadata)
         logits = logits.float()  # no copy when already float32; never modified below
         k = metadata.max_num_logprobs
@@ -94,6 +100,8 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         if banned is not None:
             logits = logits.index_put(banned, torch.tensor(float("-inf"), device=logits.device))
+        if penalties is not None:
+            logits = penalties.apply(logits)
 
         greedy = None if metadata.all_random else logits.argmax(dim=-1)
         processed = logits

@@ -17,14 +17,13 @@
    (no gather). With CUDA graphs the projected row count is padded to a graph size (a replay
    projects its padded rows; gathered rows repeat the last one), so the LM-head GEMM only sees
    shapes warmed at capture; the extra rows are dropped before sampling;
-5. sampling: when every request of the batch is greedy without logprobs (cached per batch
-   composition), one argmax over the model-dtype logits (no float32 copy, no metadata);
-   otherwise the :class:`~pagedkv.sampling.sampler.Sampler` with each request's
-   :class:`~pagedkv.sampling.params.SamplingParams` (the sampling metadata is rebuilt only when
-   the set of sampled rows changes; seeded requests keep their own generator in their
-   :class:`CachedRequestState` for their whole life, preemptions included; a request below its
-   ``min_tokens`` cannot sample its stop tokens, ``stop_token_ids`` and EOS unless
-   ``ignore_eos``, as in vLLM);
+5. sampling: when every request of the batch is greedy without logprobs, min_tokens or
+   penalties (cached per batch composition), one argmax over the model-dtype logits (no
+   float32 copy, no metadata); otherwise the :class:`~pagedkv.sampling.sampler.Sampler` with
+   the batch's :class:`~pagedkv.worker.sampling_state.SamplingState` (metadata, min_tokens
+   bans and penalty counts, rebuilt only when the set of sampled rows changes; seeded requests
+   keep their own generator in their :class:`CachedRequestState` for their whole life,
+   preemptions included);
 6. the sampled ids go to one of two pinned host buffers (non-blocking copy + a CUDA event);
    ``get_output`` waits for that event (the step's one device -> host sync), writes the tokens
    into the batch's token table (vectorised) and the request states, and returns a
@@ -65,7 +64,7 @@ from pagedkv.core.output import ModelRunnerOutput, SchedulerOutput
 from pagedkv.core.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
 from pagedkv.errors import ConfigError, InvariantError
 from pagedkv.sampling.metadata import SamplingMetadata
-from pagedkv.sampling.params import GREEDY_EPS, SamplingParams
+from pagedkv.sampling.params import SamplingParams
 from pagedkv.sampling.sampler import LogprobsTensors, Sampler
 from pagedkv.worker.input_batch import CachedRequestState, InputBatch
 from pagedkv.worker.inputs import InputPreparer, StepInputs
@@ -77,10 +76,10 @@ from pagedkv.worker.metadata import (
     common_metadata_from_inputs,
     make_attention_groups,
 )
+from pagedkv.worker.sampling_state import SamplingState
 from pagedkv.worker.state_update import StateUpdate, update_states
 
 # Requests that carry no SamplingParams (driven directly through the scheduler) decode greedily.
-_GREEDY = SamplingParams(temperature=0.0)
 
 
 def attention_layer_names(num_layers: int) -> tuple[str, ...]:
@@ -249,14 +248,12 @@ class ModelRunner:
         # called with every step's prepared inputs before the forward pass (the engine's
         # sanitizer: pagedkv.sanitizer.check_step), padding for CUDA graphs included
         self.step_check = None
-        # Sampling metadata cache: (req ids of the sampled rows) -> metadata.
-        self._sampling_key: tuple[str, ...] | None = None
-        self._sampling_md: SamplingMetadata | None = None
-        self._sampling_wants_logprobs: list[int | None] = []
-        self._min_tokens_rows: list[tuple[int, int, int, list[int]]] = []
-        # EOS ids that min_tokens keeps from being sampled early (the engine sets the ids it
+        # Sampling metadata, min_tokens bans and penalty counts per batch composition; its EOS
+        # ids are those min_tokens keeps from being sampled early (the engine sets the ids it
         # stops on; default: the model config's)
-        self.eos_token_ids: tuple[int, ...] = tuple(getattr(model.config, "eos_token_ids", ()) or ())
+        self.sampling = SamplingState(
+            self.device, model.config.vocab_size, self._to_device,
+            tuple(getattr(model.config, "eos_token_ids", ()) or ()))
         # Output row lists, reused while the batch does not change.
         self._out_ids: list[str] = []
         self._out_index: dict[str, int] = {}
@@ -265,8 +262,6 @@ class ModelRunner:
         # Bumped whenever rows move (add/remove/condense/reorder): rows of an enqueued step
         # stay valid while it is unchanged.
         self._batch_version = 0
-        self._greedy_version = -1
-        self._greedy_plain = False
         self._unrecorded: list[StepHandle] = []  # enqueued steps whose output is not collected
         self._arange = np.arange(sc.max_num_seqs + 1, dtype=np.int64)
         try:
@@ -426,16 +421,19 @@ class ModelRunner:
             logits_indices = self._logits_rows(ends[rows])
         m = len(sampled_req_ids)
 
-        if self._plain_greedy():
+        if self.sampling.plain_greedy(self._out_ids, self.requests, self._batch_version):
             # Every row greedy and no logprobs: one argmax over the model-dtype logits (the
             # float32 widening is exact and order-preserving, so the argmax is the same).
             logits = self._compute_logits(hidden, logits_indices, widen=False)
             sampled, logprobs, want = logits.argmax(dim=-1)[:m], None, None
         else:
             logits = self._compute_logits(hidden, logits_indices, widen=True)[:m]
-            out = self._sample(logits, rows, n, positions)
+            key = tuple(out_ids) if rows is None else tuple(sampled_req_ids)
+            out = self.sampling.sample(
+                self.sampler, logits, key, self.requests, positions,
+                None if prev is None else (prev.sampled_req_ids, prev.sampled))
             sampled, logprobs = out.sampled_token_ids, out.logprobs
-            want = self._sampling_wants_logprobs if logprobs is not None else None
+            want = self.sampling.wants_logprobs if logprobs is not None else None
         host, event = sampled, None
         if self._host_bufs is not None:  # CUDA: pinned double buffer, one event per step
             i = self._buf_i
@@ -595,23 +593,6 @@ class ModelRunner:
             return self.model.compute_logits(hidden, indices, widen=False)
         return self.model.compute_logits(hidden, indices)
 
-    def _plain_greedy(self) -> bool:
-        """Whether every request in the batch decodes greedily without logprobs (cached per
-        batch composition)."""
-        if self._greedy_version != self._batch_version:
-            requests = self.requests
-            plain = True
-            for rid in self._out_ids:
-                p = requests[rid].sampling_params
-                if isinstance(p, SamplingParams) and (p.temperature >= GREEDY_EPS
-                                                      or p.logprobs is not None
-                                                      or p.min_tokens > 0):
-                    plain = False
-                    break
-            self._greedy_plain = plain
-            self._greedy_version = self._batch_version
-        return self._greedy_plain
-
     def reset_requests(self) -> None:
         """Forget every request and every enqueued step: the recovery after a step was
         interrupted (an exception or Ctrl-C inside it), when the scheduler aborted all
@@ -631,7 +612,7 @@ class ModelRunner:
         batch.refresh_metadata()
         self._batch_version += 1
         self._out_ids, self._out_index = [], {}
-        self._sampling_key = None
+        self.sampling.invalidate()
 
     def _apply_block_ops(self, upd: StateUpdate) -> None:
         """Zero the blocks the scheduler asks for, then apply copy-on-write pairs."""
@@ -645,55 +626,13 @@ class ModelRunner:
             for kv in self._unique_kv_caches():
                 kv[:, dst] = kv[:, src]
 
-    def _sample(self, logits: torch.Tensor, rows: np.ndarray | None, n: int,
-                positions: np.ndarray | None = None):
-        ids = self._out_ids
-        key = tuple(ids) if rows is None else tuple(ids[r] for r in rows.tolist())
-        if key != self._sampling_key:
-            states = [self.requests[rid] for rid in key]
-            params = [
-                st.sampling_params if isinstance(st.sampling_params, SamplingParams) else _GREEDY
-                for st in states
-            ]
-            gens = {i: st.generator for i, st in enumerate(states) if st.generator is not None}
-            md = SamplingMetadata.build(params, self.device, gens)
-            for i, g in md.generators.items():
-                states[i].generator = g
-            self._sampling_key = key
-            self._sampling_md = md
-            self._sampling_wants_logprobs = [p.logprobs for p in params]
-            # rows with a min_tokens bound: (row, prompt length, min_tokens, stop ids)
-            self._min_tokens_rows = [
-                (j, len(st.prompt_token_ids), p.min_tokens, self.stop_token_ids_of(p))
-                for j, (st, p) in enumerate(zip(states, params)) if p.min_tokens > 0
-            ]
-        banned = None
-        if self._min_tokens_rows and positions is not None:
-            banned = self._min_tokens_banned(positions)
-        return self.sampler(logits, self._sampling_md, banned)
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.sampling.eos_token_ids
 
-    def stop_token_ids_of(self, params: SamplingParams) -> list[int]:
-        """The tokens that end ``params``' request: its ``stop_token_ids`` and, unless
-        ``ignore_eos``, every EOS id of the model (``eos_token_ids``), within the vocabulary."""
-        ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            ids.update(self.eos_token_ids)
-        vocab = self.model.config.vocab_size
-        return sorted(t for t in ids if 0 <= t < vocab)
-
-    def _min_tokens_banned(self, positions: np.ndarray):
-        """``(rows, token_ids)`` device tensors of the stop tokens banned this step: a request
-        whose new token would be output number ``positions[row] - prompt length`` (0-based)
-        below its ``min_tokens`` cannot end there (vLLM's min-tokens rule). None if none."""
-        rows: list[int] = []
-        toks: list[int] = []
-        for j, prompt_len, min_tokens, stop_ids in self._min_tokens_rows:
-            if stop_ids and int(positions[j]) - prompt_len < min_tokens:
-                rows.extend([j] * len(stop_ids))
-                toks.extend(stop_ids)
-        if not rows:
-            return None
-        return self._to_device(np.asarray(rows)), self._to_device(np.asarray(toks))
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids) -> None:
+        self.sampling.eos_token_ids = ids
 
     def _logprobs(self, h: StepHandle) -> dict[str, SampledLogprobs]:
         token_ids, values, ranks = h.logprobs.tolists()

@@ -119,6 +119,25 @@ def test_completion_equals_generate(client, ref, temperature, seed):
         assert got.usage.completion_tokens == 12 and got.usage.prompt_tokens > 0
 
 
+def test_penalties_equal_generate(client, ref):
+    """presence / frequency (OpenAI's fields) and repetition_penalty (vLLM's, in extra_body)
+    give what LLM.generate gives with the same SamplingParams, and they change the output."""
+    kw = dict(presence_penalty=0.6, frequency_penalty=0.9)
+    for prompt in PROMPTS[:2]:
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=16,
+                                        temperature=0, **kw,
+                                        extra_body={"ignore_eos": True, "repetition_penalty": 1.4})
+        want = _expected(ref, prompt, max_tokens=16, temperature=0, ignore_eos=True,
+                         repetition_penalty=1.4, **kw)
+        plain = _expected(ref, prompt, max_tokens=16, temperature=0, ignore_eos=True)
+        assert got.choices[0].text == want.text
+        assert want.token_ids != plain.token_ids
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=8,
+        temperature=0, frequency_penalty=1.0)
+    assert chat.choices[0].message.content is not None
+
+
 def test_streamed_completion_concatenates_to_the_text(client, ref):
     chunks = list(client.completions.create(
         model="tiny", prompt=PROMPTS[1], max_tokens=16, temperature=0, stream=True,
@@ -201,7 +220,8 @@ def test_echo_stop_and_tokenize(live, ref):
     ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
     ({"prompt": "word " * 400}, 400, None),  # longer than the context
     ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
-    ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"prompt": "x", "presence_penalty": 2.5}, 400, None),
+    ({"prompt": "x", "repetition_penalty": "high"}, 400, "repetition_penalty"),
     ({"prompt": "x", "n": 99}, 400, "n"),
     ({}, 400, "prompt"),
 ])
