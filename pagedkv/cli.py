@@ -359,13 +359,9 @@ def cmd_serve(args) -> int:
     let running requests finish for --drain-timeout seconds, abort the rest, exit 0)."""
     import uvicorn
 
-    from pagedkv.engine.llm import LLM
     from pagedkv.entrypoints.openai_server import make_server
 
-    tokenizer = args.tokenizer if args.tokenizer else "auto"
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, tokenizer=tokenizer,
-              attention_backend=args.attention_backend, **_engine_kwargs(args))
-    name = args.served_model_name or args.model
+    llm, name = build_serve_llm(args)
     app, _, _ = make_server(llm, model_name=name, api_key=args.api_key,
                             max_waiting=args.max_waiting, drain_timeout=args.drain_timeout)
     print(f"pagedkv serve: {name} on http://{args.host}:{args.port}/v1 "
@@ -374,6 +370,27 @@ def cmd_serve(args) -> int:
                             timeout_graceful_shutdown=int(args.drain_timeout) + 5)
     _graceful_server_class()(config).run()
     return 0
+
+
+def build_serve_llm(args):
+    """The engine ``pagedkv serve`` runs and the model name it serves: a checkpoint directory,
+    or ``--shape NAME`` (random weights, a synthetic word-level tokenizer over its vocabulary;
+    for serving benchmarks with token-id prompts)."""
+    from pagedkv.engine.llm import LLM
+
+    if bool(args.model) == bool(args.shape):
+        raise ConfigError("pagedkv serve takes a checkpoint directory or --shape NAME (one of them)")
+    kw = _engine_kwargs(args)
+    if args.shape:
+        if args.tokenizer:
+            raise ConfigError("--shape serves a synthetic tokenizer; --tokenizer needs a checkpoint")
+        llm = LLM.from_shape(args.shape, dtype=args.dtype, device=args.device,
+                             attention_backend=args.attention_backend, tokenizer="synthetic", **kw)
+        return llm, args.served_model_name or args.shape
+    tokenizer = args.tokenizer if args.tokenizer else "auto"
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, tokenizer=tokenizer,
+              attention_backend=args.attention_backend, **kw)
+    return llm, args.served_model_name or args.model
 
 
 def _graceful_server_class():
@@ -484,7 +501,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
 
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server for a checkpoint directory")
-    sv.add_argument("model", help="checkpoint directory")
+    sv.add_argument("model", nargs="?", default=None, help="checkpoint directory")
+    sv.add_argument("--shape", default=None,
+                    help="serve a named architecture with random weights instead (e.g. "
+                         "qwen3-0.6b; a synthetic tokenizer 't0 t1 ...'; for benchmarks)")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--served-model-name", default=None, help="the model name clients send "

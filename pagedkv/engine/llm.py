@@ -34,7 +34,7 @@ from pagedkv.engine.llm_engine import (
 from pagedkv.engine.heap import release_frozen
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.progress import ProgressBar
-from pagedkv.errors import InvalidRequestError, InvariantError
+from pagedkv.errors import ConfigError, InvalidRequestError, InvariantError
 from pagedkv.sampling.params import SamplingParams
 
 
@@ -154,9 +154,12 @@ class LLM:
     @classmethod
     def from_shape(cls, shape: str, *, dtype: str | torch.dtype = "auto",
                    device: str | torch.device | None = None, seed: int = 0,
-                   attention_backend: Any = "auto", **engine_kwargs) -> "LLM":
+                   attention_backend: Any = "auto", tokenizer: Any = None,
+                   **engine_kwargs) -> "LLM":
         """A named architecture (``"qwen3-0.6b"``, ``"llama-3.2-1b"`` ...) with deterministic
-        random weights and no tokenizer (prompts are token ids)."""
+        random weights. No tokenizer by default (prompts are token ids); ``tokenizer="synthetic"``
+        gives it a word-level one over its vocabulary (``t0 t1 ...``: text to stream, e.g. for
+        ``pagedkv serve --shape``), or pass a ``Tokenizer``."""
         from pagedkv.models.config import shape_config
         from pagedkv.models.decoder import DecoderForCausalLM
         from pagedkv.models.loader import resolve_dtype
@@ -167,7 +170,14 @@ class LLM:
         backend = make_attention_backend(attention_backend, dev)
         model = DecoderForCausalLM(cfg, backend=backend, dtype=torch_dtype, device=dev)
         model.init_random_weights(seed).eval()
-        engine = build_engine(model, None, seed=seed, **engine_kwargs)
+        if isinstance(tokenizer, str):
+            if tokenizer != "synthetic":
+                raise ConfigError(f"from_shape: tokenizer must be None, 'synthetic' or a "
+                                  f"Tokenizer, got {tokenizer!r}")
+            from pagedkv.models.tokenizer import synthetic_tokenizer
+
+            tokenizer = synthetic_tokenizer(cfg.vocab_size)
+        engine = build_engine(model, tokenizer, seed=seed, **engine_kwargs)
         return cls(f"shape:{shape}", _engine=engine)
 
     # ----- properties ----------------------------------------------------------------------

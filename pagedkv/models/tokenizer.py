@@ -95,4 +95,18 @@ class Tokenizer:
         return self._tok
 
 
-__all__ = ["Tokenizer"]
+def synthetic_tokenizer(vocab_size: int) -> Tokenizer:
+    """A word-level tokenizer for random-weight shapes: id ``i`` is the word ``t{i}`` (words
+    joined by spaces when decoding), so a server can stream text for token-id prompts of a
+    model without a real vocabulary. No special tokens."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    if not isinstance(vocab_size, int) or vocab_size < 1:
+        raise CheckpointError(f"vocab_size must be a positive int, got {vocab_size!r}")
+    tok = HFTokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return Tokenizer(tok, source=f"synthetic word-level tokenizer ({vocab_size} ids)")
+
+
+__all__ = ["Tokenizer", "synthetic_tokenizer"]

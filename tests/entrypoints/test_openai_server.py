@@ -424,3 +424,47 @@ def test_bench_serve_errors(live, capsys):
     # a model the server does not serve: every request fails, exit status 1
     assert main(["bench", "serve", "--base-url", live.url, "--model-name", "nope",
                  "--num-requests", "2", "--scale", "0.02", "--vocab-size", "100"]) == 1
+
+
+def test_serve_a_shape_with_the_synthetic_tokenizer(monkeypatch):
+    """``pagedkv serve --shape NAME`` (the serving benchmark's server): random weights of a
+    named shape and a word-level tokenizer over its whole vocabulary, so token-id prompts
+    stream text; the streamed words are the generated ids. A small shape stands in for
+    qwen3-0.6b on this CPU."""
+    from pagedkv.cli import build_parser, build_serve_llm
+    from pagedkv.engine.benchmark import w1_workload
+    from pagedkv.entrypoints.bench_serve import run_serve_bench
+    from pagedkv.models import config as model_config
+
+    small = model_config.shape_config_dict("qwen3-0.6b")
+    small.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1000,
+                 max_position_embeddings=512)
+    monkeypatch.setitem(model_config.SHAPES, "qwen3-test", small)
+    args = build_parser().parse_args(
+        ["serve", "--shape", "qwen3-test", "--device", "cpu", "--dtype", "float32",
+         "--attention-backend", "torch_ref", "--max-model-len", "256", "--max-num-seqs", "8",
+         "--kv-cache-memory-bytes", str(2 << 20)])
+    llm, name = build_serve_llm(args)
+    assert name == "qwen3-test" and llm.tokenizer.vocab_size == 1000
+    want = llm.generate({"prompt_token_ids": [5, 17, 999]},
+                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert want.text.split() == [f"t{i}" for i in want.token_ids]
+    s = LiveServer(llm)
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x")
+        text = "".join(ch.choices[0].text for ch in c.completions.create(
+            model="tiny", prompt=[5, 17, 999], max_tokens=6, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}) if ch.choices)
+        assert text == want.text
+        wl = w1_workload(4, 0.03, seed=2)
+        res = asyncio.run(run_serve_bench(s.url, None, [[t % 1000 for t in p] for p in wl.prompts],
+                                          wl.max_tokens, request_rate=float("inf"), seed=0))
+        assert (res.completed, res.failed) == (4, 0)
+        assert res.total_output_tokens == sum(wl.max_tokens)
+        assert len(res.itl_ms) and res.itl_ms["p50"] is not None
+    finally:
+        s.stop()
+    with pytest.raises(Exception, match="one of them"):
+        build_serve_llm(build_parser().parse_args(["serve"]))
