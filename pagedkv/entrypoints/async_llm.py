@@ -5,8 +5,11 @@ thread. The asyncio side validates a request (tokenization included: read-only),
 over through a command queue; the engine thread drains commands before each step, steps while
 any request is unfinished (with async scheduling the step in flight is collected when the last
 one finishes) and sleeps on an event, without spinning, when nothing is left. Each request's
-outputs go to its own ``asyncio.Queue`` (``loop.call_soon_threadsafe``); ``generate`` is an
-async iterator over them.
+outputs go to its own ``asyncio.Queue``, all of a step's outputs in one
+``loop.call_soon_threadsafe`` (one wake-up of the event loop per step, not one per request);
+``generate`` is an async iterator over them. Outputs are cumulative, so a consumer that fell
+behind by several steps gets only the newest one (the others are skipped: nothing is lost, and
+a loaded server sends fewer, larger deltas instead of falling further behind).
 
 Aborts (a client that disconnects, a cancelled task, ``abort``) are commands too: the engine
 thread finishes the request at once (its blocks are free before the next step). An exception
@@ -68,8 +71,13 @@ class RequestStream:
         stream = self._stream
         try:
             await self._added  # raises what add_request raised
+            q = stream.queue
             while True:
-                item = await stream.queue.get()
+                item = await q.get()
+                # cumulative outputs: skip to the newest one queued (an error or the final
+                # output ends the skipping; both are delivered)
+                while not q.empty() and not isinstance(item, BaseException) and not item.finished:
+                    item = q.get_nowait()
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -273,20 +281,36 @@ class AsyncLLM:
             return
         if self.on_step is not None:
             self.on_step(engine, outs)
-        for out in outs:
-            with self._lock:
-                stream = self._streams.get(out.request_id)
-                if stream is not None and out.finished:
-                    del self._streams[out.request_id]
-            if stream is not None:
-                self._deliver(stream, out)
+        if not outs:
+            return
+        by_loop: dict = {}
+        streams = self._streams
+        with self._lock:
+            for out in outs:
+                stream = streams.get(out.request_id)
+                if stream is None:
+                    continue
+                if out.finished:
+                    del streams[out.request_id]
+                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():
+            self._call(loop, _put_all, items)
+
+    @classmethod
+    def _deliver(cls, stream: _Stream, item) -> None:
+        cls._call(stream.loop, stream.queue.put_nowait, item)
 
     @staticmethod
-    def _deliver(stream: _Stream, item) -> None:
+    def _call(loop, fn, arg) -> None:
         try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            loop.call_soon_threadsafe(fn, arg)
         except RuntimeError:  # the loop is closed: nobody listens any more
             pass
+
+
+def _put_all(items) -> None:
+    for q, item in items:
+        q.put_nowait(item)
 
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "RequestFailedError",

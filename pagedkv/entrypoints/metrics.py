@@ -49,6 +49,11 @@ class ServingMetrics:
                              labels, buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("pagedkv:e2e_request_latency_seconds", "Arrival to finish", labels,
                              buckets=_LATENCY_BUCKETS, registry=r)
+        # the children of the one model_name label, looked up once (labels() takes a lock and
+        # a dict lookup; on_step would pay it per output and per token)
+        self._ttft, self._itl, self._e2e = (h.labels(model_name) for h in (self.ttft, self.itl,
+                                                                            self.e2e))
+        self._prompt_tokens = self.prompt_tokens.labels(model_name)
         self._last = dict(queries=0, hits=0, preemptions=0, tokens=0, failed=0)
         self._last_token_time: dict[str, tuple[float, int]] = {}
         self._next_group_scan = 0.0  # per-group usage walks every held block: twice a second
@@ -80,25 +85,26 @@ class ServingMetrics:
                 counter.labels(name).inc(value - m._last[key])
             m._last[key] = value
         last = m._last_token_time
+        ttft, itl = m._ttft, m._itl
         for out in outputs:
             rm = out.metrics
             n = len(out.outputs[0].token_ids)
             prev = last.get(out.request_id)
             if rm.first_token_time is not None and prev is None and n:
-                m.ttft.labels(name).observe(rm.first_token_time - rm.arrival_time)
+                ttft.observe(rm.first_token_time - rm.arrival_time)
             elif prev is not None and n > prev[1] and rm.last_token_time is not None:
                 gap = (rm.last_token_time - prev[0]) / (n - prev[1])
                 for _ in range(n - prev[1]):
-                    m.itl.labels(name).observe(gap)
+                    itl.observe(gap)
             if rm.last_token_time is not None and n:
                 last[out.request_id] = (rm.last_token_time, n)
             if out.finished:
                 last.pop(out.request_id, None)
                 reason = out.outputs[0].finish_reason or "abort"
                 m.success.labels(name, reason).inc()
-                m.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))
+                m._prompt_tokens.inc(len(out.prompt_token_ids))
                 if rm.finished_time is not None:
-                    m.e2e.labels(name).observe(rm.finished_time - rm.arrival_time)
+                    m._e2e.observe(rm.finished_time - rm.arrival_time)
 
     def export(self) -> bytes:
         return generate_latest(self.registry)

@@ -310,22 +310,41 @@ class OpenAIServing:
     async def _stream(self, flat, rid, created, object_, echo, logprobs, include_usage, n, *,
                       chat):
         """Server-sent events of all ``flat`` streams, merged as their outputs arrive."""
-        queue: asyncio.Queue = asyncio.Queue()
         finals: dict[int, Any] = {}
-
-        async def pump(index, it):
-            try:
-                async for out in it:
-                    await queue.put((index, out))
-            except PagedKVError as e:
-                await queue.put((index, e))
-            finally:
-                await queue.put((index, None))
-
-        tasks = [asyncio.create_task(pump(index, it)) for index, it in flat]
         sent_text = {index: 0 for index, _ in flat}
         sent_tokens = {index: 0 for index, _ in flat}
-        open_ = len(tasks)
+        tasks: list = []
+        if len(flat) == 1:  # one stream (n == 1): read it directly, no merging task
+            index0, it0 = flat[0]
+
+            async def outputs():
+                try:
+                    async for out in it0:
+                        yield index0, out
+                except PagedKVError as e:
+                    yield index0, e
+        else:
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def pump(index, it):
+                try:
+                    async for out in it:
+                        await queue.put((index, out))
+                except PagedKVError as e:
+                    await queue.put((index, e))
+                finally:
+                    await queue.put((index, None))
+
+            tasks = [asyncio.create_task(pump(index, it)) for index, it in flat]
+
+            async def outputs():
+                open_ = len(tasks)
+                while open_:
+                    index, item = await queue.get()
+                    if item is None:
+                        open_ -= 1
+                        continue
+                    yield index, item
 
         def chunk(choice: dict) -> str:
             return "data: " + json.dumps({"id": rid, "object": object_, "created": created,
@@ -336,11 +355,7 @@ class OpenAIServing:
                 for index, _ in flat:
                     yield chunk({"index": index, "delta": {"role": "assistant", "content": ""},
                                  "logprobs": None, "finish_reason": None})
-            while open_:
-                index, item = await queue.get()
-                if item is None:
-                    open_ -= 1
-                    continue
+            async for index, item in outputs():
                 if isinstance(item, Exception):
                     err = {"error": {"message": str(item), "type": "server_error"}}
                     yield "data: " + json.dumps(err) + "\n\n"
