@@ -172,6 +172,28 @@ def test_async_scheduling_with_graphs_matches_sync(tiny_dir, family):
         [o.outputs[0].token_ids for o in asyn.generate(prompts, seeded, use_tqdm=False)]
 
 
+def test_penalties_async_graphs_match_sync_eager(tiny_dir):
+    """Penalty counts on the device, advanced by each sampled token, with async scheduling
+    (the in-flight step's tokens counted from the device) and CUDA graphs: the synchronous
+    eager engine's tokens, greedy and seeded, penalized and plain requests in one batch."""
+    path = tiny_dir("qwen3")
+    prompts = TEXTS + TEXTS[:3]
+    kws = [dict(frequency_penalty=0.6), dict(presence_penalty=1.2), dict(repetition_penalty=1.3),
+           {}, dict(frequency_penalty=-0.4, presence_penalty=0.5, repetition_penalty=0.9),
+           dict(repetition_penalty=1.5), {}]
+    greedy = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
+              for n, kw in zip([24, 7, 24, 12, 24, 18, 5], kws)]
+    seeded = [SamplingParams(temperature=0.8, seed=i, max_tokens=16, ignore_eos=True, **kw)
+              for i, kw in enumerate(kws)]
+    sync = _gpu_llm(path, max_num_batched_tokens=64, enforce_eager=True)
+    asyn = _gpu_llm(path, max_num_batched_tokens=64, async_scheduling=True)
+    for params in (greedy, seeded):
+        a = sync.generate(prompts, params, use_tqdm=False)
+        b = asyn.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert asyn.get_kv_stats()["cuda_graph_steps"] > 0
+
+
 def test_compiled_model_regions(tiny_dir):
     """compile_model=True: the regions compile and pass their eager check (fp32), CUDA graphs
     capture the compiled kernels, and greedy tokens agree with the eager model (fp32: exactly

@@ -132,3 +132,23 @@ def test_penalty_flags():
     assert not SamplingParams().uses_penalties
     assert SamplingParams(repetition_penalty=1.1).uses_penalties
     assert SamplingParams(temperature=0, presence_penalty=-2).uses_penalties  # kept for greedy
+
+
+@pytest.mark.gpu
+def test_counts_on_cuda_match_cpu():
+    g = torch.Generator().manual_seed(0)
+    vocab, m = 1000, 6
+    rows = [0, 2, 3, 5]
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (5, 0, 40, 9)]
+    outputs = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (3, 20, 0, 7)]
+    args = (rows, prompts, outputs, [1.3, 0.7, 1.0, 2.0], [0.5, 0.0, -1.0, 2.0],
+            [0.0, 1.5, 0.3, -2.0], vocab)
+    cpu = PenaltyCounts(*args, "cpu", pending=([1], torch.tensor([7])))
+    gpu = PenaltyCounts(*args, "cuda", pending=([1], torch.tensor([7], device="cuda")))
+    for _ in range(3):
+        logits = torch.randn(m, vocab, generator=g)
+        assert torch.allclose(gpu.apply(logits.cuda()).cpu(), cpu.apply(logits), atol=1e-6)
+        step = torch.randint(0, vocab, (m,), generator=g)
+        cpu.add_sampled(step)
+        gpu.add_sampled(step.cuda())
+    assert torch.equal(gpu.counts.cpu(), cpu.counts)
