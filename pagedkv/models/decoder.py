@@ -186,12 +186,15 @@ def post_pre_qkv(
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, layer_idx: int, *, dtype=None, device=None):
+    def __init__(self, cfg: ModelArchConfig, layer_idx: int, *, dtype=None, device=None,
+                 mlp: nn.Module | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.self_attn = Attention(cfg, layer_idx, dtype=dtype, device=device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype, device=device)
+        # the dense gated MLP, unless a subclass brings its own (the MoE layer's sparse block)
+        self.mlp = mlp if mlp is not None else GatedMLP(
+            cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype, device=device)
 
     def forward(self, hidden, cos, sin, kv_cache, plan, backend) -> torch.Tensor:
         hidden, delta = self.forward_split(hidden, None, cos, sin, kv_cache, plan, backend)
@@ -224,6 +227,18 @@ class DecoderLayer(nn.Module):
             0.0 if qn is None else qn.eps, cos, sin, slots, kv_cache[0], kv_cache[1],
             check=attn.layer_idx == 0)  # every layer has layer 0's shapes
         return backend.forward(attn.layer_idx, q, None, None, kv_cache, plan, attn.scale)
+
+    def hf_entries(self, prefix: str, layout: str | None = None) -> dict:
+        """This layer's Hugging Face tensors (``prefix`` = ``model.layers.{i}.``) for the
+        model's ``hf_weight_map``: norms, attention, the dense MLP (one layout)."""
+        attn, mlp = self.self_attn, self.mlp
+        m = {prefix + "input_layernorm.weight": (self.input_layernorm.weight, None),
+             prefix + "post_attention_layernorm.weight": (self.post_attention_layernorm.weight, None)}
+        m.update(attention_hf_entries(prefix, attn.qkv_proj, attn.o_proj, attn.q_norm, attn.k_norm))
+        m.update(mlp.gate_up_proj.hf_entries_of_shards(
+            {"gate": prefix + "mlp.gate_proj", "up": prefix + "mlp.up_proj"}))
+        m.update(mlp.down_proj.hf_entries(prefix + "mlp.down_proj"))
+        return m
 
     def forward_split(self, hidden, delta, cos, sin, kv_cache, plan, backend,
                       pre=pre_attention, post=post_attention,
@@ -272,7 +287,8 @@ class DecoderForCausalLM(nn.Module):
             torch.empty(config.vocab_size, h, dtype=dtype, device=device), requires_grad=False
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, dtype=dtype, device=device) for i in range(config.num_hidden_layers)
+            self.make_layer(config, i, dtype=dtype, device=device)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(h, config.rms_norm_eps, dtype=dtype, device=device)
         if config.tie_word_embeddings:
@@ -286,6 +302,10 @@ class DecoderForCausalLM(nn.Module):
         )
         # layers use the fused q/k-norm + RoPE + KV-write kernel when the backend allows it
         self.fuse_kv_write = True
+
+    def make_layer(self, config: ModelArchConfig, layer_idx: int, *, dtype, device) -> nn.Module:
+        """Layer ``layer_idx`` (a subclass picks per layer, e.g. sparse or dense MLP)."""
+        return DecoderLayer(config, layer_idx, dtype=dtype, device=device)
 
     # ---- properties
     @property
@@ -337,15 +357,7 @@ class DecoderForCausalLM(nn.Module):
         at ``positions [T]``; writes each layer's K/V into ``kv_caches[layer]``. ``attn``: the
         step's plans per layer (:class:`StepAttention`, what the runner passes), or a single
         metadata object for all layers."""
-        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
-            raise InvalidRequestError(
-                f"input_ids and positions must both be flat [T] tensors, got "
-                f"{tuple(input_ids.shape)} and {tuple(positions.shape)}"
-            )
-        if len(kv_caches) != len(self.layers):
-            raise InvalidRequestError(
-                f"expected one KV cache per layer ({len(self.layers)}), got {len(kv_caches)}"
-            )
+        self.check_inputs(input_ids, positions, kv_caches)
         attn = self.step_attention(attn)
         plans = attn.plans
         seq_lens = tokens_seq_lens(attn.metadata, input_ids.shape[0]) if self.rotary.is_dynamic else None
@@ -374,6 +386,19 @@ class DecoderForCausalLM(nn.Module):
         if delta is not None:
             hidden = hidden + delta
         return self.norm(hidden)
+
+    def check_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                     kv_caches: Sequence[torch.Tensor]) -> None:
+        """The forward's argument checks: flat ``[T]`` ids and positions, one cache per layer."""
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise InvalidRequestError(
+                f"input_ids and positions must both be flat [T] tensors, got "
+                f"{tuple(input_ids.shape)} and {tuple(positions.shape)}"
+            )
+        if len(kv_caches) != len(self.layers):
+            raise InvalidRequestError(
+                f"expected one KV cache per layer ({len(self.layers)}), got {len(kv_caches)}"
+            )
 
     def fused_kv_write_usable(self, kv_cache: torch.Tensor) -> bool:
         """Whether layers take the fused path (q/k norms + RoPE + KV write in one kernel): the
@@ -526,9 +551,10 @@ class DecoderForCausalLM(nn.Module):
         )
 
     # ---- weights
-    def hf_weight_map(self) -> dict[str, tuple[nn.Parameter, tuple[int, int] | None]]:
-        """Hugging Face tensor name -> (parameter, row range ``(start, rows)`` or ``None`` for the
-        whole parameter). Exactly the tensors a checkpoint of this architecture must provide."""
+    def hf_weight_map(self, layout: str | None = None) -> dict[str, tuple[torch.Tensor, tuple[int, int] | None]]:
+        """Hugging Face tensor name -> (parameter or a view of one, row range ``(start, rows)``
+        or ``None`` for the whole tensor). Exactly the tensors a checkpoint of this architecture
+        must provide, in ``layout`` (see :meth:`hf_weight_layouts`; ``None``: the default one)."""
         m: dict[str, tuple[nn.Parameter, tuple[int, int] | None]] = {
             "model.embed_tokens.weight": (self.embed_tokens, None),
             "model.norm.weight": (self.norm.weight, None),
@@ -536,15 +562,14 @@ class DecoderForCausalLM(nn.Module):
         if self.lm_head is not None:
             m["lm_head.weight"] = (self.lm_head, None)
         for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            attn, mlp = layer.self_attn, layer.mlp
-            m[p + "input_layernorm.weight"] = (layer.input_layernorm.weight, None)
-            m[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, None)
-            m.update(attention_hf_entries(p, attn.qkv_proj, attn.o_proj, attn.q_norm, attn.k_norm))
-            m.update(mlp.gate_up_proj.hf_entries_of_shards(
-                {"gate": p + "mlp.gate_proj", "up": p + "mlp.up_proj"}))
-            m.update(mlp.down_proj.hf_entries(p + "mlp.down_proj"))
+            m.update(layer.hf_entries(f"model.layers.{i}.", layout))
         return m
+
+    def hf_weight_layouts(self) -> dict[str, dict]:
+        """Every tensor layout a checkpoint of this architecture may have, by name -> its
+        ``hf_weight_map``; the loader takes the one the checkpoint's names match (one layout
+        for dense models)."""
+        return {"hf": self.hf_weight_map()}
 
     def finish_loading(self) -> "DecoderForCausalLM":
         """Called by the loader once the checkpoint's weights are in (a model that derives

@@ -2,9 +2,10 @@
 file, or shards listed by ``model.safetensors.index.json``) and the tokenizer.
 
 Name checking is strict: every tensor the architecture needs must be present exactly once with
-the right shape, and every tensor present must be used (``rotary_emb.inv_freq`` buffers of old
-checkpoints and ``lm_head.weight`` of tied models are the only ones skipped). Errors list the
-tensors and files involved.
+the right shape, in one of the model's tensor layouts (``hf_weight_layouts``: one for dense
+models; per-expert or stacked experts for MoE models), and every tensor present must be used
+(``rotary_emb.inv_freq`` buffers of old checkpoints and ``lm_head.weight`` of tied models are
+the only ones skipped). Errors list the tensors and files involved.
 """
 
 from __future__ import annotations
@@ -108,20 +109,27 @@ def load_weights(model: DecoderForCausalLM, model_dir: str | os.PathLike) -> Non
     """Fill ``model``'s parameters from the checkpoint in ``model_dir`` (strict names and shapes)."""
     config = model.config
     files = checkpoint_files(model_dir)
-    expected = model.hf_weight_map()
     present = set(files)
-    missing = sorted(set(expected) - present)
-    unexpected = sorted(n for n in present - set(expected) if not _ignorable(n, config))
+    # the layout (of the model's hf_weight_layouts) whose names the checkpoint has exactly
+    best = None
+    for layout, expected in model.hf_weight_layouts().items():
+        missing = sorted(set(expected) - present)
+        unexpected = sorted(n for n in present - set(expected) if not _ignorable(n, config))
+        if best is None or len(missing) + len(unexpected) < len(best[1]) + len(best[2]):
+            best = (layout, missing, unexpected, expected)
+    layout, missing, unexpected, expected = best
     if missing or unexpected:
         parts = []
         if missing:
             parts.append(f"missing tensors: {_short_list(missing)}")
         if unexpected:
             parts.append(f"unexpected tensors: {_short_list(unexpected)}")
+        layouts = list(model.hf_weight_layouts())
+        closest = f" (closest of the layouts {', '.join(layouts)}: {layout})" if len(layouts) > 1 else ""
         raise CheckpointError(
             f"{os.fspath(model_dir)}: checkpoint does not match {config.architecture} "
             f"({config.num_hidden_layers} layers, tie_word_embeddings={config.tie_word_embeddings}, "
-            f"qkv_bias={config.qkv_bias}, qk_norm={config.qk_norm}): " + "; ".join(parts)
+            f"qkv_bias={config.qkv_bias}, qk_norm={config.qk_norm}){closest}: " + "; ".join(parts)
         )
     by_file: dict[str, list[str]] = {}
     for name in expected:
