@@ -1,9 +1,10 @@
 """Model architecture config: what pagedkv needs to know about a checkpoint's ``config.json``.
 
 ``ModelArchConfig.from_dict`` parses and validates a Hugging Face ``config.json`` of one of the
-supported decoder-only families (Llama, Qwen2, Qwen3, Mistral) into one frozen dataclass. The
-family decides the defaults of absent keys (as transformers does) and the structural flags of the
-generic decoder (q/k/v bias, o_proj bias, q/k RMSNorm).
+supported decoder-only families (Llama, Qwen2, Qwen3, Mistral, Gemma 2/3, and the
+mixture-of-experts Qwen3-MoE and Mixtral) into one frozen dataclass. The family decides the
+defaults of absent keys (as transformers does) and the structural flags of the generic decoder
+(q/k/v bias, o_proj bias, q/k RMSNorm); an MoE family adds its routing (``MoeConfig``).
 
 ``shape_config(name)`` returns the config of a well-known model shape (``"qwen3-0.6b"``,
 ``"llama-3.2-1b"`` ...) for benchmarks with random weights.
@@ -46,6 +47,9 @@ class _Family:
     # logit soft-capping; Gemma 3: q/k norms and a local RoPE base for sliding layers.
     gemma: int = 0
     sliding_pattern: int = 0
+    # mixture of experts: "qwen3_moe" or "mixtral" (how config.json names and routes the
+    # experts, see _parse_moe), None for dense families
+    moe: str | None = None
 
 
 FAMILIES: dict[str, _Family] = {
@@ -108,7 +112,43 @@ FAMILIES["Gemma3ForCausalLM"] = _Family(
     qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False, qk_norm=True,
     sliding="gemma", gemma=3, sliding_pattern=6)
 
+# Qwen3-MoE: Qwen3's attention (q/k norms; head_dim defaults to hidden / heads, Qwen3MoeConfig
+# has no head_dim default); use_sliding_window puts sliding_window on every layer.
+FAMILIES["Qwen3MoeForCausalLM"] = _Family(
+    name="qwen3_moe", max_position_embeddings=32768, bos_token_id=None, eos_token_id=None,
+    head_dim=None, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False,
+    qk_norm=True, sliding="qwen_moe", moe="qwen3_moe")
+# Mixtral: Mistral's attention (sliding_window, when set, on every layer)
+FAMILIES["MixtralForCausalLM"] = _Family(
+    name="mixtral", max_position_embeddings=4096 * 32, bos_token_id=1, eos_token_id=2,
+    head_dim=None, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
+    sliding="mistral", moe="mixtral")
+
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(FAMILIES)
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The sparse MLP of a mixture-of-experts family, as transformers' modeling code runs it.
+
+    Router: ``logits = x W_gate^T`` (model dtype), ``softmax`` in float32, ``top_k`` experts;
+    with ``norm_topk_prob`` the top-k probabilities are renormalized to sum to 1. The weights
+    of the weighted sum are cast to the model dtype (``weights_dtype == "model"``, Qwen3-MoE)
+    or kept in float32 (``"float32"``, Mixtral). Experts are SiLU-gated MLPs of
+    ``intermediate_size``. ``sparse_layers[i]``: layer ``i`` has the sparse block (else the
+    dense MLP of ``ModelArchConfig.intermediate_size``).
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    weights_dtype: str  # "model" | "float32"
+    sparse_layers: tuple[bool, ...]
+
+    @property
+    def num_sparse_layers(self) -> int:
+        return sum(self.sparse_layers)
 
 # --------------------------------------------------------------------------------------------
 # RoPE
@@ -296,6 +336,7 @@ class ModelArchConfig:
     final_logit_softcap: float | None = None
     embed_scale: float | None = None  # embeddings times this (sqrt(hidden))
     local_rope: "RopeConfig | None" = None  # RoPE of the sliding-window layers (Gemma 3)
+    moe: MoeConfig | None = None  # mixture-of-experts families only
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived sizes
@@ -346,7 +387,11 @@ class ModelArchConfig:
         norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         per_layer = attn + mlp + norms
         emb = v * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * per_layer + emb + h
+        total = self.num_hidden_layers * per_layer + emb + h
+        if self.moe is not None:  # sparse layers: router + experts instead of the dense MLP
+            m = self.moe
+            total += m.num_sparse_layers * (m.num_experts * (h + 3 * h * m.intermediate_size) - mlp)
+        return total
 
     # ---- parsing
     @classmethod
@@ -431,6 +476,7 @@ class ModelArchConfig:
         else:
             rope = _parse_rope(d, max_pos)
         windows = _layer_windows(d, fam, layers, source)
+        moe = _parse_moe(d, fam, layers, source) if fam.moe else None
         gemma_fields = {}
         if fam.gemma:
             def opt_num(key, default):
@@ -496,6 +542,7 @@ class ModelArchConfig:
             pad_token_id=pad,
             hidden_act=act,
             layer_windows=windows,
+            moe=moe,
             raw=dict(d),
             **gemma_fields,
         )
@@ -569,16 +616,19 @@ def _parse_gemma3_rope(d: dict, max_pos: int, source: str) -> tuple[RopeConfig, 
 
 def _layer_windows(d: dict, fam: _Family, layers: int, source: str) -> tuple[int | None, ...]:
     """Each layer's sliding window (None: full attention), as transformers reads the config:
-    Mistral: ``sliding_window`` on every layer when set; Qwen2/Qwen3: only with
+    Mistral and Mixtral: ``sliding_window`` on every layer when set; Qwen3-MoE: on every layer
+    with ``use_sliding_window`` (default window 4096); Qwen2/Qwen3: only with
     ``use_sliding_window``, on the layers ``layer_types`` marks ``sliding_attention`` (or,
     without ``layer_types``, layers ``>= max_window_layers``)."""
-    window = d.get("sliding_window", 4096 if fam.sliding == "gemma" else None)
+    window = d.get("sliding_window", 4096 if fam.sliding in ("gemma", "qwen_moe") else None)
     if fam.sliding is None or window is None:
         return (None,) * layers
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise ConfigError(f"{source}: sliding_window must be null or a positive integer, got {window!r}")
     if fam.sliding == "mistral":
         return (window,) * layers
+    if fam.sliding == "qwen_moe":
+        return (window if d.get("use_sliding_window", False) else None,) * layers
     if fam.sliding == "gemma":
         layer_types = d.get("layer_types")
         if layer_types is None:
@@ -600,6 +650,55 @@ def _layer_windows(d: dict, fam: _Family, layers: int, source: str) -> tuple[int
         raise ConfigError(f"{source}: layer_types must list 'full_attention' / 'sliding_attention' "
                           f"for each of the {layers} layers, got {layer_types!r}")
     return tuple(window if t == "sliding_attention" else None for t in layer_types)
+
+
+def _parse_moe(d: dict, fam: _Family, layers: int, source: str) -> MoeConfig:
+    """The experts of an MoE family, with transformers' defaults and layer rule.
+
+    Qwen3-MoE: ``num_experts`` (saved configs may name it ``num_local_experts``, default 128),
+    ``num_experts_per_tok`` (8), ``moe_intermediate_size`` (768), ``norm_topk_prob`` (false);
+    layer ``i`` is sparse iff ``i`` is not in ``mlp_only_layers`` and ``num_experts > 0`` and
+    ``(i + 1) % decoder_sparse_step == 0`` (default 1). Mixtral: ``num_local_experts`` (8),
+    ``num_experts_per_tok`` (2), experts of ``intermediate_size``, always renormalized, every
+    layer sparse."""
+    def count(key: str, default: int, *, zero: bool = False) -> int:
+        v = d.get(key)
+        v = default if v is None else v
+        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if zero else 1):
+            raise ConfigError(f"{source}: {key} must be a {'non-negative' if zero else 'positive'} "
+                              f"integer, got {v!r}")
+        return v
+
+    if fam.moe == "mixtral":
+        experts = count("num_local_experts", 8)
+        inter = count("intermediate_size", 14336)
+        norm, weights_dtype, sparse = True, "float32", (True,) * layers
+    else:
+        key = "num_experts" if "num_experts" in d else "num_local_experts"
+        experts = count(key, 128, zero=True)
+        inter = count("moe_intermediate_size", 768)
+        norm = d.get("norm_topk_prob", False)
+        if not isinstance(norm, bool):
+            raise ConfigError(f"{source}: norm_topk_prob must be true or false, got {norm!r}")
+        weights_dtype = "model"
+        step = count("decoder_sparse_step", 1)
+        only = d.get("mlp_only_layers")
+        only = [] if only is None else only
+        if not isinstance(only, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in only):
+            raise ConfigError(f"{source}: mlp_only_layers must list layer indices in "
+                              f"[0, {layers}), got {only!r}")
+        sparse = tuple(i not in only and experts > 0 and (i + 1) % step == 0
+                       for i in range(layers))
+    top_k = count("num_experts_per_tok", 2 if fam.moe == "mixtral" else 8)
+    if any(sparse) and top_k > experts:
+        raise ConfigError(f"{source}: num_experts_per_tok ({top_k}) must not exceed the number "
+                          f"of experts ({experts})")
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"{source}: hidden_act {act!r} is not supported; the experts use 'silu'")
+    return MoeConfig(num_experts=experts, top_k=top_k, intermediate_size=inter,
+                     norm_topk_prob=norm, weights_dtype=weights_dtype, sparse_layers=sparse)
 
 
 # --------------------------------------------------------------------------------------------
@@ -768,6 +867,7 @@ def shape_config(name: str, *, dtype: str | None = None) -> ModelArchConfig:
 __all__ = [
     "FAMILIES",
     "ModelArchConfig",
+    "MoeConfig",
     "ROPE_TYPES",
     "RopeConfig",
     "SHAPES",

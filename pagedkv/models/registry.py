@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 from pagedkv.errors import UnsupportedArchitectureError
-from pagedkv.models.config import SUPPORTED_ARCHITECTURES
+from pagedkv.models.config import FAMILIES, SUPPORTED_ARCHITECTURES
 from pagedkv.models.decoder import DecoderForCausalLM
 from pagedkv.models.gemma import GemmaForCausalLM
+from pagedkv.models.moe_decoder import MoeForCausalLM
 
-# one generic decoder for the Llama-like families; Gemma 2 / 3 have their own layers
+
+def _model_class(arch: str) -> type[DecoderForCausalLM]:
+    if FAMILIES[arch].gemma:
+        return GemmaForCausalLM
+    if FAMILIES[arch].moe:
+        return MoeForCausalLM
+    return DecoderForCausalLM
+
+
+# one generic decoder for the Llama-like families; Gemma 2 / 3 have their own layers; the
+# mixture-of-experts families (Qwen3-MoE, Mixtral) the decoder's layers with sparse MLPs
 MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
-    arch: GemmaForCausalLM if arch.startswith("Gemma") else DecoderForCausalLM
-    for arch in SUPPORTED_ARCHITECTURES
+    arch: _model_class(arch) for arch in SUPPORTED_ARCHITECTURES
 }
 
 

@@ -8,7 +8,9 @@ byte-level BPE tokenizer trained with ``tokenizers`` on a small built-in corpus
 
 Weights are drawn from one seeded generator in parameter-name order (matrices ~ N(0, init_std);
 norm weights 1 + N(0, 0.1); biases N(0, 0.1)), so they do not depend on transformers' init
-code, and norms and biases are not trivially 1 and 0 (a loader that drops them is caught).
+code, and norms and biases are not trivially 1 and 0 (a loader that drops them is caught). The
+routers of the MoE families (Qwen3-MoE, Mixtral) are then adjusted so the corpus reaches every
+expert (``_spread_routing``).
 
 Idempotent: a directory is keyed by a hash of its spec and reused when its marker file exists;
 it is built in a temporary directory and renamed into place, so concurrent builders are safe.
@@ -36,7 +38,10 @@ FAMILY_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 # transformers config class per family where it is not "<Architecture minus ForCausalLM>Config"
 CONFIG_CLASSES = {"gemma3": "Gemma3TextConfig"}
 
@@ -88,6 +93,17 @@ class TinySpec:
     # max_window_layers, transformers' rule); None: full attention everywhere
     sliding_window: int | None = None
     max_window_layers: int = 0
+    # mixture of experts (qwen3_moe, mixtral). Mixtral's experts have intermediate_size;
+    # Qwen3-MoE's moe_intermediate_size (its dense layers intermediate_size).
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 32
+    norm_topk_prob: bool = False  # qwen3_moe (Mixtral always renormalizes)
+    decoder_sparse_step: int = 1  # qwen3_moe
+    mlp_only_layers: tuple[int, ...] = ()  # qwen3_moe
+    # False: save transformers' own layout (stacked expert tensors) instead of the per-expert
+    # names save_pretrained writes by default
+    save_original_format: bool = True
 
     def validate(self) -> None:
         if self.family not in FAMILY_ARCHITECTURES:
@@ -102,12 +118,23 @@ class TinySpec:
             raise ConfigError("tiny num_heads must be a multiple of num_kv_heads")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"tiny dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.attention_bias and self.family not in ("llama", "qwen3", "gemma2", "gemma3"):
+        if self.attention_bias and self.family not in ("llama", "qwen3", "qwen3_moe", "gemma2", "gemma3"):
             raise ConfigError("attention_bias is a llama/qwen3/gemma option")
         if self.mlp_bias and self.family != "llama":
             raise ConfigError("mlp_bias is a llama option")
         if self.sliding_window is not None and self.family == "llama":
             raise ConfigError("sliding_window is a mistral / qwen2 / qwen3 option")
+        moe_opts = {f: getattr(self, f) for f in _MOE_DEFAULTS if getattr(self, f) != _MOE_DEFAULTS[f]}
+        if self.family not in MOE_FAMILIES and moe_opts:
+            raise ConfigError(f"{', '.join(moe_opts)}: options of the MoE families {MOE_FAMILIES}")
+        if self.family == "mixtral" and set(moe_opts) & {"moe_intermediate_size", "norm_topk_prob",
+                                                          "decoder_sparse_step", "mlp_only_layers"}:
+            raise ConfigError("mixtral: every layer is sparse, experts of intermediate_size, "
+                              "always renormalized; only num_experts / num_experts_per_tok apply")
+        if self.family in MOE_FAMILIES and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError("tiny num_experts_per_tok must lie in [1, num_experts]")
+        if not all(0 <= i < self.num_layers for i in self.mlp_only_layers):
+            raise ConfigError(f"tiny mlp_only_layers must be layer indices < {self.num_layers}")
 
     @property
     def tied(self) -> bool:
@@ -117,9 +144,17 @@ class TinySpec:
 
     def key(self) -> str:
         d = asdict(self)
+        for f, default in _MOE_DEFAULTS.items():  # absent at their defaults: older keys hold
+            if d[f] == default:
+                del d[f]
         d["format"] = FORMAT_VERSION
         blob = json.dumps(d, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
+
+
+_MOE_DEFAULTS = {f: getattr(TinySpec, f) for f in (
+    "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+    "decoder_sparse_step", "mlp_only_layers", "save_original_format")}
 
 
 def default_cache_dir() -> str:
@@ -161,6 +196,17 @@ def hf_config_dict(spec: TinySpec) -> dict:
                      max_window_layers=spec.max_window_layers)
     elif spec.family == "mistral":
         d.update(sliding_window=spec.sliding_window)
+    elif spec.family == "mixtral":
+        d.update(sliding_window=spec.sliding_window, num_local_experts=spec.num_experts,
+                 num_experts_per_tok=spec.num_experts_per_tok)
+    elif spec.family == "qwen3_moe":
+        d.update(attention_bias=spec.attention_bias, num_experts=spec.num_experts,
+                 num_experts_per_tok=spec.num_experts_per_tok,
+                 moe_intermediate_size=spec.moe_intermediate_size,
+                 norm_topk_prob=spec.norm_topk_prob, decoder_sparse_step=spec.decoder_sparse_step,
+                 mlp_only_layers=list(spec.mlp_only_layers),
+                 use_sliding_window=spec.sliding_window is not None,
+                 sliding_window=spec.sliding_window)
     elif spec.family in ("gemma2", "gemma3"):
         # interleaved local/global layers need a window; the softcaps keep their defaults
         d.update(sliding_window=spec.sliding_window or 16, query_pre_attn_scalar=spec.head_dim,
@@ -216,6 +262,44 @@ def _fill_weights(model, spec: TinySpec) -> None:
             p.copy_(vals.to(p.dtype))
 
 
+def _spread_routing(model, tok) -> None:
+    """Make the random routers of an MoE model route the corpus to all experts.
+
+    With random weights the inputs of a layer's router share a few large common directions
+    (mean cosine 0.3-0.8 between tokens), so ``W x`` is dominated by them and two or three
+    experts take most tokens. Layer by layer (each change moves the later inputs), the random
+    router ``R`` becomes ``W = c R S^(-1/2) Q``: ``Q`` removes the direction of the mean input
+    of the corpus tokens (the router has no bias to cancel it), ``S`` is the covariance of the
+    projected inputs (regularized), so the corpus logits are an isotropic random projection,
+    scaled (``c``) to standard deviation 1. Deterministic: the weights, the corpus and the
+    tokenizer are."""
+    import torch
+
+    ids = [torch.tensor([tok.encode(line).ids]) for line in CORPUS.splitlines() if line]
+    for layer in model.model.layers:
+        router = getattr(layer.mlp, "gate", None)
+        if router is None or not hasattr(layer.mlp, "experts"):
+            continue  # a dense layer
+        inputs = []
+        hook = router.register_forward_pre_hook(
+            lambda mod, args: inputs.append(args[0].reshape(-1, args[0].shape[-1])))
+        with torch.no_grad():
+            for x in ids:
+                model(x)
+            hook.remove()
+            xs = torch.cat(inputs).double()
+            u = xs.mean(0)
+            u = u / u.norm()
+            q = torch.eye(xs.shape[1], dtype=torch.float64) - torch.outer(u, u)
+            ys = xs @ q
+            cov = ys.T @ ys / ys.shape[0]
+            vals, vecs = torch.linalg.eigh(cov)
+            vals = vals.clamp_min(0) + 1e-3 * float(vals.clamp_min(0).mean())
+            w = router.weight.double() @ (vecs @ torch.diag(vals.rsqrt()) @ vecs.T) @ q
+            w = w / (xs @ w.T).std()
+            router.weight.copy_(w.to(router.weight.dtype))
+
+
 def _build(spec: TinySpec, out_dir: str) -> None:
     import torch
     import transformers
@@ -226,13 +310,18 @@ def _build(spec: TinySpec, out_dir: str) -> None:
     config = config_cls(**hf_config_dict(spec))
     model = model_cls(config)
     _fill_weights(model, spec)
-    model = model.to(getattr(torch, spec.dtype))
-    kwargs = {} if spec.max_shard_size is None else {"max_shard_size": spec.max_shard_size}
-    model.save_pretrained(out_dir, **kwargs)
-
-    tok = train_tokenizer(spec.vocab_size, add_bos=spec.family in ("llama", "mistral", "gemma2", "gemma3"))
+    tok = train_tokenizer(spec.vocab_size,
+                          add_bos=spec.family in ("llama", "mistral", "gemma2", "gemma3", "mixtral"))
     if tok.get_vocab_size() > spec.vocab_size:
         raise ConfigError(f"trained tokenizer has {tok.get_vocab_size()} tokens > vocab_size {spec.vocab_size}")
+    if spec.family in MOE_FAMILIES:
+        _spread_routing(model, tok)
+    model = model.to(getattr(torch, spec.dtype))
+    kwargs = {} if spec.max_shard_size is None else {"max_shard_size": spec.max_shard_size}
+    if not spec.save_original_format:
+        kwargs["save_original_format"] = False
+    model.save_pretrained(out_dir, **kwargs)
+
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(
@@ -323,6 +412,7 @@ def tiny_spec(family: str, **options) -> TinySpec:
 __all__ = [
     "CORPUS",
     "FAMILY_ARCHITECTURES",
+    "MOE_FAMILIES",
     "TinySpec",
     "build_tiny_checkpoint",
     "default_cache_dir",

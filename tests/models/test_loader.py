@@ -136,11 +136,15 @@ def test_registry():
     from pagedkv.models.decoder import DecoderForCausalLM
     from pagedkv.models.gemma import GemmaForCausalLM
 
+    from pagedkv.models.moe_decoder import MoeForCausalLM
+
     assert set(supported_architectures()) == {
         "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-        "Gemma2ForCausalLM", "Gemma3ForCausalLM"}
+        "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"}
     assert get_model_class("Gemma3ForCausalLM") is GemmaForCausalLM
     assert get_model_class("MistralForCausalLM") is DecoderForCausalLM
+    assert get_model_class("Qwen3MoeForCausalLM") is MoeForCausalLM
+    assert get_model_class("MixtralForCausalLM") is MoeForCausalLM
     with pytest.raises(UnsupportedArchitectureError, match="FalconForCausalLM.*LlamaForCausalLM"):
         get_model_class("FalconForCausalLM")
 

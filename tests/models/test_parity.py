@@ -14,7 +14,7 @@ from pagedkv.models.loader import load_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral"]
 TEXTS = [
     "Hello",
     "The block table maps a request row",
