@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from pagedkv.engine.benchmark import (  # noqa: E402
+from pagedkv.tools.benchmark import (  # noqa: E402
     environment,
     format_table,
     result_table,

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from pagedkv.engine.benchmark import environment, w1_workload  # noqa: E402
+from pagedkv.tools.benchmark import environment, w1_workload  # noqa: E402
 from pagedkv.engine.llm import LLM  # noqa: E402
 from pagedkv.sampling.params import SamplingParams  # noqa: E402
 

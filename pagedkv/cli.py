@@ -123,9 +123,9 @@ def cmd_trace(args) -> int:
 
     from pagedkv.config import CacheConfig, SchedulerConfig
     from pagedkv.core.spec import KVCacheConfig
-    from pagedkv.engine.index_driver import IndexLayerDriver
+    from pagedkv.tools.index_driver import IndexLayerDriver
     from pagedkv.engine.llm_engine import resolve_device
-    from pagedkv.engine.workload import WorkloadSpec, fake_next_token, make_workload
+    from pagedkv.tools.workload import WorkloadSpec, fake_next_token, make_workload
 
     if args.limit < 0:
         raise ConfigError(f"--limit must be >= 0, got {args.limit}")
@@ -278,7 +278,7 @@ def cmd_bench_serve(args) -> int:
     import asyncio
     import math
 
-    from pagedkv.engine.benchmark import environment, w1_workload, write_json
+    from pagedkv.tools.benchmark import environment, w1_workload, write_json
     from pagedkv.entrypoints.bench_serve import format_result, run_serve_bench
 
     if not args.base_url:
@@ -313,7 +313,7 @@ def cmd_bench_serve(args) -> int:
 def cmd_bench(args) -> int:
     if args.mode == "serve":
         return cmd_bench_serve(args)
-    from pagedkv.engine.benchmark import environment, result_table, run_throughput, w1_workload, write_json
+    from pagedkv.tools.benchmark import environment, result_table, run_throughput, w1_workload, write_json
     from pagedkv.engine.llm import LLM
 
     from pagedkv.engine.llm_engine import resolve_device
@@ -418,7 +418,7 @@ def _graceful_server_class():
 
 
 def cmd_demo(args) -> int:
-    from pagedkv.engine.demo import run_demo
+    from pagedkv.tools.demo import run_demo
 
     run_demo(cache_dir=args.cache_dir, device=args.device, num_blocks=args.num_blocks,
              block_size=args.block_size, max_tokens=args.max_tokens, num_prompts=args.num_prompts,

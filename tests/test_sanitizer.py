@@ -8,7 +8,7 @@ import pytest
 
 from pagedkv.config import SchedulerConfig
 from pagedkv.core.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from pagedkv.engine.index_driver import IndexLayerDriver
+from pagedkv.tools.index_driver import IndexLayerDriver
 from pagedkv.errors import InvariantError
 from pagedkv.sanitizer import check_pool, check_step
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from pagedkv.cli import main
-from pagedkv.engine.benchmark import W1_TOTAL_OUTPUT_TOKENS, w1_workload
+from pagedkv.tools.benchmark import W1_TOTAL_OUTPUT_TOKENS, w1_workload
 
 
 def test_w1_workload_matches_perf_md():

@@ -142,7 +142,7 @@ def test_kv_pool_sized_from_profiled_memory(tiny_dir):
 
 @pytest.mark.slow
 def test_qwen3_0_6b_shape_w1_variant():
-    from pagedkv.engine.benchmark import run_throughput, w1_workload
+    from pagedkv.tools.benchmark import run_throughput, w1_workload
 
     llm = LLM.from_shape("qwen3-0.6b", device="cuda", max_model_len=4096, gpu_memory_utilization=0.5)
     assert llm.engine.model.dtype == torch.bfloat16 and llm.runner.cuda_graphs is not None
@@ -217,7 +217,7 @@ def test_compiled_model_regions(tiny_dir):
 def test_qwen3_0_6b_shape_w1_variant_fast_path():
     """The W1 configuration of bench/bench_w1.py (async scheduling + compiled regions, bf16,
     CUDA graphs) on a small W1 variant: every requested token is produced."""
-    from pagedkv.engine.benchmark import run_throughput, w1_workload
+    from pagedkv.tools.benchmark import run_throughput, w1_workload
 
     llm = LLM.from_shape("qwen3-0.6b", device="cuda", max_model_len=4096, gpu_memory_utilization=0.5,
                          async_scheduling=True, compile_model=True)

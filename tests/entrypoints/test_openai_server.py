@@ -383,7 +383,7 @@ def test_serve_command_and_graceful_sigterm(model_dir):
 def test_bench_serve_replays_a_w1_variant(live):
     """``run_serve_bench``: every request completes with exactly its max_tokens (ignore_eos),
     one TTFT per request, ITLs between the remaining chunks, and the pool is idle afterwards."""
-    from pagedkv.engine.benchmark import w1_workload
+    from pagedkv.tools.benchmark import w1_workload
     from pagedkv.entrypoints.bench_serve import format_result, run_serve_bench
 
     vocab = live.llm.engine.model.config.vocab_size
@@ -432,7 +432,7 @@ def test_serve_a_shape_with_the_synthetic_tokenizer(monkeypatch):
     stream text; the streamed words are the generated ids. A small shape stands in for
     qwen3-0.6b on this CPU."""
     from pagedkv.cli import build_parser, build_serve_llm
-    from pagedkv.engine.benchmark import w1_workload
+    from pagedkv.tools.benchmark import w1_workload
     from pagedkv.entrypoints.bench_serve import run_serve_bench
     from pagedkv.models import config as model_config
 

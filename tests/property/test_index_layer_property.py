@@ -20,8 +20,8 @@ from pagedkv.core.spec import (
     KVCacheGroupSpec,
     SlidingWindowSpec,
 )
-from pagedkv.engine.index_driver import IndexLayerDriver
-from pagedkv.engine.workload import WorkloadSpec, fake_next_token, make_workload
+from pagedkv.tools.index_driver import IndexLayerDriver
+from pagedkv.tools.workload import WorkloadSpec, fake_next_token, make_workload
 
 
 @st.composite

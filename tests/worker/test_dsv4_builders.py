@@ -13,8 +13,8 @@ import torch
 
 from pagedkv.config import SchedulerConfig
 from pagedkv.core.spec import KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec, SlidingWindowMLASpec
-from pagedkv.engine.index_driver import IndexLayerDriver
-from pagedkv.engine.workload import WorkloadSpec, fake_next_token, make_workload
+from pagedkv.tools.index_driver import IndexLayerDriver
+from pagedkv.tools.workload import WorkloadSpec, fake_next_token, make_workload
 from pagedkv.errors import ConfigError
 from pagedkv.worker.dsv4_builders import CompressedMLAMetadataBuilder, SlidingWindowMLAMetadataBuilder
 from pagedkv.worker.metadata import build_attention_metadata, common_metadata_from_inputs, make_attention_groups
