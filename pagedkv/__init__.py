@@ -18,6 +18,7 @@ _EXPORTS = {
     "LLM": "pagedkv.engine.llm",
     "LLMEngine": "pagedkv.engine.llm_engine",
     "SamplingParams": "pagedkv.sampling.params",
+    "EngineConfig": "pagedkv.config",
     "RequestOutput": "pagedkv.engine.outputs",
     "CompletionOutput": "pagedkv.engine.outputs",
     "RequestMetrics": "pagedkv.engine.outputs",

@@ -163,3 +163,96 @@ class SchedulerConfig:
         if self.max_num_scheduled_tokens is None:
             return self.max_num_batched_tokens
         return self.max_num_scheduled_tokens
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every option of an engine, in one place: ``LLM(path, **options)``, ``LLM.from_shape``,
+    ``LLM.from_model``, ``build_engine`` and the CLI all build one of these, so no option is
+    named (or defaulted) twice. Unknown names raise ``ConfigError`` naming the closest option.
+
+    ``async_scheduling`` / ``compile_model`` / ``warmup``: ``None`` means "on with CUDA, off on
+    CPU" (:meth:`resolved` fills them in for a device). ``max_model_len=None``: the model's
+    trained context, fitted to the pool when smaller. ``kv_cache_memory_bytes``: a KV byte
+    budget instead of ``gpu_memory_utilization`` (on CPU the default is 256 MiB).
+    ``num_gpu_blocks_override``: exactly this many blocks (the null block included).
+    ``sanitize``: check every index-layer invariant on every step (slow; for debugging).
+    """
+
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] | None = None
+    long_prefill_token_threshold: int = 0
+    async_scheduling: bool | None = None
+    compile_model: bool | None = None
+    warmup: bool | None = None
+    allow_long_max_model_len: bool = False
+    sanitize: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int("block_size", self.block_size, minimum=1)
+        _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, minimum=2)
+        for name in ("enable_prefix_caching", "enforce_eager", "allow_long_max_model_len",
+                     "sanitize"):
+            _check_bool(name, getattr(self, name))
+        for name in ("async_scheduling", "compile_model", "warmup"):
+            if getattr(self, name) is not None:
+                _check_bool(name, getattr(self, name))
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
+        if self.num_gpu_blocks_override is not None:
+            _check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, minimum=2,
+                       hint="the pool needs the null block and one more")
+        if self.kv_cache_memory_bytes is not None:
+            _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, minimum=1)
+        _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, minimum=0)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"seed must be an int, got {self.seed!r}")
+        if self.cuda_graph_sizes is not None:
+            sizes = self.cuda_graph_sizes
+            if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
+                raise ConfigError(f"cuda_graph_sizes must be a list of ints, got {sizes!r}")
+            sizes = tuple(sizes)
+            for s in sizes:
+                _check_int("cuda_graph_sizes entries", s, minimum=1)
+            object.__setattr__(self, "cuda_graph_sizes", sizes)
+
+    @classmethod
+    def from_options(cls, **options) -> "EngineConfig":
+        """An ``EngineConfig`` from keyword options; an unknown name is a ``ConfigError``
+        naming the closest option."""
+        import difflib
+        from dataclasses import fields
+
+        known = [f.name for f in fields(cls)]
+        for key in options:
+            if key not in known:
+                close = difflib.get_close_matches(key, known, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(f"unknown engine option {key!r}{hint} (options: "
+                                  f"{', '.join(known)})")
+        return cls(**options)
+
+    def resolved(self, device_type: str) -> "EngineConfig":
+        """The defaults that depend on the device filled in (``None`` -> on with CUDA)."""
+        from dataclasses import replace
+
+        on = device_type == "cuda"
+        return replace(
+            self,
+            async_scheduling=on if self.async_scheduling is None else self.async_scheduling,
+            compile_model=on if self.compile_model is None else self.compile_model,
+            warmup=on if self.warmup is None else self.warmup,
+        )

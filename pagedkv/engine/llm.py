@@ -34,6 +34,7 @@ from pagedkv.engine.llm_engine import (
 from pagedkv.engine.heap import release_frozen
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.progress import ProgressBar
+from pagedkv.config import EngineConfig
 from pagedkv.errors import ConfigError, InvalidRequestError, InvariantError
 from pagedkv.sampling.params import SamplingParams
 
@@ -50,13 +51,18 @@ def _is_single_prompt(x: Any) -> bool:
 
 
 class LLM:
-    """See the module docstring. Arguments as vLLM's (a subset), plus ``attention_backend``
-    (``"auto"``, ``"torch_ref"``, ``"triton"`` or an ``AttentionBackend``),
-    ``kv_cache_memory_bytes`` (a KV byte budget, used instead of ``gpu_memory_utilization``;
-    on CPU the default is 256 MiB), ``async_scheduling`` (schedule the next step while the
-    device runs the current one; same tokens) and ``compile_model`` (``torch.compile`` the
-    model's pointwise regions; CUDA only). Both default to on with CUDA and off on CPU
-    (``None``), so ``LLM(path)`` is the fast engine; pass ``False`` to turn either off.
+    """See the module docstring. ``LLM(path, dtype=, device=, attention_backend=, tokenizer=,
+    **engine_options)``: the engine options are the fields of
+    :class:`~pagedkv.config.EngineConfig` (vLLM's names where vLLM has them: ``block_size``,
+    ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``, ``enable_prefix_caching``,
+    ``gpu_memory_utilization``, ``num_gpu_blocks_override``, ``enforce_eager``, ``seed``, ...;
+    pagedkv's own: ``kv_cache_memory_bytes``, ``async_scheduling``, ``compile_model``,
+    ``warmup``, ``sanitize``, ``allow_long_max_model_len``), or ``config=EngineConfig(...)``.
+    ``async_scheduling`` (schedule the next step while the device runs the current one; same
+    tokens) and ``compile_model`` (``torch.compile`` the model's pointwise regions; CUDA only)
+    default to on with CUDA and off on CPU, so ``LLM(path)`` is the fast engine.
+    ``attention_backend``: ``"auto"``, ``"torch_ref"``, ``"triton"`` or an
+    ``AttentionBackend``.
 
     ``tokenizer``: a directory to load the tokenizer from (vLLM's spelling), ``"auto"`` (the
     model directory's, if it has one), ``True`` (required from the model directory) or
@@ -72,48 +78,27 @@ class LLM:
         model: str | os.PathLike,
         *,
         dtype: str | torch.dtype = "auto",
-        block_size: int = 16,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        gpu_memory_utilization: float = 0.9,
-        num_gpu_blocks_override: int | None = None,
-        enforce_eager: bool = False,
         device: str | torch.device | None = None,
-        seed: int = 0,
         attention_backend: Any = "auto",
-        kv_cache_memory_bytes: int | None = None,
-        cuda_graph_sizes: Sequence[int] | None = None,
         tokenizer: bool | str | os.PathLike = "auto",
-        async_scheduling: bool | None = None,
-        compile_model: bool | None = None,
-        warmup: bool | None = None,
-        allow_long_max_model_len: bool = False,
-        sanitize: bool = False,
+        config: EngineConfig | None = None,
         _engine: LLMEngine | None = None,
+        **engine_options,
     ) -> None:
         self.engine = None
         if _engine is None:
             from pagedkv.models.loader import load_checkpoint
 
+            ec = config if config is not None else EngineConfig.from_options(**engine_options)
+            if config is not None and engine_options:
+                raise ConfigError("LLM takes config=EngineConfig(...) or engine options, not "
+                                  f"both (got {sorted(engine_options)})")
             dev = resolve_device(device)
             backend = make_attention_backend(attention_backend, dev)
-            torch.manual_seed(seed)
+            torch.manual_seed(ec.seed)
             ck = load_checkpoint(model, dtype=dtype, device=dev, backend=backend,
-                                 max_model_len=max_model_len, tokenizer=tokenizer)
-            _engine = build_engine(
-                ck.model, ck.tokenizer, generation_defaults=ck.generation,
-                allow_long_max_model_len=allow_long_max_model_len,
-                block_size=block_size, max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                enable_prefix_caching=enable_prefix_caching,
-                gpu_memory_utilization=gpu_memory_utilization,
-                num_gpu_blocks_override=num_gpu_blocks_override, enforce_eager=enforce_eager,
-                seed=seed, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                cuda_graph_sizes=cuda_graph_sizes, async_scheduling=async_scheduling,
-                compile_model=compile_model, warmup=warmup, sanitize=sanitize,
-            )
+                                 max_model_len=ec.max_model_len, tokenizer=tokenizer)
+            _engine = build_engine(ck.model, ck.tokenizer, ec, generation_defaults=ck.generation)
         self.engine = _engine
         self.model_name = os.fspath(model)
         # where the chat template lives: the tokenizer's directory (tokenizer_config.json /
@@ -153,9 +138,8 @@ class LLM:
 
     @classmethod
     def from_shape(cls, shape: str, *, dtype: str | torch.dtype = "auto",
-                   device: str | torch.device | None = None, seed: int = 0,
-                   attention_backend: Any = "auto", tokenizer: Any = None,
-                   **engine_kwargs) -> "LLM":
+                   device: str | torch.device | None = None, attention_backend: Any = "auto",
+                   tokenizer: Any = None, **engine_options) -> "LLM":
         """A named architecture (``"qwen3-0.6b"``, ``"llama-3.2-1b"`` ...) with deterministic
         random weights. No tokenizer by default (prompts are token ids); ``tokenizer="synthetic"``
         gives it a word-level one over its vocabulary (``t0 t1 ...``: text to stream, e.g. for
@@ -169,7 +153,8 @@ class LLM:
         torch_dtype = resolve_dtype(dtype, cfg)
         backend = make_attention_backend(attention_backend, dev)
         model = DecoderForCausalLM(cfg, backend=backend, dtype=torch_dtype, device=dev)
-        model.init_random_weights(seed).eval()
+        ec = EngineConfig.from_options(**engine_options)
+        model.init_random_weights(ec.seed).eval()
         if isinstance(tokenizer, str):
             if tokenizer != "synthetic":
                 raise ConfigError(f"from_shape: tokenizer must be None, 'synthetic' or a "
@@ -177,7 +162,7 @@ class LLM:
             from pagedkv.models.tokenizer import synthetic_tokenizer
 
             tokenizer = synthetic_tokenizer(cfg.vocab_size)
-        engine = build_engine(model, tokenizer, seed=seed, **engine_kwargs)
+        engine = build_engine(model, tokenizer, ec)
         return cls(f"shape:{shape}", _engine=engine)
 
     # ----- properties ----------------------------------------------------------------------

@@ -41,7 +41,7 @@ from typing import Any, Sequence
 import torch
 
 from pagedkv.attention.backend import AttentionBackend
-from pagedkv.config import CacheConfig, SchedulerConfig
+from pagedkv.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagedkv.core.request import FinishReason, Request, RequestStatus, StopParams
 from pagedkv.core.scheduler import Scheduler
 from pagedkv.core.spec import KVCacheConfig, cdiv, dtype_size
@@ -705,27 +705,14 @@ def allow_long_max_model_len_from_env() -> bool:
 def build_engine(
     model: Any,
     tokenizer: Any = None,
+    config: EngineConfig | None = None,
     *,
-    block_size: int = 16,
-    max_num_seqs: int = 256,
-    max_num_batched_tokens: int = 8192,
-    max_model_len: int | None = None,
-    enable_prefix_caching: bool = True,
-    gpu_memory_utilization: float = 0.9,
-    num_gpu_blocks_override: int | None = None,
-    enforce_eager: bool = False,
-    seed: int = 0,
-    kv_cache_memory_bytes: int | None = None,
-    cuda_graph_sizes: Sequence[int] | None = None,
-    long_prefill_token_threshold: int = 0,
-    async_scheduling: bool | None = None,
-    compile_model: bool | None = None,
-    warmup: bool | None = None,
     generation_defaults: GenerationDefaults | None = None,
-    allow_long_max_model_len: bool = False,
-    sanitize: bool = False,
+    **options,
 ) -> LLMEngine:
-    """Everything around a loaded ``model`` (its attention backend already installed).
+    """Everything around a loaded ``model`` (its attention backend already installed), with
+    the engine options of ``config`` (an :class:`~pagedkv.config.EngineConfig`) or, without
+    one, ``EngineConfig.from_options(**options)``.
 
     ``async_scheduling``: schedule step k+1 while step k runs on the device (see
     ``pagedkv.engine.async_scheduler``); same tokens, outputs one step later.
@@ -747,10 +734,19 @@ def build_engine(
     (``pagedkv.engine.heap``)."""
     device = model.device
     cfg = model.config
-    if async_scheduling is None:
-        async_scheduling = device.type == "cuda"
-    if compile_model is None:
-        compile_model = device.type == "cuda"
+    if config is None:
+        config = EngineConfig.from_options(**options)
+    elif options:
+        raise ConfigError(f"build_engine takes a config or options, not both (got {sorted(options)})")
+    ec = config.resolved(device.type)
+    block_size, max_num_seqs = ec.block_size, ec.max_num_seqs
+    max_num_batched_tokens, max_model_len = ec.max_num_batched_tokens, ec.max_model_len
+    enable_prefix_caching, gpu_memory_utilization = ec.enable_prefix_caching, ec.gpu_memory_utilization
+    num_gpu_blocks_override, kv_cache_memory_bytes = ec.num_gpu_blocks_override, ec.kv_cache_memory_bytes
+    enforce_eager, cuda_graph_sizes, seed = ec.enforce_eager, ec.cuda_graph_sizes, ec.seed
+    long_prefill_token_threshold = ec.long_prefill_token_threshold
+    async_scheduling, compile_model, warmup = ec.async_scheduling, ec.compile_model, ec.warmup
+    allow_long_max_model_len, sanitize = ec.allow_long_max_model_len, ec.sanitize
     trained = getattr(cfg, "max_trained_len", cfg.max_position_embeddings)
     user_max_model_len = max_model_len
     if max_model_len is None:
@@ -818,9 +814,8 @@ def build_engine(
     runner.capture_cuda_graphs()
     engine = LLMEngine(model, tokenizer, scheduler, runner, sizing, async_scheduling=async_scheduling,
                        generation_defaults=generation_defaults, sanitize=sanitize)
+    engine.engine_config = ec
     register_engine(engine)
-    if warmup is None:
-        warmup = device.type == "cuda"
     if warmup:
         engine.warm_up(seed)
     freeze_after_startup()

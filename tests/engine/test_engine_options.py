@@ -121,3 +121,40 @@ def test_unknown_devices_are_config_errors(tiny_dir, device):
         pytest.skip("this machine has a cuda:7")
     with pytest.raises(ConfigError, match="device"):
         LLM(tiny_dir("llama"), device=device)
+
+
+def test_engine_config_owns_the_options(tiny_dir):
+    """One frozen EngineConfig: LLM(**options) and LLM(config=...) build the same engine; an
+    unknown option names the closest one; device-dependent defaults resolve per device; bad
+    values are typed errors before any model is loaded."""
+    import dataclasses
+
+    from pagedkv.config import EngineConfig
+
+    path = tiny_dir("qwen3")
+    opts = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128,
+                kv_cache_memory_bytes=1 << 20, block_size=32, seed=3)
+    a = LLM(path, dtype="float32", device="cpu", attention_backend="torch_ref", **opts)
+    b = LLM(path, dtype="float32", device="cpu", attention_backend="torch_ref",
+            config=EngineConfig(**opts))
+    assert a.engine.engine_config == b.engine.engine_config
+    ec = a.engine.engine_config
+    assert ec.block_size == 32 and ec.async_scheduling is False and ec.compile_model is False
+    p = SamplingParams(temperature=0.8, seed=1, max_tokens=8, ignore_eos=True)
+    assert a.generate(TEXTS[1], p, use_tqdm=False)[0].outputs[0].token_ids == \
+        b.generate(TEXTS[1], p, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ConfigError, match="unknown engine option 'max_num_seq'.*'max_num_seqs'"):
+        LLM(path, device="cpu", max_num_seq=4)
+    with pytest.raises(ConfigError, match="not both"):
+        LLM(path, device="cpu", config=EngineConfig(), block_size=16)
+    with pytest.raises(ConfigError, match="gpu_memory_utilization"):
+        EngineConfig(gpu_memory_utilization=1.5)
+    with pytest.raises(ConfigError, match="sanitize must be True or False"):
+        EngineConfig(sanitize="yes")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ec.block_size = 16
+    cuda = EngineConfig().resolved("cuda")
+    assert (cuda.async_scheduling, cuda.compile_model, cuda.warmup) == (True, True, True)
+    cpu = EngineConfig(async_scheduling=True).resolved("cpu")
+    assert (cpu.async_scheduling, cpu.compile_model, cpu.warmup) == (True, False, False)
+    assert EngineConfig(cuda_graph_sizes=[1, 2, 8]).cuda_graph_sizes == (1, 2, 8)
