@@ -361,15 +361,39 @@ def cmd_serve(args) -> int:
 
     from pagedkv.entrypoints.openai_server import make_server
 
-    llm, name = build_serve_llm(args)
-    app, _, _ = make_server(llm, model_name=name, api_key=args.api_key,
-                            max_waiting=args.max_waiting, drain_timeout=args.drain_timeout)
-    print(f"pagedkv serve: {name} on http://{args.host}:{args.port}/v1 "
-          f"({llm.kv_cache_sizing.describe()})", flush=True)
+    if args.engine_in_thread:
+        llm, name = build_serve_llm(args)
+        app, _, _ = make_server(llm, model_name=name, api_key=args.api_key,
+                                max_waiting=args.max_waiting, drain_timeout=args.drain_timeout)
+        sizing = llm.kv_cache_sizing.describe()
+    else:
+        from pagedkv.entrypoints.openai_server import make_process_server
+
+        spec = serve_engine_spec(args)
+        name = args.served_model_name or args.shape or args.model
+        app, client, _ = make_process_server(spec, model_name=name, api_key=args.api_key,
+                                             max_waiting=args.max_waiting,
+                                             drain_timeout=args.drain_timeout)
+        sizing = f"{client.info['sizing']}; engine process {client.pid}"
+    print(f"pagedkv serve: {name} on http://{args.host}:{args.port}/v1 ({sizing})", flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=int(args.drain_timeout) + 5)
     _graceful_server_class()(config).run()
     return 0
+
+
+def serve_engine_spec(args):
+    """The ``EngineSpec`` of ``pagedkv serve``'s engine process (same checks as
+    :func:`build_serve_llm`)."""
+    from pagedkv.entrypoints.engine_core import EngineSpec
+
+    if bool(args.model) == bool(args.shape):
+        raise ConfigError("pagedkv serve takes a checkpoint directory or --shape NAME (one of them)")
+    if args.shape and args.tokenizer:
+        raise ConfigError("--shape serves a synthetic tokenizer; --tokenizer needs a checkpoint")
+    return EngineSpec(model=args.model, shape=args.shape, dtype=args.dtype, device=args.device,
+                      attention_backend=args.attention_backend,
+                      tokenizer=args.tokenizer or "auto", options=_engine_kwargs(args))
 
 
 def build_serve_llm(args):
@@ -516,6 +540,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--drain-timeout", type=float, default=30.0,
                     help="seconds running requests may finish after SIGTERM")
     sv.add_argument("--log-level", default="info")
+    sv.add_argument("--engine-in-thread", action="store_true",
+                    help="run the engine in a thread of the server process instead of its own "
+                         "process (the default; one interpreter for both is slower under load)")
     _engine_args(sv)
     sv.set_defaults(func=cmd_serve)
 

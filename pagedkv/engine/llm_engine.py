@@ -57,7 +57,7 @@ from pagedkv.engine.memory import (
     size_kv_cache,
     warn_if_others_hold_memory,
 )
-from pagedkv.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedkv.engine.outputs import OutputDelta, CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedkv.errors import ConfigError, InvalidRequestError, InvariantError, UnknownRequestError
 from pagedkv.models.generation_config import GenerationDefaults
 from pagedkv.sampling.detokenizer import IncrementalDetokenizer
@@ -111,6 +111,9 @@ class _RequestState:
     # same text as one update per step. ``text_tokens``: output tokens fed so far.
     lazy_text: bool = False
     text_tokens: int = 0
+    # what to_delta has reported so far (tokens, characters of text)
+    sent_tokens: int = 0
+    sent_text: int = 0
 
     @property
     def finished(self) -> bool:
@@ -145,6 +148,25 @@ class _RequestState:
         )
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [comp],
                              self.finished, self.metrics)
+
+    def to_delta(self) -> OutputDelta:
+        """What was added since the last ``to_delta`` (no copy of what came before)."""
+        text = ""
+        if self.detokenizer is not None:
+            if self.lazy_text:
+                self._sync_text()
+            full = self.detokenizer.output_text
+            text = full[self.sent_text:]
+            self.sent_text = len(full)
+        k = self.sent_tokens
+        toks = self.output_token_ids[k:]
+        lps = None if self.logprobs is None else self.logprobs[k:]
+        self.sent_tokens = len(self.output_token_ids)
+        m = self.metrics
+        return OutputDelta((self.request_id, toks, text, lps, self.cumulative_logprob,
+                            self.finish_reason, self.stop_reason, m.first_scheduled_time,
+                            m.first_token_time, m.last_token_time, m.finished_time,
+                            m.num_cached_tokens, m.num_preemptions))
 
 
 @dataclass
@@ -225,71 +247,13 @@ class LLMEngine:
 
     def validate(self, prompt: PromptType, params: SamplingParams | None
                  ) -> tuple[str | None, list[int], SamplingParams]:
-        """``(prompt text or None, prompt token ids, params)`` or ``InvalidRequestError``.
+        """``(prompt text or None, prompt token ids, params)`` or ``InvalidRequestError``
+        (:func:`validate_request` with this engine's tokenizer, vocabulary and context).
         ``params=None`` takes :meth:`default_sampling_params`."""
         if params is None:
             params = self.default_sampling_params()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(
-                f"sampling_params must be a SamplingParams, got {type(params).__name__}"
-            )
-        params.check_vocab(self.vocab_size)
-        if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
-            keys = set(prompt)
-            if keys == {"prompt"}:
-                prompt = prompt["prompt"]
-                if not isinstance(prompt, str):
-                    raise InvalidRequestError("{'prompt': ...} takes a string")
-            elif keys == {"prompt_token_ids"}:
-                prompt = prompt["prompt_token_ids"]
-                if isinstance(prompt, str):
-                    raise InvalidRequestError("{'prompt_token_ids': ...} takes a list of ints")
-            else:
-                raise InvalidRequestError(
-                    f"a dict prompt has exactly one key, 'prompt' or 'prompt_token_ids'; got {sorted(keys)}"
-                )
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError(
-                "stop strings need a tokenizer; this model has none (use stop_token_ids)"
-            )
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError(
-                    "this model has no tokenizer; pass prompts as lists of token ids"
-                )
-            text: str | None = prompt
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (bytes, bytearray)) or not (
-                isinstance(prompt, Sequence) or hasattr(prompt, "tolist")):
-            raise InvalidRequestError(
-                f"a prompt is a string or a list of token ids, got {type(prompt).__name__}"
-            )
-        else:
-            text = None
-            raw = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
-            if raw and set(map(type, raw)) == {int}:  # the common case: plain ints, checked in C
-                ids = raw  # already a copy of the caller's sequence
-                in_vocab = 0 <= min(ids) and max(ids) < self.vocab_size
-            else:
-                bad = [t for t in raw if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
-                if bad:
-                    raise InvalidRequestError(f"prompt token ids must be ints, got {bad[:5]!r}")
-                ids = [int(t) for t in raw]
-                in_vocab = all(0 <= t < self.vocab_size for t in ids)
-            out = [] if in_vocab else [t for t in ids if not 0 <= t < self.vocab_size]
-            if out:
-                raise InvalidRequestError(
-                    f"prompt token ids {out[:5]} are outside the vocabulary [0, {self.vocab_size})"
-                )
-        if not ids:
-            raise InvalidRequestError("the prompt is empty" + (" (it encodes to no tokens)" if text else ""))
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(ids)} tokens; with max_model_len={self.max_model_len} at "
-                f"most {self.max_model_len - 1} leave room for one output token. Shorten the "
-                "prompt or raise max_model_len"
-            )
-        return text, ids, params
+        return validate_request(prompt, params, tokenizer=self.tokenizer,
+                                vocab_size=self.vocab_size, max_model_len=self.max_model_len)
 
     def default_sampling_params(self) -> SamplingParams:
         """``SamplingParams()`` with the checkpoint's ``generation_config.json`` values
@@ -371,10 +335,10 @@ class LLMEngine:
         if st is not None and st.finished:
             del self._requests[request_id]
 
-    def _emit(self, changed: list[_RequestState]) -> list[RequestOutput]:
+    def _emit(self, changed: list[_RequestState], deltas: bool = False) -> list[RequestOutput]:
         """The outputs of ``changed``; a finished request's state is dropped once its final
         output is out, so a long-running ``add_request``/``step`` loop does not grow."""
-        outs = [st.to_output() for st in changed]
+        outs = [st.to_delta() for st in changed] if deltas else [st.to_output() for st in changed]
         reqs = self._requests
         for st in changed:
             if st.finished and reqs.get(st.request_id) is st:
@@ -424,19 +388,21 @@ class LLMEngine:
         return victims
 
     # ----- one step ------------------------------------------------------------------------
-    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False, deltas: bool = False) -> list[RequestOutput]:
         """One engine step; returns the outputs of requests that gained tokens or finished
         (only the finished ones with ``finished_only``: no per-step copies of running
         requests' token lists). With async scheduling the outputs are those of the previous
         step (the one that ran on the device while this one was scheduled). A finished
-        request is forgotten once its final output was returned."""
+        request is forgotten once its final output was returned. ``deltas``: return
+        :class:`OutputDelta` tuples (only what each request gained) instead of cumulative
+        outputs; use one form for a request's whole life."""
         self._stepping = True
         if self.async_scheduling:
             changed = self._step_async(finished_only)
         else:
             changed = self._step_sync(finished_only)
         self._stepping = False
-        return self._emit(changed)
+        return self._emit(changed, deltas)
 
     def _step_sync(self, finished_only: bool) -> list[_RequestState]:
         changed: list[_RequestState] = self._pending
@@ -470,7 +436,7 @@ class LLMEngine:
                 self._collect(cur, changed, finished_only)
         return changed
 
-    def flush(self) -> list[RequestOutput]:
+    def flush(self, deltas: bool = False) -> list[RequestOutput]:
         """Async scheduling: collect the step still in flight (if any) and return its outputs;
         a no-op otherwise."""
         self._stepping = True
@@ -480,7 +446,7 @@ class LLMEngine:
         if prev is not None:
             self._collect(prev, changed, False)
         self._stepping = False
-        return self._emit(changed)
+        return self._emit(changed, deltas)
 
     def settle(self) -> None:
         """Async scheduling: collect the step still in flight (if any) without returning its
@@ -702,6 +668,77 @@ def allow_long_max_model_len_from_env() -> bool:
     return os.environ.get("PAGEDKV_ALLOW_LONG_MAX_MODEL_LEN", "") in ("1", "true", "True")
 
 
+def validate_request(prompt: PromptType, params: SamplingParams, *, tokenizer: Any,
+                 vocab_size: int, max_model_len: int
+                 ) -> tuple[str | None, list[int], SamplingParams]:
+    """``(prompt text or None, prompt token ids, params)`` of one request, or
+    ``InvalidRequestError``: the prompt forms vLLM accepts (a string, token ids,
+    ``{"prompt": ...}``, ``{"prompt_token_ids": ...}``), ids inside the vocabulary, room for
+    one output token within ``max_model_len``, stop strings only with a tokenizer. Needs no
+    engine (the server's front process validates with it before anything is queued)."""
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError(
+            f"sampling_params must be a SamplingParams, got {type(params).__name__}"
+        )
+    params.check_vocab(vocab_size)
+    if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
+        keys = set(prompt)
+        if keys == {"prompt"}:
+            prompt = prompt["prompt"]
+            if not isinstance(prompt, str):
+                raise InvalidRequestError("{'prompt': ...} takes a string")
+        elif keys == {"prompt_token_ids"}:
+            prompt = prompt["prompt_token_ids"]
+            if isinstance(prompt, str):
+                raise InvalidRequestError("{'prompt_token_ids': ...} takes a list of ints")
+        else:
+            raise InvalidRequestError(
+                f"a dict prompt has exactly one key, 'prompt' or 'prompt_token_ids'; got {sorted(keys)}"
+            )
+    if params.stop and tokenizer is None:
+        raise InvalidRequestError(
+            "stop strings need a tokenizer; this model has none (use stop_token_ids)"
+        )
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise InvalidRequestError(
+                "this model has no tokenizer; pass prompts as lists of token ids"
+            )
+        text: str | None = prompt
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, (bytes, bytearray)) or not (
+            isinstance(prompt, Sequence) or hasattr(prompt, "tolist")):
+        raise InvalidRequestError(
+            f"a prompt is a string or a list of token ids, got {type(prompt).__name__}"
+        )
+    else:
+        text = None
+        raw = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
+        if raw and set(map(type, raw)) == {int}:  # the common case: plain ints, checked in C
+            ids = raw  # already a copy of the caller's sequence
+            in_vocab = 0 <= min(ids) and max(ids) < vocab_size
+        else:
+            bad = [t for t in raw if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+            if bad:
+                raise InvalidRequestError(f"prompt token ids must be ints, got {bad[:5]!r}")
+            ids = [int(t) for t in raw]
+            in_vocab = all(0 <= t < vocab_size for t in ids)
+        out = [] if in_vocab else [t for t in ids if not 0 <= t < vocab_size]
+        if out:
+            raise InvalidRequestError(
+                f"prompt token ids {out[:5]} are outside the vocabulary [0, {vocab_size})"
+            )
+    if not ids:
+        raise InvalidRequestError("the prompt is empty" + (" (it encodes to no tokens)" if text else ""))
+    if len(ids) >= max_model_len:
+        raise InvalidRequestError(
+            f"the prompt has {len(ids)} tokens; with max_model_len={max_model_len} at "
+            f"most {max_model_len - 1} leave room for one output token. Shorten the "
+            "prompt or raise max_model_len"
+        )
+    return text, ids, params
+
+
 def build_engine(
     model: Any,
     tokenizer: Any = None,
@@ -823,4 +860,4 @@ def build_engine(
 
 
 __all__ = ["ATTENTION_BACKENDS", "EngineStats", "LLMEngine", "build_engine", "make_attention_backend",
-           "resolve_device"]
+           "resolve_device", "validate_request"]

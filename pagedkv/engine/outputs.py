@@ -78,4 +78,31 @@ class RequestOutput:
                 f"text={text!r}, finish_reason={None if o is None else o.finish_reason!r})")
 
 
-__all__ = ["CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput"]
+class OutputDelta(tuple):
+    """What one step added to a request, for consumers in another process (the engine-core
+    process of ``pagedkv serve``): a plain tuple (cheap to pickle) of ``request_id``,
+    ``token_ids`` (the new ones), ``text`` (the new text), ``logprobs`` (the new tokens'
+    entries, or None), ``cumulative_logprob``, ``finish_reason``, ``stop_reason`` and the
+    request's times ``first_scheduled_time``, ``first_token_time``, ``last_token_time``,
+    ``finished_time``, ``num_cached_tokens``, ``num_preemptions``."""
+
+    __slots__ = ()
+    FIELDS = ("request_id", "token_ids", "text", "logprobs", "cumulative_logprob",
+              "finish_reason", "stop_reason", "first_scheduled_time", "first_token_time",
+              "last_token_time", "finished_time", "num_cached_tokens", "num_preemptions")
+
+    def __getattr__(self, name: str):
+        try:
+            return self[OutputDelta.FIELDS.index(name)]
+        except ValueError:
+            raise AttributeError(name) from None
+
+    def __reduce__(self):
+        return (OutputDelta, (tuple(self),))
+
+    @property
+    def finished(self) -> bool:
+        return self[5] is not None
+
+
+__all__ = ["CompletionOutput", "Logprob", "OutputDelta", "RequestMetrics", "RequestOutput"]

@@ -59,28 +59,28 @@ class ServingMetrics:
         self._next_group_scan = 0.0  # per-group usage walks every held block: twice a second
 
     def on_step(self, engine, outputs, failed_steps: int = 0) -> None:
-        """After a step, on the engine thread: gauges from the scheduler, counters from the
-        engine's totals (as deltas), latencies from the outputs' metrics."""
-        m, name = self, self.model_name
-        sched = engine.scheduler
-        mgr = sched.kv_cache_manager
-        m.running.labels(name).set(sched.num_running)
-        m.waiting.labels(name).set(sched.num_waiting)
-        m.kv_usage.labels(name).set(mgr.usage)
+        """After a step, on the engine thread: ``observe`` of the engine's gauges and totals
+        (:func:`engine_gauges`) and the step's outputs."""
         now = time.monotonic()
-        if now >= m._next_group_scan:
-            m._next_group_scan = now + 0.5
-            total = max(1, sched.kv_cache_config.num_blocks - 1)
-            for gid, smgr in enumerate(mgr.coordinator.single_type_managers):
-                held = sum(1 for blocks in smgr.req_to_blocks.values() for b in blocks
-                           if not b.is_null)
-                m.kv_group_usage.labels(name, str(gid)).set(held / total)
-        st = engine.stats
-        for key, value, counter in (("queries", st.prefix_cache_queries, m.prefix_queries),
-                                    ("hits", st.prefix_cache_hits, m.prefix_hits),
-                                    ("preemptions", sched.num_preemptions, m.preemptions),
-                                    ("tokens", st.tokens_generated, m.generation_tokens),
-                                    ("failed", failed_steps, m.failed_steps)):
+        scan = now >= self._next_group_scan
+        if scan:
+            self._next_group_scan = now + 0.5
+        self.observe(engine_gauges(engine, scan_groups=scan, failed_steps=failed_steps), outputs)
+
+    def observe(self, gauges: dict, outputs) -> None:
+        """Gauges and counters from ``gauges`` (an :func:`engine_gauges` dict: counters are
+        totals, turned into increments here), latencies from the outputs' metrics (cumulative
+        ``RequestOutput`` objects)."""
+        m, name = self, self.model_name
+        m.running.labels(name).set(gauges["running"])
+        m.waiting.labels(name).set(gauges["waiting"])
+        m.kv_usage.labels(name).set(gauges["kv_usage"])
+        for gid, usage in (gauges.get("group_usage") or {}).items():
+            m.kv_group_usage.labels(name, str(gid)).set(usage)
+        for key, counter in (("queries", m.prefix_queries), ("hits", m.prefix_hits),
+                             ("preemptions", m.preemptions), ("tokens", m.generation_tokens),
+                             ("failed", m.failed_steps)):
+            value = gauges[key]
             if value > m._last[key]:
                 counter.labels(name).inc(value - m._last[key])
             m._last[key] = value
@@ -110,4 +110,25 @@ class ServingMetrics:
         return generate_latest(self.registry)
 
 
-__all__ = ["ServingMetrics"]
+def engine_gauges(engine, *, scan_groups: bool = True, failed_steps: int = 0) -> dict:
+    """The engine's state for the metrics, as plain numbers (sent across processes by the
+    engine-core process): running / waiting requests, KV usage, per-group usage (a walk over
+    every held block: only when ``scan_groups``), and totals of prefix-cache queries and hits,
+    preemptions, generated tokens and failed steps."""
+    sched = engine.scheduler
+    mgr = sched.kv_cache_manager
+    st = engine.stats
+    out = dict(running=sched.num_running, waiting=sched.num_waiting, kv_usage=mgr.usage,
+               queries=st.prefix_cache_queries, hits=st.prefix_cache_hits,
+               preemptions=sched.num_preemptions, tokens=st.tokens_generated,
+               failed=failed_steps, group_usage=None)
+    if scan_groups:
+        total = max(1, sched.kv_cache_config.num_blocks - 1)
+        out["group_usage"] = {
+            gid: sum(1 for blocks in smgr.req_to_blocks.values() for b in blocks
+                     if not b.is_null) / total
+            for gid, smgr in enumerate(mgr.coordinator.single_type_managers)}
+    return out
+
+
+__all__ = ["ServingMetrics", "engine_gauges"]

@@ -186,6 +186,25 @@ class LoadedCheckpoint:
     generation: GenerationDefaults = GenerationDefaults()
 
 
+def load_tokenizer(model_dir: str | os.PathLike,
+                   tokenizer: bool | str | os.PathLike = "auto") -> Tokenizer | None:
+    """The tokenizer ``load_checkpoint`` gives a checkpoint: True (required, from
+    ``model_dir``), "auto" (``model_dir``'s, None when absent), False (none), or a directory
+    to load it from."""
+    model_dir = os.fspath(model_dir)
+    if tokenizer is True or (tokenizer == "auto" and os.path.isfile(os.path.join(model_dir, "tokenizer.json"))):
+        return Tokenizer.from_dir(model_dir)
+    if isinstance(tokenizer, (str, os.PathLike)) and tokenizer != "auto":
+        tok_dir = os.fspath(tokenizer)
+        if not os.path.isdir(tok_dir):
+            raise ConfigError(f"tokenizer directory {tok_dir!r} does not exist")
+        return Tokenizer.from_dir(tok_dir)
+    if tokenizer not in (False, "auto"):
+        raise ConfigError(
+            f"tokenizer must be a directory, 'auto', True or False, got {tokenizer!r}")
+    return None
+
+
 def load_checkpoint(
     model_dir: str | os.PathLike,
     *,
@@ -201,17 +220,7 @@ def load_checkpoint(
     model_dir = os.fspath(model_dir)
     config = load_model_config(model_dir, max_model_len=max_model_len)
     model = load_model(model_dir, dtype=dtype, device=device, backend=backend, config=config)
-    tok = None
-    if tokenizer is True or (tokenizer == "auto" and os.path.isfile(os.path.join(model_dir, "tokenizer.json"))):
-        tok = Tokenizer.from_dir(model_dir)
-    elif isinstance(tokenizer, (str, os.PathLike)) and tokenizer != "auto":
-        tok_dir = os.fspath(tokenizer)
-        if not os.path.isdir(tok_dir):
-            raise ConfigError(f"tokenizer directory {tok_dir!r} does not exist")
-        tok = Tokenizer.from_dir(tok_dir)
-    elif tokenizer not in (False, "auto"):
-        raise ConfigError(
-            f"tokenizer must be a directory, 'auto', True or False, got {tokenizer!r}")
+    tok = load_tokenizer(model_dir, tokenizer)
     return LoadedCheckpoint(model_dir=model_dir, config=config, model=model, tokenizer=tok,
                             generation=load_generation_defaults(model_dir))
 
