@@ -136,7 +136,8 @@ class _RequestState:
         if self.detokenizer is not None:
             if self.lazy_text:
                 self._sync_text()
-            text = self.detokenizer.output_text
+            # a running request's text stops short of a stop string that may still complete
+            text = self.detokenizer.emitted_text
         comp = CompletionOutput(
             index=0,
             text=text,
@@ -155,7 +156,7 @@ class _RequestState:
         if self.detokenizer is not None:
             if self.lazy_text:
                 self._sync_text()
-            full = self.detokenizer.output_text
+            full = self.detokenizer.emitted_text
             text = full[self.sent_text:]
             self.sent_text = len(full)
         k = self.sent_tokens

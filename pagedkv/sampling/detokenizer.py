@@ -97,6 +97,12 @@ class IncrementalDetokenizer:
         self.stop_string: str | None = None
         self.finished = False
 
+    @property
+    def emitted_text(self) -> str:
+        """The text that may be shown now: ``output_text`` less what is held back while a
+        stop string could still be completing there (all of it once finished)."""
+        return self.output_text[:self._emitted]
+
     # ----- decoding ------------------------------------------------------------------------
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

@@ -290,3 +290,42 @@ def test_min_tokens_keeps_stop_tokens_out_until_reached(tiny_dir, async_scheduli
         else:
             assert len(toks) == 12 and stop_tok not in toks
     assert llm.scheduler.kv_cache_manager.num_free_blocks == free
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_step_deltas_add_up_to_the_outputs(tiny_dir, async_scheduling):
+    """step(deltas=True): each OutputDelta holds only what the step added; concatenated they
+    equal generate's tokens, text (stop strings included) and logprobs."""
+    from pagedkv.engine.outputs import OutputDelta
+
+    llm = make_llm(tiny_dir("qwen3"), async_scheduling=async_scheduling)
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.7, seed=3, max_tokens=15, ignore_eos=True)]
+    want = llm.generate(TEXTS[:2], params, use_tqdm=False)
+    stop = want[0].outputs[0].text[4:7]
+    params.append(SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]))
+    want.append(llm.generate(TEXTS[0], params[2], use_tqdm=False)[0])
+    eng = llm.engine
+    ids = [eng.add_request(t, p) for t, p in zip([TEXTS[0], TEXTS[1], TEXTS[0]], params)]
+    acc = {i: dict(toks=[], text="", lps=[], reason=None) for i in ids}
+    while eng.has_unfinished_requests():
+        outs = eng.step(deltas=True)
+        if not eng.has_unfinished_requests():
+            outs += eng.flush(deltas=True)
+        for d in outs:
+            assert isinstance(d, OutputDelta)
+            a = acc[d.request_id]
+            assert a["reason"] is None  # nothing after the final delta
+            a["toks"] += d.token_ids
+            a["text"] += d.text
+            a["lps"] += d.logprobs or []
+            a["reason"] = d.finish_reason
+    for i, w in zip(ids, want):
+        c = w.outputs[0]
+        a = acc[i]
+        assert a["toks"] == c.token_ids and a["text"] == c.text and a["reason"] == c.finish_reason
+        if c.logprobs:  # the same entries (values up to the batch's float order)
+            assert [sorted(e) for e in a["lps"]] == [sorted(e) for e in c.logprobs]
+            assert all(abs(x[t].logprob - y[t].logprob) < 1e-4
+                       for x, y in zip(a["lps"], c.logprobs) for t in x)
+    assert pool_is_idle(llm)

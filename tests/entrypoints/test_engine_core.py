@@ -243,3 +243,18 @@ def test_bad_spec_fails_at_start(model_dir, tmp_path):
         EngineSpec(model=model_dir, options={"max_num_seq": 2})
     with pytest.raises(PagedKVError, match="could not start"):
         make_process_server(EngineSpec(model=str(tmp_path), device="cpu"))
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_streamed_stop_string_never_leaks(client, ref, include):
+    """A stop string's first characters are held back while streaming: the streamed text is
+    the final text, chunk by chunk, and never shows a stop string that then disappears."""
+    full = _expected(ref, PROMPTS[2], max_tokens=30, temperature=0, ignore_eos=True).text
+    stop = full[6:9]
+    want = _expected(ref, PROMPTS[2], max_tokens=30, temperature=0, ignore_eos=True,
+                     stop=[stop], include_stop_str_in_output=include)
+    assert want.finish_reason == "stop"
+    pieces = [c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt=PROMPTS[2], max_tokens=30, temperature=0, stream=True, stop=[stop],
+        extra_body={"ignore_eos": True, "include_stop_str_in_output": include}) if c.choices]
+    assert "".join(pieces) == want.text
