@@ -50,6 +50,7 @@ from pagedkv.core.output import (
 )
 from pagedkv.core.planning import generate_scheduler_kv_cache_config, resolve_kv_cache_block_sizes
 from pagedkv.core.request import Request, RequestStatus, StopParams
+from pagedkv.core.stop import check_stop  # noqa: F401 - re-exported: tests import it from here
 from pagedkv.core.request_queue import make_request_queue
 from pagedkv.core.spec import KVCacheConfig
 from pagedkv.errors import ConfigError, InvalidRequestError, ModelOutputError
@@ -57,33 +58,6 @@ from pagedkv.errors import ConfigError, InvalidRequestError, ModelOutputError
 _RUNNING = RequestStatus.RUNNING
 _WAITING = RequestStatus.WAITING
 _PREEMPTED = RequestStatus.PREEMPTED
-_LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
-_STOPPED = RequestStatus.FINISHED_STOPPED
-
-
-def check_stop(request: Request, max_model_len: int) -> bool:
-    """Stop conditions after a token was appended; sets the finished status.
-
-    Order: length (``num_tokens >= max_model_len`` or ``max_tokens`` outputs) first, then,
-    once ``min_tokens`` outputs exist, EOS (unless ``ignore_eos``) and ``stop_token_ids``
-    (recorded as ``stop_reason``).
-    """
-    stop = request.stop
-    n_out = len(request._output_token_ids)
-    if n_out >= stop.max_tokens or len(request._all_token_ids) >= max_model_len:
-        request.status = _LENGTH_CAPPED
-        return True
-    if n_out < stop.min_tokens:
-        return False
-    last = request._output_token_ids[-1]
-    if last == request.eos_token_id and not stop.ignore_eos:
-        request.status = _STOPPED
-        return True
-    if stop.stop_token_ids and last in stop.stop_token_ids:
-        request.status = _STOPPED
-        request.stop_reason = last
-        return True
-    return False
 
 
 class Scheduler:

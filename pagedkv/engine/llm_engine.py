@@ -42,7 +42,7 @@ import torch
 
 from pagedkv.attention.backend import AttentionBackend
 from pagedkv.config import CacheConfig, EngineConfig, SchedulerConfig
-from pagedkv.core.request import FinishReason, Request, RequestStatus, StopParams
+from pagedkv.core.request import FinishReason, Request, RequestStatus
 from pagedkv.core.scheduler import Scheduler
 from pagedkv.core.spec import KVCacheConfig, cdiv, dtype_size
 from pagedkv.engine.async_scheduler import AsyncScheduler
@@ -277,13 +277,8 @@ class LLMEngine:
                 f"request id {rid!r} belongs to a finished request whose last step is still in "
                 "flight (async scheduling); use another id or call step()/flush() first"
             )
-        stop_ids = list(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids += [t for t in self.eos_token_ids[1:] if t not in stop_ids]
+        params = params.resolved(self.eos_token_ids)  # the stop rules: pagedkv.core.stop
         stop = params.to_stop_params(self.max_model_len)
-        if stop_ids != list(stop.stop_token_ids):
-            stop = StopParams(max_tokens=stop.max_tokens, ignore_eos=stop.ignore_eos,
-                              stop_token_ids=tuple(stop_ids), min_tokens=stop.min_tokens)
         now = time.monotonic() if arrival_time is None else arrival_time
         req = Request(
             request_id=rid,

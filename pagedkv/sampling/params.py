@@ -20,7 +20,8 @@ from __future__ import annotations
 import logging
 import math
 import numbers
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from pagedkv.core.request import StopParams
@@ -100,6 +101,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # The model's EOS ids, resolved into a per-request copy by the engine (``resolved``);
+    # None on the caller's object.
+    _eos_token_ids: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n = _need_int("n", self.n, "n == 1")
@@ -255,9 +259,29 @@ class SamplingParams:
             return max(len(s) for s in self.stop) - 1
         return 0
 
+    def resolved(self, eos_token_ids) -> "SamplingParams":
+        """A copy for one request with the model's EOS ids resolved into it (the engine calls
+        this once per request; see ``pagedkv.core.stop``). The caller's object is unchanged."""
+        out = copy.copy(self)
+        out.stop = list(self.stop)
+        out.stop_token_ids = list(self.stop_token_ids)
+        out._eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        return out
+
+    @property
+    def all_stop_token_ids(self) -> tuple[int, ...]:
+        """Every token id that ends the request: ``stop_token_ids`` and, unless
+        ``ignore_eos``, the resolved EOS ids (what ``min_tokens`` keeps from being sampled)."""
+        ids = list(dict.fromkeys(self.stop_token_ids))
+        if not self.ignore_eos and self._eos_token_ids:
+            ids += [t for t in self._eos_token_ids if t not in ids]
+        return tuple(ids)
+
     def to_stop_params(self, max_model_len: int | None = None) -> StopParams:
         """The scheduler's view. ``max_tokens=None`` becomes ``max_model_len`` (the scheduler
-        also caps at ``max_model_len`` total tokens); without either, an error."""
+        also caps at ``max_model_len`` total tokens); without either, an error. With resolved
+        EOS ids, the ones after the first (the request's ``eos_token_id``) join
+        ``stop_token_ids`` unless ``ignore_eos``."""
         max_tokens = self.max_tokens
         if max_tokens is None:
             if max_model_len is None:
@@ -265,10 +289,13 @@ class SamplingParams:
                     "max_tokens=None needs the engine's max_model_len; pass it to to_stop_params"
                 )
             max_tokens = max(max_model_len, self.min_tokens, 1)
+        stop_ids = list(self.stop_token_ids)
+        if not self.ignore_eos and self._eos_token_ids:
+            stop_ids += [t for t in self._eos_token_ids[1:] if t not in stop_ids]
         return StopParams(
             max_tokens=max_tokens,
             ignore_eos=self.ignore_eos,
-            stop_token_ids=tuple(self.stop_token_ids),
+            stop_token_ids=tuple(stop_ids),
             min_tokens=self.min_tokens,
         )
 

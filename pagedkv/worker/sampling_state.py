@@ -75,11 +75,16 @@ class SamplingState:
         self.penalties = None
 
     def stop_token_ids_of(self, params: SamplingParams) -> list[int]:
-        """The tokens that end ``params``' request: its ``stop_token_ids`` and, unless
-        ``ignore_eos``, every EOS id of the model, within the vocabulary."""
-        ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            ids.update(self._eos_token_ids)
+        """The tokens that end ``params``' request, within the vocabulary: the set the engine
+        resolved into the request's params (``all_stop_token_ids``); for params nobody
+        resolved (a runner driven directly), ``stop_token_ids`` and, unless ``ignore_eos``,
+        this state's EOS ids."""
+        if params._eos_token_ids is not None:
+            ids = set(params.all_stop_token_ids)
+        else:
+            ids = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                ids.update(self._eos_token_ids)
         return sorted(t for t in ids if 0 <= t < self.vocab_size)
 
     # ----- per step ------------------------------------------------------------------------

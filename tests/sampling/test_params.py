@@ -113,3 +113,19 @@ def test_check_vocab():
     p.check_vocab(251)
     with pytest.raises(InvalidRequestError, match=r"\[250\] are outside the vocabulary \[0, 250\)"):
         p.check_vocab(250)
+
+
+def test_eos_resolved_once_per_request_into_a_copy():
+    """pagedkv.core.stop: the engine resolves the model's EOS ids into a per-request copy; the
+    first EOS id is the request's eos_token_id, the others join stop_token_ids (unless
+    ignore_eos); all_stop_token_ids is what min_tokens bans."""
+    p = SamplingParams(max_tokens=8, stop_token_ids=[5, 9])
+    r = p.resolved((2, 7, 9))
+    assert p._eos_token_ids is None and p.all_stop_token_ids == (5, 9)  # caller's unchanged
+    assert r.all_stop_token_ids == (5, 9, 2, 7)
+    assert r.to_stop_params().stop_token_ids == (5, 9, 7)
+    assert p.to_stop_params().stop_token_ids == (5, 9)
+    q = SamplingParams(max_tokens=8, stop_token_ids=[5], ignore_eos=True).resolved((2, 7))
+    assert q.all_stop_token_ids == (5,) and q.to_stop_params().stop_token_ids == (5,)
+    r.stop_token_ids.append(11)
+    assert p.stop_token_ids == [5, 9]  # the copy owns its lists
