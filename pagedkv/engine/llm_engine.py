@@ -44,13 +44,12 @@ from pagedkv.attention.backend import AttentionBackend
 from pagedkv.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagedkv.core.request import FinishReason, Request, RequestStatus
 from pagedkv.core.scheduler import Scheduler
-from pagedkv.core.spec import KVCacheConfig, cdiv, dtype_size
+from pagedkv.core.spec import KVCacheConfig, cdiv
 from pagedkv.engine.async_scheduler import AsyncScheduler
 from pagedkv.engine.heap import freeze_after_startup
 from pagedkv.engine.memory import (
     CUDA_GRAPH_RESERVE_BYTES,
     KVCacheSizing,
-    block_bytes,
     check_pool,
     kv_bytes_held_by_other_engines,
     register_engine,
@@ -66,8 +65,8 @@ from pagedkv.worker.model_runner import (
     ModelRunner,
     kv_cache_groups_for,
     profile_peak_memory,
-    torch_dtype_name,
 )
+from pagedkv.worker.kv_caches import kv_block_bytes
 
 ATTENTION_BACKENDS = ("auto", "torch_ref", "triton")
 
@@ -806,10 +805,9 @@ def build_engine(
     CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
                 gpu_memory_utilization=gpu_memory_utilization)
     groups = kv_cache_groups_for(model, block_size)
-    # a block's bytes over the shared tensor slots (one per layer with one group)
-    per_block = block_bytes(max(len(g.layer_names) for g in groups), block_size,
-                            cfg.num_key_value_heads, cfg.head_dim,
-                            dtype_size(torch_dtype_name(model.dtype)))
+    # a block's bytes over the shared tensor slots (one per layer with one group): the groups'
+    # pages (K and V; one latent vector per token for MLA)
+    per_block = kv_block_bytes(groups)
     backend = model.attn_backend
     graphs = device.type == "cuda" and not enforce_eager and backend.supports_cuda_graphs
     sizing = size_kv_cache(

@@ -41,7 +41,8 @@ flight when the next one is enqueued.
 
 The runner serves the decoder models of ``pagedkv.models``: every attention layer in one
 full-attention KV-cache group, one KV tensor per layer
-(``[2, num_blocks, block_size, num_kv_heads, head_dim]``).
+(``[2, num_blocks, block_size, num_kv_heads, head_dim]``; DeepSeek-V3's latent attention:
+one ``MLAAttentionSpec`` group, ``[num_blocks, block_size, latent_dim]`` per layer).
 
 ``profile_peak_memory`` runs the largest forward (and sampling) the configuration allows on a
 throw-away one-block cache, to size the KV pool from the memory left (see
@@ -68,8 +69,14 @@ from pagedkv.sampling.params import SamplingParams
 from pagedkv.sampling.sampler import LogprobsTensors, Sampler
 from pagedkv.worker.input_batch import CachedRequestState, InputBatch
 from pagedkv.worker.inputs import InputPreparer, StepInputs
+from pagedkv.worker.async_output import (  # noqa: F401 - re-exported
+    AsyncOutputs,
+    RunnerOutput,
+    SampledLogprobs,
+    StepHandle,
+)
 from pagedkv.worker.attn_builders import CommonMetadataBuilder
-from pagedkv.worker.kv_caches import allocate_group_kv_caches
+from pagedkv.worker.kv_caches import allocate_group_kv_caches, kv_block_dim
 from pagedkv.worker.metadata import (
     CommonAttentionMetadata,
     build_attention_metadata,
@@ -92,8 +99,13 @@ def torch_dtype_name(dtype: torch.dtype) -> str:
 
 
 def kv_cache_spec_for(model: Any, block_size: int) -> FullAttentionSpec:
-    """The full-attention spec of ``model``'s layers (KV in the model's dtype)."""
+    """The full-attention spec of ``model``'s layers (KV in the model's dtype); for a model
+    whose layers all cache latents (DeepSeek-V3), their ``MLAAttentionSpec``."""
     cfg = model.config
+    if getattr(cfg, "mla", None) is not None:
+        specs = set(model.kv_cache_specs(block_size).values())
+        if len(specs) == 1 and isinstance(next(iter(specs)), MLAAttentionSpec):
+            return specs.pop()
     return FullAttentionSpec(
         block_size=block_size,
         num_kv_heads=cfg.num_key_value_heads,
@@ -110,62 +122,6 @@ def kv_cache_groups_for(model: Any, block_size: int) -> list[KVCacheGroupSpec]:
     from pagedkv.core.planning import get_kv_cache_groups
 
     return get_kv_cache_groups(model.kv_cache_specs(block_size))
-
-
-@dataclass
-class SampledLogprobs:
-    """Logprobs of one sampled token: ``token_ids[0]``/``logprobs[0]`` are the sampled token,
-    then the request's top ``k`` alternatives, most likely first; ``rank`` is the sampled
-    token's rank (1 = most likely)."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    rank: int
-
-
-@dataclass
-class RunnerOutput(ModelRunnerOutput):
-    """``ModelRunnerOutput`` plus, for requests that asked for logprobs and sampled this step,
-    their :class:`SampledLogprobs` (``None`` when nobody asked)."""
-
-    logprobs: dict[str, SampledLogprobs] | None = None
-
-
-class StepHandle:
-    """One enqueued step (``ModelRunner.execute_model_async``): the rows it ran, which of them
-    sampled, and where the sampled ids are (device tensor, host copy, completion event).
-    ``version``: the runner's batch version when it was enqueued (rows still valid while it
-    is unchanged). ``positions``: the token position each sampled token takes."""
-
-    __slots__ = ("req_ids", "index", "n", "version", "rows", "sampled_req_ids", "positions",
-                 "sampled", "host", "event", "logprobs", "want_logprobs")
-
-    def __init__(self, req_ids: list[str], index: dict[str, int], n: int, version: int, *,
-                 rows: np.ndarray | None = None, sampled_req_ids: list[str] | None = None,
-                 positions: np.ndarray | None = None, sampled: torch.Tensor | None = None,
-                 host: torch.Tensor | None = None, event: Any = None,
-                 logprobs: LogprobsTensors | None = None,
-                 want_logprobs: list[int | None] | None = None) -> None:
-        self.req_ids = req_ids
-        self.index = index
-        self.n = n
-        self.version = version
-        self.rows = rows
-        self.sampled_req_ids = sampled_req_ids or []
-        self.positions = positions
-        self.sampled = sampled
-        self.host = host
-        self.event = event
-        self.logprobs = logprobs
-        self.want_logprobs = want_logprobs
-
-    @classmethod
-    def empty(cls) -> "StepHandle":
-        return cls([], {}, 0, -1)
-
-    @property
-    def num_sampled(self) -> int:
-        return len(self.sampled_req_ids)
 
 
 class ModelRunner:
@@ -262,22 +218,14 @@ class ModelRunner:
         # Bumped whenever rows move (add/remove/condense/reorder): rows of an enqueued step
         # stay valid while it is unchanged.
         self._batch_version = 0
-        self._unrecorded: list[StepHandle] = []  # enqueued steps whose output is not collected
-        self._arange = np.arange(sc.max_num_seqs + 1, dtype=np.int64)
+        # enqueued steps whose sampled ids are not collected yet, their pinned host buffers and
+        # events, and the async placeholders (``pagedkv.worker.async_output``)
+        self.outputs = AsyncOutputs(self.input_batch, self.requests, self.device,
+                                    sc.max_num_seqs, self._to_device)
         try:
             self._logits_widen_kw = "widen" in inspect.signature(model.compute_logits).parameters
         except (TypeError, ValueError):
             self._logits_widen_kw = False
-        # Sampled ids come back through two pinned host buffers (a step's copy may still be
-        # read while the next one is enqueued) and one CUDA event each.
-        self._host_bufs = None
-        self._events = None
-        self._buf_i = 0
-        if self.device.type == "cuda":
-            self._host_bufs = [torch.empty(sc.max_num_seqs, dtype=torch.int64, pin_memory=True)
-                               for _ in range(2)]
-            self._events = [torch.cuda.Event() for _ in range(2)]
-
     # ----- setup ---------------------------------------------------------------------------
     def _check_kv_cache_config(self, kv: KVCacheConfig) -> None:
         """Every attention layer of the model in exactly one group, each group's spec the one
@@ -354,10 +302,8 @@ class ModelRunner:
         device; :meth:`get_output` returns its tokens. At most one step may be enqueued whose
         output was not collected yet: its sampled tokens feed this step on the device (see
         the module docstring, "async scheduling")."""
-        if len(self._unrecorded) > 1:
-            raise InvariantError("async-depth", "collect a step's output before enqueuing two more",
-                                 pending=len(self._unrecorded))
-        prev = self._unrecorded[0] if self._unrecorded else None
+        outputs = self.outputs
+        prev = outputs.in_flight()
         upd = update_states(self.requests, self.input_batch, scheduler_output, self.reorder_threshold)
         self._apply_block_ops(upd)
         if upd.batch_changed:
@@ -374,7 +320,7 @@ class ModelRunner:
         num_tokens = int(nsched.sum())
         pending = None
         if prev is not None and prev.num_sampled:
-            pending = self._add_pending_tokens(prev, n)
+            pending = outputs.add_pending_tokens(prev, n, self._batch_version)
 
         graph_size = None
         if self.cuda_graphs is not None and num_tokens == n:
@@ -384,7 +330,8 @@ class ModelRunner:
             if self.step_check is not None:
                 self.step_check(step)
             if pending is not None:
-                self._fill_pending_inputs(prev, pending, nsched, num_tokens, n)
+                outputs.fill_pending_inputs(prev, pending, nsched, num_tokens, n,
+                                            self.preparer.input_ids.gpu)
             variant = self.cuda_graphs.variant(graph_size, self.preparer.seq_lens.np[:n])
             hidden = self.cuda_graphs.replay(graph_size, variant)
             self.num_graph_steps += 1
@@ -393,7 +340,8 @@ class ModelRunner:
             if self.step_check is not None:
                 self.step_check(step)
             if pending is not None:
-                self._fill_pending_inputs(prev, pending, nsched, num_tokens, n)
+                outputs.fill_pending_inputs(prev, pending, nsched, num_tokens, n,
+                                            self.preparer.input_ids.gpu)
             hidden = self.model(step.input_ids, step.positions, self.kv_caches,
                                 self.attention_for(step))
 
@@ -434,124 +382,18 @@ class ModelRunner:
                 None if prev is None else (prev.sampled_req_ids, prev.sampled))
             sampled, logprobs = out.sampled_token_ids, out.logprobs
             want = self.sampling.wants_logprobs if logprobs is not None else None
-        host, event = sampled, None
-        if self._host_bufs is not None:  # CUDA: pinned double buffer, one event per step
-            i = self._buf_i
-            self._buf_i ^= 1
-            host = self._host_bufs[i][:m]
-            host.copy_(sampled, non_blocking=True)
-            event = self._events[i]
-            event.record()
+        host, event = outputs.stage(sampled, m)
         h = StepHandle(out_ids, self._out_index, n, self._batch_version, rows=rows,
                        sampled_req_ids=sampled_req_ids, positions=positions, sampled=sampled,
                        host=host, event=event, logprobs=logprobs, want_logprobs=want)
-        self._unrecorded.append(h)
+        outputs.push(h)
         return h
 
     def get_output(self, handle: StepHandle) -> RunnerOutput:
         """Wait for ``handle``'s sampled tokens (the step's one device -> host sync), record
         them in the request states and the batch, and report them. Outputs are collected in
-        the order the steps were enqueued."""
-        if handle.num_sampled:
-            if not self._unrecorded or self._unrecorded[0] is not handle:
-                raise InvariantError("async-order", "collect each step's output once, in the order "
-                                     "the steps were enqueued")
-            self._unrecorded.pop(0)
-        n = handle.n
-        if n == 0:
-            return RunnerOutput([], {}, [])
-        if not handle.num_sampled:
-            return RunnerOutput(handle.req_ids, handle.index, [[] for _ in range(n)])
-        if handle.event is not None:
-            handle.event.synchronize()
-        ids_np = handle.host.numpy().copy()
-        ids = ids_np.tolist()
-        self._record(handle, ids_np, ids)
-        rows = handle.rows
-        if rows is None:
-            sampled = [[t] for t in ids]
-        else:
-            sampled = [[] for _ in range(n)]
-            for r, t in zip(rows.tolist(), ids):
-                sampled[r] = [t]
-        logprobs = self._logprobs(handle) if handle.logprobs is not None else None
-        return RunnerOutput(handle.req_ids, handle.index, sampled, logprobs)
-
-    def _record(self, h: StepHandle, ids_np: np.ndarray, ids: list[int]) -> None:
-        """Write the sampled tokens into the batch's token table (at their positions; in async
-        mode over the placeholder the next step appended) and the request states."""
-        batch = self.input_batch
-        pos = h.positions
-        if h.version == self._batch_version:  # rows unchanged since the step was enqueued
-            rows = self._arange[: h.n] if h.rows is None else h.rows
-        else:
-            index = batch.req_id_to_index
-            rows = np.fromiter((index.get(rid, -1) for rid in h.sampled_req_ids), np.int64,
-                               count=len(h.sampled_req_ids))
-            keep = rows >= 0
-            if not keep.all():
-                rows, pos, ids_np = rows[keep], pos[keep], ids_np[keep]
-        if rows.size:
-            nt = batch.num_tokens
-            cur = nt[rows]
-            if (pos > cur).any() or int(pos.max()) >= batch.max_model_len:
-                raise InvariantError("sampled-position", "a sampled token does not follow its "
-                                     "request's tokens", positions=pos[:5].tolist(),
-                                     num_tokens=cur[:5].tolist())
-            batch.token_ids_cpu[rows, pos] = ids_np
-            nt[rows] = np.maximum(cur, pos + 1)
-        requests = self.requests
-        for rid, t in zip(h.sampled_req_ids, ids):
-            st = requests.get(rid)
-            if st is not None:
-                st.output_token_ids.append(t)
-
-    def _add_pending_tokens(self, prev: StepHandle, n: int):
-        """Async scheduling: rows of this step whose first scheduled token is the token
-        ``prev`` sampled (not on the host yet) get a placeholder in the batch's token count, so
-        input preparation accepts them. Returns ``(rows, src)`` (rows of this step, indices into
-        ``prev``'s sampled tokens) or None."""
-        batch = self.input_batch
-        if prev.version == self._batch_version:
-            if prev.rows is None:
-                rows = self._arange[:n]
-                src = rows
-            else:
-                rows = prev.rows
-                src = self._arange[: rows.size]
-        else:
-            index = batch.req_id_to_index
-            found = np.fromiter((index.get(rid, -1) for rid in prev.sampled_req_ids), np.int64,
-                                count=len(prev.sampled_req_ids))
-            src = np.flatnonzero(found >= 0)
-            rows = found[src]
-        if rows.size == 0:
-            return None
-        pos = prev.positions[src]
-        nt = batch.num_tokens
-        if not (np.array_equal(nt[rows], pos)
-                and np.array_equal(batch.num_computed_tokens_cpu[rows], pos)):
-            raise InvariantError("async-placeholder", "a request with a token in flight is not "
-                                 "scheduled from that token's position",
-                                 positions=pos[:5].tolist(), num_tokens=nt[rows][:5].tolist())
-        nt[rows] = pos + 1
-        return rows, src
-
-    def _fill_pending_inputs(self, prev: StepHandle, pending, nsched: np.ndarray,
-                             num_tokens: int, n: int) -> None:
-        """Write ``prev``'s sampled tokens (device) into this step's input ids (device), after
-        input preparation and before the forward pass reads them."""
-        rows, src = pending
-        ids_gpu = self.preparer.input_ids.gpu
-        if num_tokens == n and rows.size == n and prev.num_sampled == n and (
-                rows is src or (np.array_equal(rows, self._arange[:n])
-                                and np.array_equal(src, self._arange[:n]))):
-            ids_gpu[:n].copy_(prev.sampled)
-            return
-        starts = np.cumsum(nsched, dtype=np.int64) - nsched
-        dst = self._to_device(starts[rows])
-        src_t = self._to_device(src)
-        ids_gpu.index_copy_(0, dst, prev.sampled.index_select(0, src_t).to(ids_gpu.dtype))
+        the order the steps were enqueued (``AsyncOutputs.collect``)."""
+        return self.outputs.collect(handle, self._batch_version)
 
     def _logits_rows(self, rows: np.ndarray) -> torch.Tensor:
         """Device indices of the hidden rows to project, padded (with the last row) to the
@@ -603,7 +445,7 @@ class ModelRunner:
                 torch.cuda.synchronize(self.device)
             except Exception:  # a broken device is reported by the next step, not here
                 pass
-        self._unrecorded.clear()
+        self.outputs.clear()
         batch = self.input_batch
         for rid in list(batch.req_id_to_index):
             batch.remove_request(rid)
@@ -619,12 +461,13 @@ class ModelRunner:
         if upd.block_ids_to_zero:
             ids = torch.tensor(upd.block_ids_to_zero, dtype=torch.int64, device=self.device)
             for kv in self._unique_kv_caches():
-                kv.index_fill_(1, ids, 0)
+                kv.index_fill_(kv_block_dim(kv), ids, 0)
         if upd.block_copies:
             src = torch.tensor([s for s, _ in upd.block_copies], dtype=torch.int64, device=self.device)
             dst = torch.tensor([d for _, d in upd.block_copies], dtype=torch.int64, device=self.device)
             for kv in self._unique_kv_caches():
-                kv[:, dst] = kv[:, src]
+                d = kv_block_dim(kv)
+                kv.index_copy_(d, dst, kv.index_select(d, src))
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -633,16 +476,6 @@ class ModelRunner:
     @eos_token_ids.setter
     def eos_token_ids(self, ids) -> None:
         self.sampling.eos_token_ids = ids
-
-    def _logprobs(self, h: StepHandle) -> dict[str, SampledLogprobs]:
-        token_ids, values, ranks = h.logprobs.tolists()
-        result: dict[str, SampledLogprobs] = {}
-        for j, rid in enumerate(h.sampled_req_ids):
-            k = h.want_logprobs[j]
-            if k is None:
-                continue
-            result[rid] = SampledLogprobs(token_ids[j][: k + 1], values[j][: k + 1], ranks[j])
-        return result
 
     # ----- inspection ----------------------------------------------------------------------
     def metadata_for(self, step: StepInputs) -> CommonAttentionMetadata:
