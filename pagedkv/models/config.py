@@ -1,10 +1,12 @@
 """Model architecture config: what pagedkv needs to know about a checkpoint's ``config.json``.
 
 ``ModelArchConfig.from_dict`` parses and validates a Hugging Face ``config.json`` of one of the
-supported decoder-only families (Llama, Qwen2, Qwen3, Mistral, Gemma 2/3, and the
-mixture-of-experts Qwen3-MoE and Mixtral) into one frozen dataclass. The family decides the
-defaults of absent keys (as transformers does) and the structural flags of the generic decoder
-(q/k/v bias, o_proj bias, q/k RMSNorm); an MoE family adds its routing (``MoeConfig``).
+supported decoder-only families (Llama, Qwen2, Qwen3, Mistral, Gemma 2/3, the
+mixture-of-experts Qwen3-MoE and Mixtral, and DeepSeek-V3 with multi-head latent attention)
+into one frozen dataclass. The family decides the defaults of absent keys (as transformers
+does) and the structural flags of the generic decoder (q/k/v bias, o_proj bias, q/k RMSNorm);
+an MoE family adds its routing (``MoeConfig``), DeepSeek-V3 its latent attention
+(``MlaConfig``).
 
 ``shape_config(name)`` returns the config of a well-known model shape (``"qwen3-0.6b"``,
 ``"llama-3.2-1b"`` ...) for benchmarks with random weights.
@@ -47,9 +49,11 @@ class _Family:
     # logit soft-capping; Gemma 3: q/k norms and a local RoPE base for sliding layers.
     gemma: int = 0
     sliding_pattern: int = 0
-    # mixture of experts: "qwen3_moe" or "mixtral" (how config.json names and routes the
-    # experts, see _parse_moe), None for dense families
+    # mixture of experts: "qwen3_moe", "mixtral" or "deepseek_v3" (how config.json names and
+    # routes the experts, see _parse_moe), None for dense families
     moe: str | None = None
+    # multi-head latent attention (DeepSeek-V3, see _parse_mla)
+    mla: bool = False
 
 
 FAMILIES: dict[str, _Family] = {
@@ -124,6 +128,14 @@ FAMILIES["MixtralForCausalLM"] = _Family(
     head_dim=None, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
     sliding="mistral", moe="mixtral")
 
+# DeepSeek-V3: multi-head latent attention (MlaConfig), first_k_dense_replace dense layers,
+# then sigmoid-scored group-limited routing with shared experts; attention_bias on q_a_proj,
+# kv_a_proj_with_mqa and o_proj
+FAMILIES["DeepseekV3ForCausalLM"] = _Family(
+    name="deepseek_v3", max_position_embeddings=4096, bos_token_id=0, eos_token_id=1,
+    head_dim=None, qkv_bias=False, o_bias="attention_bias", mlp_bias=False, qk_norm=False,
+    sliding=None, moe="deepseek_v3", mla=True)
+
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(FAMILIES)
 
 
@@ -145,10 +157,56 @@ class MoeConfig:
     norm_topk_prob: bool
     weights_dtype: str  # "model" | "float32"
     sparse_layers: tuple[bool, ...]
+    # DeepSeek-V3 routing (``scoring == "sigmoid"``): the router runs in float32, scores are
+    # ``sigmoid(logits)``; the experts are chosen on ``scores + e_score_correction_bias``
+    # (``score_correction_bias``) within the ``topk_group`` best of ``n_group`` groups (a
+    # group's score: the sum of its two best), weighted by their plain scores (renormalized
+    # with ``norm_topk_prob``) times ``routed_scaling_factor``. ``shared_intermediate_size``
+    # (``n_shared_experts * moe_intermediate_size``): the shared experts, one dense gated MLP
+    # added to the routed output (0: none).
+    scoring: str = "softmax"  # "softmax" | "sigmoid"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    score_correction_bias: bool = False
+    shared_intermediate_size: int = 0
 
     @property
     def num_sparse_layers(self) -> int:
         return sum(self.sparse_layers)
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3), as transformers' ``DeepseekV3Attention``.
+
+    Queries: ``q_b_proj(q_a_layernorm(q_a_proj(x)))`` (``q_lora_rank``) or ``q_proj(x)``
+    (``q_lora_rank`` None), per head ``[qk_nope_head_dim | qk_rope_head_dim]``. Keys and
+    values: ``kv_a_proj_with_mqa(x) = [c | k_pe]`` (``kv_lora_rank | qk_rope_head_dim``), the
+    latent ``c`` RMS-normed (``kv_a_layernorm``), ``k_pe`` one rotary head shared by every
+    head; ``kv_b_proj(c)`` gives per head ``[k_nope (qk_nope_head_dim) | v (v_head_dim)]``.
+    RoPE covers the rope parts only (``rope_interleave``: their dimensions come in interleaved
+    pairs). The KV cache stores one latent vector per token: ``[c | k_pe]``, ``latent_dim``
+    wide. The two RMSNorms use eps 1e-6 (transformers' default; not ``rms_norm_eps``).
+    """
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+    attention_bias: bool  # q_a_proj (q_proj has none), kv_a_proj_with_mqa, o_proj
+    norm_eps: float = 1e-6
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one cached latent vector: ``kv_lora_rank + qk_rope_head_dim``."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 # --------------------------------------------------------------------------------------------
 # RoPE
@@ -337,6 +395,11 @@ class ModelArchConfig:
     embed_scale: float | None = None  # embeddings times this (sqrt(hidden))
     local_rope: "RopeConfig | None" = None  # RoPE of the sliding-window layers (Gemma 3)
     moe: MoeConfig | None = None  # mixture-of-experts families only
+    # DeepSeek-V3 only: the latent attention. Its layers cache one latent "KV head": then
+    # ``num_key_value_heads`` is 1 and ``head_dim`` the latent width (``mla.latent_dim``), the
+    # head of the KV cache (the query/key head is ``mla.qk_head_dim``); ``attn_scale`` the
+    # softmax scale (``qk_head_dim ** -0.5``, times YaRN's ``mscale_all_dim`` factor squared)
+    mla: MlaConfig | None = None
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived sizes
@@ -372,8 +435,18 @@ class ModelArchConfig:
         return self.max_position_embeddings
 
     def kv_cache_bytes_per_token(self, dtype_bytes: int) -> int:
-        """Bytes of K and V, all layers, for one token."""
+        """Bytes of K and V (MLA: of the one latent vector), all layers, for one token."""
+        if self.mla is not None:
+            return self.num_hidden_layers * self.mla.latent_dim * dtype_bytes
         return 2 * self.num_hidden_layers * self.kv_size * dtype_bytes
+
+    def _mla_attention_parameters(self) -> int:
+        m, h, n = self.mla, self.hidden_size, self.num_attention_heads
+        q = (h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * n * m.qk_head_dim
+             if m.q_lora_rank is not None else h * n * m.qk_head_dim)
+        kv = h * m.latent_dim + m.kv_lora_rank + m.kv_lora_rank * n * (m.qk_nope_head_dim + m.v_head_dim)
+        bias = (m.q_lora_rank or 0) + m.latent_dim + h if m.attention_bias else 0
+        return q + kv + n * m.v_head_dim * h + bias
 
     def num_parameters(self) -> int:
         """Parameter count (tied embeddings counted once)."""
@@ -383,6 +456,8 @@ class ModelArchConfig:
             attn += self.q_size + 2 * self.kv_size
         if self.o_bias:
             attn += h
+        if self.mla is not None:
+            attn = self._mla_attention_parameters()
         mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
         norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         per_layer = attn + mlp + norms
@@ -390,7 +465,9 @@ class ModelArchConfig:
         total = self.num_hidden_layers * per_layer + emb + h
         if self.moe is not None:  # sparse layers: router + experts instead of the dense MLP
             m = self.moe
-            total += m.num_sparse_layers * (m.num_experts * (h + 3 * h * m.intermediate_size) - mlp)
+            sparse = m.num_experts * (h + 3 * h * m.intermediate_size) - mlp
+            sparse += 3 * h * m.shared_intermediate_size + (m.num_experts if m.score_correction_bias else 0)
+            total += m.num_sparse_layers * sparse
         return total
 
     # ---- parsing
@@ -450,7 +527,11 @@ class ModelArchConfig:
                 )
             head_dim = hidden // heads
         head_dim = _pos_int(head_dim, "head_dim", source)
-        if head_dim % 2:
+        mla = _parse_mla(d, source) if fam.mla else None
+        if mla is not None:
+            # the cache's one latent head (transformers' head_dim is the rope part)
+            head_dim, kv_heads = mla.latent_dim, 1
+        elif head_dim % 2:
             raise ConfigError(f"{source}: head_dim must be even for rotary embeddings, got {head_dim}")
 
         if fam.gemma:
@@ -478,6 +559,8 @@ class ModelArchConfig:
         windows = _layer_windows(d, fam, layers, source)
         moe = _parse_moe(d, fam, layers, source) if fam.moe else None
         gemma_fields = {}
+        if mla is not None:
+            gemma_fields = dict(attn_scale=_mla_softmax_scale(mla, rope), mla=mla)
         if fam.gemma:
             def opt_num(key, default):
                 v = d.get(key, default)
@@ -652,6 +735,47 @@ def _layer_windows(d: dict, fam: _Family, layers: int, source: str) -> tuple[int
     return tuple(window if t == "sliding_attention" else None for t in layer_types)
 
 
+def _parse_mla(d: dict, source: str) -> MlaConfig:
+    """DeepSeek-V3's latent attention, with ``DeepseekV3Config``'s defaults (V3's sizes:
+    ``q_lora_rank`` 1536, ``kv_lora_rank`` 512, ``qk_nope_head_dim`` 128, ``qk_rope_head_dim``
+    64, ``v_head_dim`` 128, ``rope_interleave`` true). ``q_lora_rank`` null: a plain
+    ``q_proj``."""
+    def size(key: str, default: int | None, *, optional: bool = False) -> int | None:
+        v = d.get(key, default)
+        if v is None and optional:
+            return None
+        return _pos_int(v, key, source)
+
+    rope_dim = size("qk_rope_head_dim", 64)
+    if rope_dim % 2:
+        raise ConfigError(f"{source}: qk_rope_head_dim must be even for rotary embeddings, "
+                          f"got {rope_dim}")
+    interleave = d.get("rope_interleave", True)
+    interleave = True if interleave is None else interleave
+    bias = d.get("attention_bias", False)
+    for key, v in (("rope_interleave", interleave), ("attention_bias", bias)):
+        if not isinstance(v, bool):
+            raise ConfigError(f"{source}: {key} must be true or false, got {v!r}")
+    return MlaConfig(q_lora_rank=size("q_lora_rank", 1536, optional=True),
+                     kv_lora_rank=size("kv_lora_rank", 512),
+                     qk_nope_head_dim=size("qk_nope_head_dim", 128),
+                     qk_rope_head_dim=rope_dim, v_head_dim=size("v_head_dim", 128),
+                     rope_interleave=interleave, attention_bias=bias)
+
+
+def _mla_softmax_scale(mla: MlaConfig, rope: RopeConfig) -> float:
+    """``qk_head_dim ** -0.5``, and with a scaled RoPE whose ``mscale_all_dim`` is set, times
+    ``yarn_mscale(factor, mscale_all_dim) ** 2`` (transformers' ``yarn_apply_mscale``; the
+    cos/sin carry ``mscale / mscale_all_dim`` of it, see ``rotary.py``)."""
+    scale = mla.qk_head_dim ** (-0.5)
+    if rope.rope_type != "default" and rope.mscale_all_dim:
+        import math
+
+        m = 1.0 if rope.factor <= 1 else 0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0
+        scale = scale * m * m
+    return scale
+
+
 def _parse_moe(d: dict, fam: _Family, layers: int, source: str) -> MoeConfig:
     """The experts of an MoE family, with transformers' defaults and layer rule.
 
@@ -660,7 +784,10 @@ def _parse_moe(d: dict, fam: _Family, layers: int, source: str) -> MoeConfig:
     layer ``i`` is sparse iff ``i`` is not in ``mlp_only_layers`` and ``num_experts > 0`` and
     ``(i + 1) % decoder_sparse_step == 0`` (default 1). Mixtral: ``num_local_experts`` (8),
     ``num_experts_per_tok`` (2), experts of ``intermediate_size``, always renormalized, every
-    layer sparse."""
+    layer sparse. DeepSeek-V3: ``n_routed_experts`` (256), ``num_experts_per_tok`` (8),
+    ``moe_intermediate_size`` (2048), ``norm_topk_prob`` (true), ``n_group`` (8) /
+    ``topk_group`` (4), ``routed_scaling_factor`` (2.5), ``n_shared_experts`` (1); layer ``i``
+    is sparse iff ``i >= first_k_dense_replace`` (3)."""
     def count(key: str, default: int, *, zero: bool = False) -> int:
         v = d.get(key)
         v = default if v is None else v
@@ -669,10 +796,35 @@ def _parse_moe(d: dict, fam: _Family, layers: int, source: str) -> MoeConfig:
                               f"integer, got {v!r}")
         return v
 
+    deepseek = {}
     if fam.moe == "mixtral":
         experts = count("num_local_experts", 8)
         inter = count("intermediate_size", 14336)
         norm, weights_dtype, sparse = True, "float32", (True,) * layers
+    elif fam.moe == "deepseek_v3":
+        experts = count("n_routed_experts" if "n_routed_experts" in d else "num_local_experts", 256)
+        inter = count("moe_intermediate_size", 2048)
+        norm = d.get("norm_topk_prob", True)
+        norm = True if norm is None else norm
+        if not isinstance(norm, bool):
+            raise ConfigError(f"{source}: norm_topk_prob must be true or false, got {norm!r}")
+        weights_dtype = "float32"  # the router runs in float32
+        first_dense = count("first_k_dense_replace", 3, zero=True)
+        sparse = tuple(i >= first_dense for i in range(layers))
+        groups, topk_groups = count("n_group", 8), count("topk_group", 4)
+        if experts % groups or experts // groups < 2:
+            raise ConfigError(f"{source}: n_routed_experts ({experts}) must be a multiple of "
+                              f"n_group ({groups}) with at least 2 experts per group")
+        if topk_groups > groups:
+            raise ConfigError(f"{source}: topk_group ({topk_groups}) must not exceed n_group "
+                              f"({groups})")
+        scaling = d.get("routed_scaling_factor", 2.5)
+        if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or scaling <= 0:
+            raise ConfigError(f"{source}: routed_scaling_factor must be a positive number, "
+                              f"got {scaling!r}")
+        deepseek = dict(scoring="sigmoid", n_group=groups, topk_group=topk_groups,
+                        routed_scaling_factor=float(scaling), score_correction_bias=True,
+                        shared_intermediate_size=count("n_shared_experts", 1, zero=True) * inter)
     else:
         key = "num_experts" if "num_experts" in d else "num_local_experts"
         experts = count(key, 128, zero=True)
@@ -694,11 +846,16 @@ def _parse_moe(d: dict, fam: _Family, layers: int, source: str) -> MoeConfig:
     if any(sparse) and top_k > experts:
         raise ConfigError(f"{source}: num_experts_per_tok ({top_k}) must not exceed the number "
                           f"of experts ({experts})")
+    if deepseek and any(sparse) and top_k > deepseek["topk_group"] * (experts // deepseek["n_group"]):
+        raise ConfigError(f"{source}: num_experts_per_tok ({top_k}) must not exceed the experts "
+                          f"of topk_group ({deepseek['topk_group']}) groups of "
+                          f"{experts // deepseek['n_group']}")
     act = d.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"{source}: hidden_act {act!r} is not supported; the experts use 'silu'")
     return MoeConfig(num_experts=experts, top_k=top_k, intermediate_size=inter,
-                     norm_topk_prob=norm, weights_dtype=weights_dtype, sparse_layers=sparse)
+                     norm_topk_prob=norm, weights_dtype=weights_dtype, sparse_layers=sparse,
+                     **deepseek)
 
 
 # --------------------------------------------------------------------------------------------
@@ -866,6 +1023,7 @@ def shape_config(name: str, *, dtype: str | None = None) -> ModelArchConfig:
 
 __all__ = [
     "FAMILIES",
+    "MlaConfig",
     "ModelArchConfig",
     "MoeConfig",
     "ROPE_TYPES",

@@ -4,8 +4,10 @@ file, or shards listed by ``model.safetensors.index.json``) and the tokenizer.
 Name checking is strict: every tensor the architecture needs must be present exactly once with
 the right shape, in one of the model's tensor layouts (``hf_weight_layouts``: one for dense
 models; per-expert or stacked experts for MoE models), and every tensor present must be used
-(``rotary_emb.inv_freq`` buffers of old checkpoints and ``lm_head.weight`` of tied models are
-the only ones skipped). Errors list the tensors and files involved.
+(``rotary_emb.inv_freq`` buffers of old checkpoints, ``lm_head.weight`` of tied models and
+DeepSeek-V3's multi-token-prediction layers ``model.layers.{L + i}.*``, ``i <
+num_nextn_predict_layers``, are the only ones skipped). Errors list the tensors and files
+involved.
 """
 
 from __future__ import annotations
@@ -101,6 +103,14 @@ def _file_keys(path: str) -> list[str]:
 def _ignorable(name: str, config: ModelArchConfig) -> bool:
     if name.endswith("rotary_emb.inv_freq"):
         return True
+    if config.mla is not None and name.startswith("model.layers."):
+        # DeepSeek's multi-token-prediction modules follow the decoder's layers (transformers
+        # does not load them either)
+        layer = name.split(".")[2]
+        mtp = config.raw.get("num_nextn_predict_layers") or 0
+        if layer.isdigit() and isinstance(mtp, int) and (
+                config.num_hidden_layers <= int(layer) < config.num_hidden_layers + mtp):
+            return True
     return config.tie_word_embeddings and name == "lm_head.weight"
 
 

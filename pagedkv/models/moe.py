@@ -1,10 +1,20 @@
-"""The sparse mixture-of-experts MLP of Qwen3-MoE and Mixtral: a router and stacked experts.
+"""The sparse mixture-of-experts MLP of Qwen3-MoE, Mixtral and DeepSeek-V3: a router and
+stacked experts (DeepSeek-V3: plus shared experts).
 
 Routing, as transformers' modeling code does it (``route_topk``): ``logits = x W_gate^T`` in
 the model dtype, ``softmax`` in float32, ``top-k``; with ``norm_topk_prob`` (Qwen3-MoE's flag;
 Mixtral always) the k probabilities are divided by their sum. Qwen3-MoE casts the weights to
 the model dtype, Mixtral keeps them in float32 (``MoeConfig.weights_dtype``); the weighted sum
 over the k experts runs in the promoted dtype and is rounded once (``fused_moe_ref``).
+
+DeepSeek-V3 routes as its ``DeepseekV3TopkRouter`` does (``route_grouped_sigmoid``): float32
+logits (the router weight and ``e_score_correction_bias`` stay float32 whatever the model dtype,
+as transformers keeps them), ``sigmoid`` scores; the experts are chosen on ``scores + bias``
+inside the ``topk_group`` best of ``n_group`` groups (a group scores the sum of its two best),
+weighted by their plain scores (divided by their sum + 1e-20 with ``norm_topk_prob``) times
+``routed_scaling_factor``, in float32. Its shared experts are one dense gated MLP
+(``shared_experts``, ``n_shared_experts * moe_intermediate_size`` wide) added to the routed
+output.
 
 Experts are stacked weights: ``w13 [E, 2I, H]`` (each expert's gate rows then its up rows:
 one GEMM) and ``w2 [E, H, I]``. On CUDA the Triton fused-MoE kernel runs them
@@ -16,7 +26,9 @@ hub holds (Qwen3-MoE ``mlp.experts.{e}.{gate,up,down}_proj.weight``, Mixtral
 ``block_sparse_moe.experts.{e}.{w1,w3,w2}.weight`` with w1 = gate, w3 = up, w2 = down; router
 ``mlp.gate.weight`` / ``block_sparse_moe.gate.weight``), and ``fused``, transformers' own module
 layout (``save_pretrained(save_original_format=False)``: ``mlp.experts.gate_up_proj``,
-``mlp.experts.down_proj``, ``mlp.gate.weight`` for both families).
+``mlp.experts.down_proj``, ``mlp.gate.weight`` for both families). DeepSeek-V3 names its
+experts as Qwen3-MoE does, plus ``mlp.gate.e_score_correction_bias`` and
+``mlp.shared_experts.{gate,up,down}_proj.weight`` (both layouts).
 """
 
 from __future__ import annotations
@@ -27,13 +39,14 @@ from torch import nn
 
 from pagedkv.kernels.fused_moe import fused_moe_ref
 from pagedkv.models.config import MoeConfig
-from pagedkv.models.layers import Linear
+from pagedkv.models.layers import GatedMLP, Linear
 
 LAYOUTS = ("per_expert", "fused")
 # per-expert names: family -> (module prefix, gate, up, down)
 _PER_EXPERT_NAMES = {
     "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
     "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+    "deepseek_v3": ("mlp", "gate_proj", "up_proj", "down_proj"),
 }
 
 
@@ -48,8 +61,32 @@ def route_topk(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
     return weights.to(weights_dtype), ids
 
 
+def route_grouped_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor | None,
+                          top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
+                          routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's routing: ``(topk_weights [T, k] float32, topk_ids [T, k] int64)`` of the
+    float32 router logits ``[T, E]`` (see the module docstring; the same torch ops as
+    transformers, so ties and the order of the k choices come out the same)."""
+    t, e = router_logits.shape
+    scores = router_logits.sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias
+    group_scores = choice.view(t, n_group, e // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores)
+    group_mask.scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e)
+    choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
 class SparseMoeBlock(nn.Module):
-    """Router (``gate``: ``[E, H]``, no bias) + experts ``w13 [E, 2I, H]``, ``w2 [E, H, I]``."""
+    """Router (``gate``: ``[E, H]``, no bias) + experts ``w13 [E, 2I, H]``, ``w2 [E, H, I]``;
+    DeepSeek-V3 (``moe.scoring == "sigmoid"``): a float32 router with
+    ``e_score_correction_bias [E]`` and ``shared_experts`` (a :class:`GatedMLP`)."""
 
     def __init__(self, hidden_size: int, moe: MoeConfig, family: str, *, dtype=None, device=None):
         super().__init__()
@@ -61,13 +98,27 @@ class SparseMoeBlock(nn.Module):
         self.intermediate_size = moe.intermediate_size
         self.norm_topk_prob = moe.norm_topk_prob
         self.weights_in_model_dtype = moe.weights_dtype == "model"
+        self.moe = moe
         e, i, h = moe.num_experts, moe.intermediate_size, hidden_size
-        self.gate = Linear(h, e, bias=False, dtype=dtype, device=device)
+        sigmoid = moe.scoring == "sigmoid"
+        # DeepSeek-V3's router stays float32 (transformers keeps gate.weight in float32)
+        self.gate = Linear(h, e, bias=False, dtype=torch.float32 if sigmoid else dtype, device=device)
+        self.e_score_correction_bias = nn.Parameter(
+            torch.empty(e, dtype=torch.float32, device=device), requires_grad=False) \
+            if moe.score_correction_bias else None
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype, device=device), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, h, i, dtype=dtype, device=device), requires_grad=False)
+        self.shared_experts = GatedMLP(h, moe.shared_intermediate_size, bias=False, dtype=dtype,
+                                       device=device) if moe.shared_intermediate_size else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(topk_weights, topk_ids)`` of the tokens ``x [T, H]``."""
+        m = self.moe
+        if m.scoring == "sigmoid":
+            logits = F.linear(x.float(), self.gate.weight.float())
+            return route_grouped_sigmoid(logits, self.e_score_correction_bias, self.top_k,
+                                         m.n_group, m.topk_group, self.norm_topk_prob,
+                                         m.routed_scaling_factor)
         wdtype = x.dtype if self.weights_in_model_dtype else torch.float32
         return route_topk(self.gate(x), self.top_k, self.norm_topk_prob, wdtype)
 
@@ -76,17 +127,22 @@ class SparseMoeBlock(nn.Module):
         if x.device.type == "cuda":
             from pagedkv.kernels.fused_moe import fused_moe
 
-            return fused_moe(x, self.w13, self.w2, weights, ids)
-        return fused_moe_ref(x, self.w13, self.w2, weights, ids)
+            out = fused_moe(x, self.w13, self.w2, weights, ids)
+        else:
+            out = fused_moe_ref(x, self.w13, self.w2, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
 
     def hf_entries(self, prefix: str, layout: str) -> dict:
         """This block's Hugging Face tensors (``prefix`` = ``model.layers.{i}.``) in ``layout``
         (``per_expert`` or ``fused``, see the module docstring) -> (tensor, rows)."""
         if layout == "fused":
             p = prefix + "mlp."
-            return {p + "gate.weight": (self.gate.weight, None),
-                    p + "experts.gate_up_proj": (self.w13, None),
-                    p + "experts.down_proj": (self.w2, None)}
+            m = {p + "gate.weight": (self.gate.weight, None),
+                 p + "experts.gate_up_proj": (self.w13, None),
+                 p + "experts.down_proj": (self.w2, None)}
+            return self._deepseek_entries(p, m)
         if layout != "per_expert":
             raise ValueError(f"unknown MoE checkpoint layout {layout!r}; one of {LAYOUTS}")
         module, gate, up, down = _PER_EXPERT_NAMES[self.family]
@@ -98,7 +154,18 @@ class SparseMoeBlock(nn.Module):
             m[f"{p}experts.{e}.{gate}.weight"] = (w13, (0, i))
             m[f"{p}experts.{e}.{up}.weight"] = (w13, (i, i))
             m[f"{p}experts.{e}.{down}.weight"] = (self.w2.data[e], None)
+        return self._deepseek_entries(p, m)
+
+    def _deepseek_entries(self, p: str, m: dict) -> dict:
+        """DeepSeek-V3's router bias and shared experts (``p`` = ``model.layers.{i}.mlp.``)."""
+        if self.e_score_correction_bias is not None:
+            m[p + "gate.e_score_correction_bias"] = (self.e_score_correction_bias, None)
+        if self.shared_experts is not None:
+            s = self.shared_experts
+            m.update(s.gate_up_proj.hf_entries_of_shards(
+                {"gate": p + "shared_experts.gate_proj", "up": p + "shared_experts.up_proj"}))
+            m.update(s.down_proj.hf_entries(p + "shared_experts.down_proj"))
         return m
 
 
-__all__ = ["LAYOUTS", "SparseMoeBlock", "route_topk"]
+__all__ = ["LAYOUTS", "SparseMoeBlock", "route_grouped_sigmoid", "route_topk"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pagedkv.errors import UnsupportedArchitectureError
 from pagedkv.models.config import FAMILIES, SUPPORTED_ARCHITECTURES
 from pagedkv.models.decoder import DecoderForCausalLM
+from pagedkv.models.deepseek_v3 import DeepseekV3ForCausalLM
 from pagedkv.models.gemma import GemmaForCausalLM
 from pagedkv.models.moe_decoder import MoeForCausalLM
 
@@ -12,13 +13,16 @@ from pagedkv.models.moe_decoder import MoeForCausalLM
 def _model_class(arch: str) -> type[DecoderForCausalLM]:
     if FAMILIES[arch].gemma:
         return GemmaForCausalLM
+    if FAMILIES[arch].mla:
+        return DeepseekV3ForCausalLM
     if FAMILIES[arch].moe:
         return MoeForCausalLM
     return DecoderForCausalLM
 
 
 # one generic decoder for the Llama-like families; Gemma 2 / 3 have their own layers; the
-# mixture-of-experts families (Qwen3-MoE, Mixtral) the decoder's layers with sparse MLPs
+# mixture-of-experts families (Qwen3-MoE, Mixtral) the decoder's layers with sparse MLPs;
+# DeepSeek-V3 its latent-attention layers
 MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     arch: _model_class(arch) for arch in SUPPORTED_ARCHITECTURES
 }

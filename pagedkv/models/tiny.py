@@ -9,8 +9,9 @@ byte-level BPE tokenizer trained with ``tokenizers`` on a small built-in corpus
 Weights are drawn from one seeded generator in parameter-name order (matrices ~ N(0, init_std);
 norm weights 1 + N(0, 0.1); biases N(0, 0.1)), so they do not depend on transformers' init
 code, and norms and biases are not trivially 1 and 0 (a loader that drops them is caught). The
-routers of the MoE families (Qwen3-MoE, Mixtral) are then adjusted so the corpus reaches every
-expert (``_spread_routing``).
+routers of the MoE families (Qwen3-MoE, Mixtral, DeepSeek-V3) are then adjusted so the corpus
+reaches every expert (``_spread_routing``); DeepSeek-V3's ``e_score_correction_bias`` (a buffer,
+zero in transformers' init) gets N(0, 0.05) values, so the expert choice depends on it.
 
 Idempotent: a directory is keyed by a hash of its spec and reused when its marker file exists;
 it is built in a temporary directory and renamed into place, so concurrent builders are safe.
@@ -40,8 +41,9 @@ FAMILY_ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
-MOE_FAMILIES = ("qwen3_moe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
 # transformers config class per family where it is not "<Architecture minus ForCausalLM>Config"
 CONFIG_CLASSES = {"gemma3": "Gemma3TextConfig"}
 
@@ -98,12 +100,29 @@ class TinySpec:
     num_experts: int = 8
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 32
-    norm_topk_prob: bool = False  # qwen3_moe (Mixtral always renormalizes)
+    # qwen3_moe and deepseek_v3 (Mixtral always renormalizes); None: the family's default
+    # (qwen3_moe false, deepseek_v3 true)
+    norm_topk_prob: bool | None = None
     decoder_sparse_step: int = 1  # qwen3_moe
     mlp_only_layers: tuple[int, ...] = ()  # qwen3_moe
     # False: save transformers' own layout (stacked expert tensors) instead of the per-expert
     # names save_pretrained writes by default
     save_original_format: bool = True
+    # DeepSeek-V3: latent attention (q_lora_rank None: a plain q_proj; v_head_dim differs
+    # from qk_nope_head_dim so that a mix-up of the two shows), layers >= first_k_dense_replace
+    # sparse, group-limited routing (n_group groups, the best topk_group of them), shared
+    # experts. num_kv_heads and head_dim do not apply (the latent has one head).
+    q_lora_rank: int | None = 24
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 12
+    rope_interleave: bool = True
+    first_k_dense_replace: int = 1
+    n_group: int = 2
+    topk_group: int = 1
+    n_shared_experts: int = 1
+    routed_scaling_factor: float = 2.5
 
     def validate(self) -> None:
         if self.family not in FAMILY_ARCHITECTURES:
@@ -118,8 +137,9 @@ class TinySpec:
             raise ConfigError("tiny num_heads must be a multiple of num_kv_heads")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"tiny dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.attention_bias and self.family not in ("llama", "qwen3", "qwen3_moe", "gemma2", "gemma3"):
-            raise ConfigError("attention_bias is a llama/qwen3/gemma option")
+        if self.attention_bias and self.family not in ("llama", "qwen3", "qwen3_moe", "gemma2",
+                                                       "gemma3", "deepseek_v3"):
+            raise ConfigError("attention_bias is a llama/qwen3/gemma/deepseek_v3 option")
         if self.mlp_bias and self.family != "llama":
             raise ConfigError("mlp_bias is a llama option")
         if self.sliding_window is not None and self.family == "llama":
@@ -131,6 +151,19 @@ class TinySpec:
                                                           "decoder_sparse_step", "mlp_only_layers"}:
             raise ConfigError("mixtral: every layer is sparse, experts of intermediate_size, "
                               "always renormalized; only num_experts / num_experts_per_tok apply")
+        mla_opts = [f for f in _MLA_DEFAULTS if getattr(self, f) != _MLA_DEFAULTS[f]]
+        if self.family != "deepseek_v3" and mla_opts:
+            raise ConfigError(f"{', '.join(mla_opts)}: options of deepseek_v3")
+        if self.family == "deepseek_v3":
+            if set(moe_opts) & {"decoder_sparse_step", "mlp_only_layers"}:
+                raise ConfigError("deepseek_v3: sparse layers follow first_k_dense_replace")
+            if self.num_experts % self.n_group or self.num_experts // self.n_group < 2:
+                raise ConfigError("deepseek_v3: num_experts must be a multiple of n_group with "
+                                  ">= 2 experts per group")
+            if not 1 <= self.topk_group <= self.n_group or self.num_experts_per_tok > (
+                    self.topk_group * (self.num_experts // self.n_group)):
+                raise ConfigError("deepseek_v3: need 1 <= topk_group <= n_group and "
+                                  "num_experts_per_tok <= the experts of topk_group groups")
         if self.family in MOE_FAMILIES and not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ConfigError("tiny num_experts_per_tok must lie in [1, num_experts]")
         if not all(0 <= i < self.num_layers for i in self.mlp_only_layers):
@@ -144,8 +177,8 @@ class TinySpec:
 
     def key(self) -> str:
         d = asdict(self)
-        for f, default in _MOE_DEFAULTS.items():  # absent at their defaults: older keys hold
-            if d[f] == default:
+        for f, default in {**_MOE_DEFAULTS, **_MLA_DEFAULTS}.items():  # absent at their
+            if d[f] == default:  # defaults: older keys hold
                 del d[f]
         d["format"] = FORMAT_VERSION
         blob = json.dumps(d, sort_keys=True, default=str).encode()
@@ -155,6 +188,10 @@ class TinySpec:
 _MOE_DEFAULTS = {f: getattr(TinySpec, f) for f in (
     "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
     "decoder_sparse_step", "mlp_only_layers", "save_original_format")}
+_MLA_DEFAULTS = {f: getattr(TinySpec, f) for f in (
+    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    "rope_interleave", "first_k_dense_replace", "n_group", "topk_group", "n_shared_experts",
+    "routed_scaling_factor")}
 
 
 def default_cache_dir() -> str:
@@ -199,11 +236,23 @@ def hf_config_dict(spec: TinySpec) -> dict:
     elif spec.family == "mixtral":
         d.update(sliding_window=spec.sliding_window, num_local_experts=spec.num_experts,
                  num_experts_per_tok=spec.num_experts_per_tok)
+    elif spec.family == "deepseek_v3":
+        del d["head_dim"]  # transformers sets it to qk_rope_head_dim
+        d.update(num_key_value_heads=spec.num_heads, attention_bias=spec.attention_bias,
+                 q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank,
+                 qk_nope_head_dim=spec.qk_nope_head_dim, qk_rope_head_dim=spec.qk_rope_head_dim,
+                 v_head_dim=spec.v_head_dim, rope_interleave=spec.rope_interleave,
+                 n_routed_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+                 moe_intermediate_size=spec.moe_intermediate_size,
+                 norm_topk_prob=True if spec.norm_topk_prob is None else spec.norm_topk_prob,
+                 first_k_dense_replace=spec.first_k_dense_replace, n_group=spec.n_group,
+                 topk_group=spec.topk_group, n_shared_experts=spec.n_shared_experts,
+                 routed_scaling_factor=spec.routed_scaling_factor)
     elif spec.family == "qwen3_moe":
         d.update(attention_bias=spec.attention_bias, num_experts=spec.num_experts,
                  num_experts_per_tok=spec.num_experts_per_tok,
                  moe_intermediate_size=spec.moe_intermediate_size,
-                 norm_topk_prob=spec.norm_topk_prob, decoder_sparse_step=spec.decoder_sparse_step,
+                 norm_topk_prob=bool(spec.norm_topk_prob), decoder_sparse_step=spec.decoder_sparse_step,
                  mlp_only_layers=list(spec.mlp_only_layers),
                  use_sliding_window=spec.sliding_window is not None,
                  sliding_window=spec.sliding_window)
@@ -262,6 +311,18 @@ def _fill_weights(model, spec: TinySpec) -> None:
             p.copy_(vals.to(p.dtype))
 
 
+def _fill_correction_bias(model, spec: TinySpec) -> None:
+    """DeepSeek-V3's ``e_score_correction_bias`` buffers ~ N(0, 0.05), seeded per layer."""
+    import torch
+
+    gen = torch.Generator().manual_seed(spec.seed * 1000 + 977)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            bias = getattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias", None)
+            if bias is not None:
+                bias.copy_(torch.randn(bias.shape, generator=gen) * 0.05)
+
+
 def _spread_routing(model, tok) -> None:
     """Make the random routers of an MoE model route the corpus to all experts.
 
@@ -310,10 +371,12 @@ def _build(spec: TinySpec, out_dir: str) -> None:
     config = config_cls(**hf_config_dict(spec))
     model = model_cls(config)
     _fill_weights(model, spec)
-    tok = train_tokenizer(spec.vocab_size,
-                          add_bos=spec.family in ("llama", "mistral", "gemma2", "gemma3", "mixtral"))
+    tok = train_tokenizer(spec.vocab_size, add_bos=spec.family in (
+        "llama", "mistral", "gemma2", "gemma3", "mixtral", "deepseek_v3"))
     if tok.get_vocab_size() > spec.vocab_size:
         raise ConfigError(f"trained tokenizer has {tok.get_vocab_size()} tokens > vocab_size {spec.vocab_size}")
+    if spec.family == "deepseek_v3":
+        _fill_correction_bias(model, spec)
     if spec.family in MOE_FAMILIES:
         _spread_routing(model, tok)
     model = model.to(getattr(torch, spec.dtype))

@@ -136,11 +136,14 @@ def test_registry():
     from pagedkv.models.decoder import DecoderForCausalLM
     from pagedkv.models.gemma import GemmaForCausalLM
 
+    from pagedkv.models.deepseek_v3 import DeepseekV3ForCausalLM
     from pagedkv.models.moe_decoder import MoeForCausalLM
 
     assert set(supported_architectures()) == {
         "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-        "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"}
+        "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
+        "DeepseekV3ForCausalLM"}
+    assert get_model_class("DeepseekV3ForCausalLM") is DeepseekV3ForCausalLM
     assert get_model_class("Gemma3ForCausalLM") is GemmaForCausalLM
     assert get_model_class("MistralForCausalLM") is DecoderForCausalLM
     assert get_model_class("Qwen3MoeForCausalLM") is MoeForCausalLM
