@@ -27,7 +27,7 @@ border-left:3px solid #8ab} .small{color:#666;font-size:12px} .warn{color:#b00}
 code{font-size:12px}
 """
 
-_SCRIPT = """
+_SCRIPT = r"""
 const data = JSON.parse(document.getElementById('trace-data').textContent);
 const slider = document.getElementById('step');
 slider.max = data.steps.length - 1;
