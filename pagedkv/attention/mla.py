@@ -28,8 +28,10 @@ For query head ``h`` and a cached token ``t``, ``k_h(t) = [W_UK[h] c_t | k_pe_t]
   q_nope_h`` (``L`` wide), the scores are ``[ql_h | q_pe_h] . [c_t | k_pe_t]`` over the latent
   rows as they are (all heads read one "KV head"), the output ``W_UV[h] (sum_t p_t c_t)``.
 
-Backend: ``mla_torch_ref.TorchRefMLABackend`` (the reference, CPU and GPU).
-:func:`mla_backend_for` maps an engine's attention backend to its MLA counterpart.
+Backends: ``mla_torch_ref.TorchRefMLABackend`` (the reference, CPU and GPU) and
+``mla_triton_backend.TritonMLABackend`` (the Triton latent decode kernel, CUDA-graph safe
+decode steps). :func:`mla_backend_for` maps an engine's attention backend to its MLA
+counterpart.
 """
 
 from __future__ import annotations
@@ -168,8 +170,8 @@ class MLABackend(AttentionBackend):
 
 def mla_backend_for(backend: AttentionBackend) -> MLABackend:
     """The MLA counterpart of an engine's attention backend: an :class:`MLABackend` as it is;
-    the torch reference -> ``TorchRefMLABackend`` (same KV writer); the Triton backend -> the
-    reference as well, for now."""
+    the torch reference -> ``TorchRefMLABackend`` (same KV writer); the Triton backend ->
+    ``TritonMLABackend``."""
     if isinstance(backend, MLABackend):
         return backend
     from pagedkv.attention.torch_ref import TorchRefBackend
@@ -180,11 +182,9 @@ def mla_backend_for(backend: AttentionBackend) -> MLABackend:
 
         return TorchRefMLABackend(writer=backend.writer)
     if isinstance(backend, TritonAttentionBackend):
-        # no Triton latent kernel yet: the reference serves (its KV writer is the Triton
-        # kernel on CUDA)
-        from pagedkv.attention.mla_torch_ref import TorchRefMLABackend
+        from pagedkv.attention.mla_triton_backend import TritonMLABackend
 
-        return TorchRefMLABackend()
+        return TritonMLABackend()
     raise ConfigError(f"attention backend {type(backend).__name__} has no multi-head latent "
                       "attention variant; use 'torch_ref' or 'triton' (or an MLABackend)")
 

@@ -31,10 +31,11 @@ def _as_list(x) -> list[int]:
 
 
 def mla_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadataLike,
-                      scale: float, weights: MLAWeights, *, absorb: str = "decode") -> torch.Tensor:
+                      scale: float, weights: MLAWeights, *, absorb: str = "decode",
+                      skip_decode: bool = False) -> torch.Tensor:
     """``[T, H, v_head_dim]``: causal MLA of ``q [T, H, nope + rope]`` over each request's
-    latent rows in ``kv_cache [N, B, L + R]`` (read only). Rows past
-    ``metadata.num_actual_tokens``'s requests are zero."""
+    latent rows in ``kv_cache [N, B, L + R]`` (read only). Rows of no request are zero, and so
+    are the rows of single-token requests with ``skip_decode`` (another path serves them)."""
     if absorb not in ABSORB_RULES:
         raise ConfigError(f"unknown absorb rule {absorb!r}; use one of {', '.join(ABSORB_RULES)}")
     MLABackend.check_shapes(q, None, kv_cache, weights)
@@ -55,7 +56,7 @@ def mla_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, metadata: Attenti
     for r in range(n):
         start, end = qsl[r], qsl[r + 1]
         q_len, seq_len = end - start, seq_lens[r]
-        if q_len == 0:
+        if q_len == 0 or (skip_decode and q_len == 1):
             continue
         if q_len < 0 or seq_len < q_len:
             raise InvariantError("attention-lengths", "need 0 <= query_len <= seq_len",

@@ -7,88 +7,16 @@ the model's ``MLAttention`` layer through the paged cache against transformers'
 ``DeepseekV3Attention`` with the same weights (q LoRA or plain q_proj, interleaved or halves
 RoPE, YaRN with mscale, attention bias), chunk by chunk and token by token."""
 
-import random
-
 import pytest
 import torch
+from mla_helpers import MIXED, NOPE, D, R, V, Batch, H, L
 
 from pagedkv.attention.backend import AttentionBackend, AttentionPlan
 from pagedkv.attention.metadata import build_attention_metadata
-from pagedkv.attention.mla import (
-    MLAWeights,
-    allocate_mla_kv_caches,
-    mla_backend_for,
-    write_latent,
-)
+from pagedkv.attention.mla import MLAWeights, allocate_mla_kv_caches, mla_backend_for
 from pagedkv.attention.mla_torch_ref import TorchRefMLABackend, mla_attention_ref
 from pagedkv.attention.torch_ref import TorchRefBackend
 from pagedkv.errors import ConfigError, InvariantError
-
-H, L, R, NOPE, V = 4, 32, 8, 16, 12
-D = L + R
-
-
-def dense_mla(q, c, k_pe, kv_b, scale):
-    """float64 causal attention of one request: ``q [q_len, H, NOPE + R]`` (the last q_len
-    positions), ``c [S, L]``, ``k_pe [S, R]``; keys ``[W_UK c | k_pe]``, values ``W_UV c``."""
-    q, c, k_pe, kv_b = (t.double() for t in (q, c, k_pe, kv_b))
-    s, q_len = c.shape[0], q.shape[0]
-    kv = (c @ kv_b.T).view(s, H, NOPE + V)
-    k = torch.cat([kv[..., :NOPE], k_pe[:, None].expand(s, H, R)], dim=-1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    q_pos = torch.arange(s - q_len, s)
-    scores = scores.masked_fill(torch.arange(s)[None, :] > q_pos[:, None], float("-inf"))
-    return torch.einsum("hqk,khv->qhv", torch.softmax(scores, dim=-1), kv[..., NOPE:])
-
-
-class Batch:
-    """Requests ``(cached context, new tokens)``: context latents written beforehand, new
-    latents passed to the backend; each request owns shuffled blocks (never block 0)."""
-
-    def __init__(self, reqs, block_size, dtype=torch.float32, pad=0, seed=0):
-        gen = torch.Generator().manual_seed(seed)
-        self.reqs, self.block_size, self.dtype = reqs, block_size, dtype
-        lens = [c + n for c, n in reqs]
-        width = max(-(-s // block_size) for s in lens) + 1
-        num_blocks = sum(-(-s // block_size) for s in lens) + 3
-        free = list(range(1, num_blocks))
-        random.Random(seed).shuffle(free)
-        self.table = torch.zeros(len(reqs), width, dtype=torch.int32)
-        for r, s in enumerate(lens):
-            for j in range(-(-s // block_size)):
-                self.table[r, j] = free.pop()
-        self.unused = free
-        (self.cache,) = allocate_mla_kv_caches(1, num_blocks, block_size, D, dtype=dtype,
-                                               fill=float("nan"))
-        self.kv_b = torch.randn(H * (NOPE + V), L, generator=gen) * 0.3
-        self.weights = MLAWeights(self.kv_b.to(dtype), H, NOPE, R, V)
-        self.c = [torch.randn(s, L, generator=gen) for s in lens]
-        self.k_pe = [torch.randn(s, R, generator=gen) for s in lens]
-        self.q = [torch.randn(n, H, NOPE + R, generator=gen) for _, n in reqs]
-        self.scale = (NOPE + R) ** -0.5
-        ctx_slots, ctx_lat, new_slots, new_lat = [], [], [], []
-        for r, ((ctx, n), s) in enumerate(zip(reqs, lens)):
-            lat = torch.cat([self.c[r], self.k_pe[r]], dim=-1)
-            for p in range(s):
-                slot = int(self.table[r, p // block_size]) * block_size + p % block_size
-                (ctx_slots if p < ctx else new_slots).append(slot)
-                (ctx_lat if p < ctx else new_lat).append(lat[p])
-        if ctx_slots:
-            write_latent(torch.stack(ctx_lat).to(dtype), self.cache, torch.tensor(ctx_slots),
-                         writer="ref")
-        self.new_latent = torch.stack(new_lat + [torch.full((D,), 7.0)] * pad).to(dtype)
-        self.slots = torch.tensor(new_slots + [-1] * pad, dtype=torch.int64)
-        self.q_all = torch.cat(self.q + [torch.full((pad, H, NOPE + R), 3.0)]).to(dtype)
-        self.metadata = build_attention_metadata([n for _, n in reqs], lens, self.table, self.slots)
-        self.lens = lens
-
-    def expected(self) -> torch.Tensor:
-        return torch.cat([dense_mla(self.q[r].to(self.dtype), self.c[r].to(self.dtype),
-                                    self.k_pe[r].to(self.dtype), self.kv_b.to(self.dtype),
-                                    self.scale) for r in range(len(self.reqs))])
-
-
-MIXED = [(0, 5), (20, 1), (0, 1), (37, 9), (15, 17), (3, 1), (33, 1)]
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
