@@ -15,10 +15,16 @@ Multi-head latent attention (every layer an ``MLAAttentionSpec``, DeepSeek-V3): 
 per token (``num_kv_heads`` 1, no separate V; ``storage_block_size = block_size //
 compress_ratio`` states per block), so a block's bytes are the spec's ``page_size_bytes``.
 
-The slots must have one shape: every layer's spec must agree on block size, KV heads, head
-size and dtype (true for the families served: full / sliding-window layers of one head
-geometry, or MLA layers of one latent width). Other geometries (MLA's latent cache beside a
-full group, Mamba states) need per-group views of raw byte slots: ``ConfigError`` for now.
+When every layer's spec agrees on the tensor geometry (block size, KV heads, head size,
+dtype: the families served so far), each slot is one plain tensor of that shape. Groups of
+different geometries (an MLA latent cache beside a full-attention group, a sliding-window
+group of another head size, as DeepSeek-V4 and the trace's mixed groups have) share raw byte
+slots instead: slot ``j`` is ``num_blocks`` pages of ``P_j`` bytes (the largest page of the
+layers using it; smaller pages are padded), block-major, and each layer's tensor is a strided
+view of it in its own logical layout: ``[2, N, B, H, D]`` with K and V of block ``b`` both
+inside page ``b`` (strides ``(B*H*D, P_j, H*D, D, 1)`` in elements), or the MLA
+``[N, B, D]`` with block stride ``P_j``. A block id's bytes are thus the same page in every
+view, whichever group holds it. The kernels address caches through their strides.
 
 ``kv_block_bytes`` is the bytes one block id takes across all slots (what the engine sizes the
 pool by), ``kv_block_dim`` the block dimension of a slot's tensor (1 for ``[2, num_blocks,
@@ -86,9 +92,7 @@ def allocate_group_kv_caches(
                           f"{missing[:3]}, unknown {extra[:3]}")
     shapes = {_slot_layout(s) for s in specs.values()}
     if len(shapes) != 1:
-        raise ConfigError(
-            f"KV-cache groups of different page layouts {sorted(shapes, key=str)} need "
-            "per-group views of shared byte slots, which the runner does not build yet")
+        return _allocate_byte_slots(kv_cache_config, specs, layer_names, device, fill)
     kind, block_size, heads, head_size, v_size, dtype_name = shapes.pop()
     if kind == "kv" and v_size != head_size:
         raise ConfigError("K and V of different sizes need separate K/V tensors (not built yet)")
@@ -109,6 +113,46 @@ def allocate_group_kv_caches(
             t.fill_(fill)
         tensors.append(t)
     return [tensors[slots[name]] for name in layer_names]
+
+
+def _allocate_byte_slots(kv_cache_config: KVCacheConfig, specs: dict, layer_names, device,
+                         fill) -> list[torch.Tensor]:
+    """Mixed geometries: one raw block-major byte tensor per slot, a strided view per layer
+    (see the module docstring)."""
+    slots = layer_slots(kv_cache_config)
+    n = kv_cache_config.num_blocks
+    page: dict[int, int] = {}
+    for name, spec in specs.items():
+        page[slots[name]] = max(page.get(slots[name], 0), spec.page_size_bytes)
+    raws = {j: torch.zeros(n * pb, dtype=torch.uint8, device=device) for j, pb in page.items()}
+    views = {}
+    for name in layer_names:
+        spec, j = specs[name], slots[name]
+        kind, block_size, heads, head_size, v_size, dtype_name = _slot_layout(spec)
+        dtype = _TORCH_DTYPES.get(dtype_name)
+        if dtype is None:
+            raise ConfigError(f"KV-cache dtype {dtype_name!r} has no torch dtype here")
+        es = torch.empty((), dtype=dtype).element_size()
+        if page[j] % es:
+            raise ConfigError(f"layer {name!r}: a {page[j]}-byte page does not hold whole "
+                              f"{dtype_name} elements")
+        pe = page[j] // es
+        flat = raws[j].view(dtype)
+        if kind == "mla":
+            if heads != 1:
+                raise ConfigError(f"an MLA latent cache has one KV head, the spec has {heads}")
+            view = flat.as_strided((n, block_size, head_size), (pe, head_size, 1))
+        else:
+            if v_size != head_size:
+                raise ConfigError("K and V of different sizes need separate K/V tensors "
+                                  "(not built yet)")
+            plane = block_size * heads * head_size
+            view = flat.as_strided((2, n, block_size, heads, head_size),
+                                   (plane, pe, heads * head_size, head_size, 1))
+        if fill not in (None, 0.0):
+            view.fill_(fill)
+        views[name] = view
+    return [views[name] for name in layer_names]
 
 
 def _slot_layout(s: AttentionSpec) -> tuple:

@@ -250,8 +250,10 @@ class ModelRunner:
 
     @property
     def kv_cache_bytes(self) -> int:
-        """Bytes of the KV tensors (each shared tensor counted once)."""
-        return sum(t.numel() * t.element_size() for t in self._unique_kv_caches())
+        """Bytes of the KV memory (each shared tensor, or shared byte slot, counted once)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in self.kv_caches}
+        return sum(storages.values())
 
     def _unique_kv_caches(self) -> list[torch.Tensor]:
         return list({id(t): t for t in self.kv_caches}.values())

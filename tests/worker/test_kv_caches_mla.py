@@ -68,12 +68,15 @@ def test_full_attention_block_bytes_equal_the_k_plus_v_formula(hybrid):
     assert len({id(t) for t in caches}) == slots
 
 
-def test_mla_beside_full_attention_or_with_heads_is_refused():
+def test_mla_beside_full_attention_shares_byte_slots_and_heads_are_refused():
+    """An MLA latent group beside a full-attention group: one raw slot, a strided view per
+    layout (tests/worker/test_kv_caches_mixed.py checks the views never overlap)."""
     full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=40, dtype="float32")
     kv = KVCacheConfig(num_blocks=5, kv_cache_groups=(KVCacheGroupSpec(NAMES[:1], _mla()),
                                                        KVCacheGroupSpec(NAMES[1:2], full)))
-    with pytest.raises(ConfigError, match="different page layouts"):
-        allocate_group_kv_caches(kv, NAMES[:2], device="cpu")
+    mla_t, full_t = allocate_group_kv_caches(kv, NAMES[:2], device="cpu")
+    assert mla_t.dim() == 3 and full_t.shape == (2, 5, 16, 1, 40)
+    assert mla_t.untyped_storage().data_ptr() == full_t.untyped_storage().data_ptr()
     two = MLAAttentionSpec(block_size=16, num_kv_heads=2, head_size=40, dtype="float32")
     kv = KVCacheConfig(num_blocks=5, kv_cache_groups=(KVCacheGroupSpec(NAMES[:1], two),))
     with pytest.raises(ConfigError, match="one KV head"):
