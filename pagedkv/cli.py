@@ -125,7 +125,7 @@ def cmd_trace(args) -> int:
     from pagedkv.core.spec import KVCacheConfig
     from pagedkv.tools.index_driver import IndexLayerDriver
     from pagedkv.engine.llm_engine import resolve_device
-    from pagedkv.tools.workload import WorkloadSpec, fake_next_token, make_workload
+    from pagedkv.tools.workload import WorkloadSpec, make_workload
 
     if args.limit < 0:
         raise ConfigError(f"--limit must be >= 0, got {args.limit}")
@@ -148,7 +148,7 @@ def cmd_trace(args) -> int:
     vocab = spec.vocab_size
     cap = min(args.max_model_len, (args.num_blocks - 1) * args.block_size)
     workload = make_workload(spec, max_len=cap)
-    driver = IndexLayerDriver(kv, sc, cc, next_token=lambda r, p: fake_next_token(r, p, vocab),
+    driver = IndexLayerDriver(kv, sc, cc, vocab_size=vocab,
                               device=device, sanitize=args.sanitize)
     print(f"pagedkv trace: {args.requests} requests, {args.num_blocks} blocks x {args.block_size} "
           f"tokens, groups {args.groups}, device {device}, prefix caching "

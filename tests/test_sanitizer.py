@@ -17,7 +17,8 @@ def _driver():
     kv = KVCacheConfig(num_blocks=32, kv_cache_groups=[
         KVCacheGroupSpec(("l",), FullAttentionSpec(block_size=4))])
     sc = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
-    d = IndexLayerDriver(kv, sc, next_token=lambda r, p: (7 * p + len(r)) % 97, sanitize=True)
+    d = IndexLayerDriver(kv, sc, next_token=lambda t, p: (7 * p + t) % 97, vocab_size=97,
+                         sanitize=True)
     d.add_request("a", list(range(10)), max_tokens=8)
     d.add_request("b", list(range(100, 107)), max_tokens=8)
     d.step()

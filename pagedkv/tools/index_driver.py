@@ -1,10 +1,14 @@
-"""The index layer end to end, without a model: scheduler -> SchedulerOutput -> worker tables ->
-slot mappings and CSR page indices -> a fake model's tokens -> scheduler update.
+"""The index layer end to end with the engine's own parts and a model without weights:
+``Scheduler`` -> ``SchedulerOutput`` -> ``ModelRunner`` (the engine's runner: state update,
+one table commit, every group's slot mapping in one launch, per-group metadata, sampling) ->
+scheduler update, with :class:`~pagedkv.tools.fake_model.TraceModel` as the model.
 
-This is what ``pagedkv trace`` runs and what the property tests drive with the sanitizer on.
-The "model" is a function ``(request_id, position) -> token``; nothing reads KV data, so the
-driver exercises exactly the index layer: block allocation, prefix caching, chunked prefill,
-preemption, row operations, commits, slot mappings and page indices.
+This is what ``pagedkv trace`` runs and what the property tests drive with the sanitizer on
+(the engine's sanitizer hook: the runner's ``step_check``), so what it prints and checks is
+what the engine does. The model's tokens come from ``next_token(tokens, positions)``
+(vectorized); nothing reads KV data. Per step the driver records each group's block-table
+rows, slot mappings, the compressed slot mapping of compressed groups and CSR page indices
+(display), hits, preemptions and the pool.
 """
 
 from __future__ import annotations
@@ -23,11 +27,9 @@ from pagedkv.core.spec import KVCacheConfig, SlotMappingMode
 from pagedkv.kernels.compressed_slot_mapping import compute_compressed_slot_mapping
 from pagedkv.kernels.page_indices import build_page_indices
 from pagedkv.sanitizer import check_pool, check_step
-from pagedkv.worker.input_batch import CachedRequestState, InputBatch
-from pagedkv.worker.inputs import InputPreparer, StepInputs
-from pagedkv.worker.state_update import record_sampled_tokens, update_states
-
-NextToken = Callable[[str, int], int]
+from pagedkv.tools.fake_model import NextTokens, TraceModel
+from pagedkv.worker.inputs import StepInputs
+from pagedkv.worker.model_runner import ModelRunner
 
 
 @dataclass
@@ -67,35 +69,32 @@ class IndexLayerDriver:
         kv_cache_config: KVCacheConfig,
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig | None = None,
-        next_token: NextToken | None = None,
+        next_token: NextTokens | None = None,
         device: str | torch.device = "cpu",
         sanitize: bool = False,
         build_csr: bool = True,
+        vocab_size: int = 1000,
     ) -> None:
         self.scheduler = Scheduler(scheduler_config, kv_cache_config, cache_config)
         self.kv_cache_config = self.scheduler.kv_cache_config
         self.specs = [g.kv_cache_spec for g in self.kv_cache_config.kv_cache_groups]
         self.device = torch.device(device)
         sc = scheduler_config
-        self.batch = InputBatch(
-            max_num_reqs=sc.max_num_seqs,
-            max_model_len=sc.max_model_len,
-            max_num_batched_tokens=sc.max_num_batched_tokens,
-            device=self.device,
-            pin_memory=self.device.type == "cuda",
-            block_sizes=[s.block_size for s in self.specs],
-            max_num_blocks_per_req=[s.max_num_blocks_per_req(sc.max_model_len) for s in self.specs],
-            slot_mapping_modes=[s.slot_mapping_mode for s in self.specs],
-        )
-        self.states: dict[str, CachedRequestState] = {}
-        self.preparer = InputPreparer.for_batch(self.batch)
-        self.next_token = next_token or (lambda rid, pos: 0)
+        self.model = TraceModel(self.kv_cache_config.kv_cache_groups, vocab_size, next_token,
+                                self.device)
+        cc = cache_config or CacheConfig(block_size=self.specs[0].block_size,
+                                         num_gpu_blocks=self.kv_cache_config.num_blocks)
+        self.runner = ModelRunner(self.model,
+                                  self.model.kv_cache_config(self.kv_cache_config.num_blocks),
+                                  sc, cc, device=self.device, enforce_eager=True)
+        self.runner.step_check = self._on_step_inputs
         self.sanitize = sanitize
         # StepRecord.cached_blocks is filled when this is set (the trace page shows them)
         self.record_cached = False
         self.step_index = 0
         # The last prepared step's inputs (views of persistent buffers; valid until next step).
         self.last_step_inputs: StepInputs | None = None
+        self._step_inputs: StepInputs | None = None
         self._csr = None
         if build_csr:
             bt = self.batch.block_table
@@ -129,36 +128,47 @@ class IndexLayerDriver:
     def has_requests(self) -> bool:
         return self.scheduler.has_requests()
 
+    @property
+    def batch(self):
+        """The runner's persistent batch."""
+        return self.runner.input_batch
+
+    @property
+    def preparer(self):
+        """The runner's input preparer."""
+        return self.runner.preparer
+
+    @property
+    def states(self) -> dict:
+        """The runner's request states."""
+        return self.runner.requests
+
+    def _on_step_inputs(self, step: StepInputs) -> None:
+        """The runner's hook after input preparation (before the forward pass)."""
+        self._step_inputs = step
+        if self.sanitize:
+            check_pool(self.scheduler.kv_cache_manager)
+            check_step(self.scheduler.kv_cache_manager, self.runner.input_batch, step)
+
     # ----- one step ------------------------------------------------------------------------
     def step(self) -> StepRecord:
         sched = self.scheduler
         so = sched.schedule()
-        update_states(self.states, self.batch, so)
+        self._step_inputs = None
+        mro = self.runner.execute_model(so)
         batch = self.batch
         num_reqs = batch.num_reqs
-        step_inputs: StepInputs | None = None
+        step_inputs = self._step_inputs
         groups: list[GroupIndices] = []
         sampled: dict[str, list[int]] = {}
-        if so.total_num_scheduled_tokens > 0:
-            step_inputs = self.preparer.prepare(batch, so.num_scheduled_tokens)
+        if step_inputs is not None:
             self.last_step_inputs = step_inputs
-            if self.sanitize:
-                check_pool(sched.kv_cache_manager)
-                check_step(sched.kv_cache_manager, batch, step_inputs)
             groups = self._group_indices(step_inputs)
-            # The fake model samples a token for every row whose prompt is now complete.
-            nsched = step_inputs.num_scheduled_tokens
-            for row in range(num_reqs):
-                rid = batch.req_ids[row]
-                st = self.states[rid]
-                if st.num_computed_tokens + int(nsched[row]) >= st.num_tokens:
-                    sampled[rid] = [self.next_token(rid, st.num_tokens)]
-                else:
-                    sampled[rid] = []
-            record_sampled_tokens(self.states, batch, sampled)
+            for rid, i in mro.req_id_to_index.items():
+                sampled[rid] = list(mro.sampled_token_ids[i])
         elif self.sanitize:
             check_pool(sched.kv_cache_manager)
-        out = sched.update_from_output(so, ModelRunnerOutput.from_sampled(sampled))
+        out = sched.update_from_output(so, mro)
         if self.sanitize:
             check_pool(sched.kv_cache_manager)
 

@@ -44,6 +44,7 @@ from pagedkv.core.spec import (
     KVCacheConfig,
     KVCacheGroupSpec,
     MLAAttentionSpec,
+    SlidingWindowMLASpec,
     UniformTypeKVCacheSpecs,
 )
 from pagedkv.errors import ConfigError
@@ -159,7 +160,7 @@ def _slot_layout(s: AttentionSpec) -> tuple:
     """``(kind, block dimension length, heads, head size, V size, dtype)`` of a spec's tensor:
     kind "mla" (``[N, storage_block_size, head_size]``, one latent per token) or "kv"
     (``[2, N, block_size, heads, head_size]``)."""
-    if isinstance(s, MLAAttentionSpec):
+    if isinstance(s, (MLAAttentionSpec, SlidingWindowMLASpec)):  # one latent per token
         return ("mla", s.storage_block_size, s.num_kv_heads, s.head_size, s.head_size, s.dtype)
     return ("kv", s.block_size, s.num_kv_heads, s.head_size, s.v_size, s.dtype)
 

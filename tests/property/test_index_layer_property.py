@@ -21,7 +21,7 @@ from pagedkv.core.spec import (
     SlidingWindowSpec,
 )
 from pagedkv.tools.index_driver import IndexLayerDriver
-from pagedkv.tools.workload import WorkloadSpec, fake_next_token, make_workload
+from pagedkv.tools.workload import WorkloadSpec, make_workload
 
 
 @st.composite
@@ -61,7 +61,7 @@ def test_random_schedules_keep_every_invariant(engine, seed, n, share, abort_p):
                         tail_len=(1, max(1, cap // 2)), max_tokens=(1, 24), arrival_rate=1.5,
                         vocab_size=500, seed=seed)
     workload = make_workload(spec, max_len=cap)
-    driver = IndexLayerDriver(kv, sc, cc, next_token=lambda r, p: fake_next_token(r, p, 500),
+    driver = IndexLayerDriver(kv, sc, cc, vocab_size=500,
                               sanitize=True)
     rng = random.Random(seed)
     aborted = set()
@@ -86,7 +86,7 @@ def test_sanitized_trace_with_preemption_and_prefix_hits():
     sc = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=192)
     spec = WorkloadSpec(num_requests=6, shared_prefix_ratio=1.0, num_prefixes=1, prefix_len=40,
                         tail_len=(4, 24), max_tokens=(30, 60), arrival_rate=0.0, seed=3)
-    driver = IndexLayerDriver(kv, sc, next_token=lambda r, p: fake_next_token(r, p, 1000),
+    driver = IndexLayerDriver(kv, sc, vocab_size=1000,
                               sanitize=True)
     driver.run(make_workload(spec, max_len=160))
     s = driver.summary()

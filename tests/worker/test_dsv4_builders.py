@@ -14,7 +14,7 @@ import torch
 from pagedkv.config import SchedulerConfig
 from pagedkv.core.spec import KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec, SlidingWindowMLASpec
 from pagedkv.tools.index_driver import IndexLayerDriver
-from pagedkv.tools.workload import WorkloadSpec, fake_next_token, make_workload
+from pagedkv.tools.workload import WorkloadSpec, make_workload
 from pagedkv.errors import ConfigError
 from pagedkv.worker.dsv4_builders import CompressedMLAMetadataBuilder, SlidingWindowMLAMetadataBuilder
 from pagedkv.worker.metadata import build_attention_metadata, common_metadata_from_inputs, make_attention_groups
@@ -54,7 +54,7 @@ def _expected(driver, step):
 def test_dsv4_channels_every_step():
     kv = _config()
     sc = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=48, max_model_len=256)
-    driver = IndexLayerDriver(kv, sc, next_token=lambda r, p: fake_next_token(r, p, 500), sanitize=True)
+    driver = IndexLayerDriver(kv, sc, vocab_size=500, sanitize=True)
     groups = make_attention_groups(
         driver.kv_cache_config,
         [CompressedMLAMetadataBuilder, CompressedMLAMetadataBuilder, SlidingWindowMLAMetadataBuilder],
@@ -90,7 +90,7 @@ def test_dsv4_channels_every_step():
 def test_indexer_topk_translation():
     kv = _config()
     sc = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=256)
-    driver = IndexLayerDriver(kv, sc, next_token=lambda r, p: 1)
+    driver = IndexLayerDriver(kv, sc, next_token=lambda t, p: torch.ones_like(t))
     driver.add_request("a", list(range(40)), max_tokens=4)
     driver.step()
     step = driver.last_step_inputs
