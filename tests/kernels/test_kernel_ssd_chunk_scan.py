@@ -109,7 +109,7 @@ def test_kernel_equals_twin_options(kernel_device, options):
     no_d, no_bias = options.pop("no_d", False), options.pop("no_bias", False)
     lens = [20, 0, 37]
     state, x, dt, dt_bias, A, B, C, D, qsl, idx, init = _case(
-        kernel_device, torch.float32, lens, 3, 5, 12, 1, 3, init=[True, True, False])
+        kernel_device, torch.float32, lens, 3, 40, 12, 1, 3, init=[True, True, False])
     if no_d:
         D = None
     if no_bias:
