@@ -50,6 +50,7 @@ from pagedkv.engine.heap import freeze_after_startup
 from pagedkv.engine.memory import (
     CUDA_GRAPH_RESERVE_BYTES,
     KVCacheSizing,
+    group_capacity,
     check_pool,
     kv_bytes_held_by_other_engines,
     register_engine,
@@ -834,6 +835,9 @@ def build_engine(
             sizing = dataclasses.replace(sizing, max_model_len=max_model_len)
         check_pool(sizing.num_blocks, block_size, max_model_len, sizing.source)
     kv = KVCacheConfig(num_blocks=sizing.num_blocks, kv_cache_groups=groups)
+    if len(groups) > 1:  # the pool's capacity per group (a request holds blocks in each)
+        sizing = dataclasses.replace(sizing, groups=group_capacity(
+            kv, max_model_len, max_num_batched_tokens, block_size))
     cc = CacheConfig(block_size=block_size, num_gpu_blocks=sizing.num_blocks,
                      enable_prefix_caching=enable_prefix_caching,
                      gpu_memory_utilization=gpu_memory_utilization)

@@ -93,6 +93,9 @@ class KVCacheSizing:
     peak_activation_bytes: int | None = None
     total_device_bytes: int | None = None
     used_device_bytes: int | None = None
+    # per KV-cache group (``group_capacity``): what one max-length request holds in it;
+    # empty: one full-attention group
+    groups: tuple = ()
 
     @property
     def num_usable_blocks(self) -> int:
@@ -108,14 +111,24 @@ class KVCacheSizing:
         return self.num_blocks * self.bytes_per_block
 
     @property
+    def blocks_per_request(self) -> int:
+        """Blocks one ``max_model_len`` request holds at most, over all groups (the groups
+        share the pool)."""
+        if self.groups:
+            return sum(g["blocks_per_request"] for g in self.groups)
+        return cdiv(self.max_model_len, self.block_size)
+
+    @property
     def max_concurrency(self) -> float:
         """How many ``max_model_len`` sequences fit at once."""
-        return self.num_usable_blocks / cdiv(self.max_model_len, self.block_size)
+        return self.num_usable_blocks / self.blocks_per_request
 
     def as_dict(self) -> dict:
         d = asdict(self)
         d.update(num_usable_blocks=self.num_usable_blocks, token_capacity=self.token_capacity,
-                 kv_cache_bytes=self.kv_cache_bytes, max_concurrency=self.max_concurrency)
+                 kv_cache_bytes=self.kv_cache_bytes, max_concurrency=self.max_concurrency,
+                 blocks_per_request=self.blocks_per_request)
+        d["groups"] = [dict(g) for g in self.groups]
         return d
 
     def describe(self) -> str:
@@ -123,8 +136,51 @@ class KVCacheSizing:
             f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens "
             f"({self.kv_cache_bytes / GiB:.2f} GiB, {self.token_capacity} tokens, "
             f"max concurrency {self.max_concurrency:.2f} at max_model_len {self.max_model_len}; "
-            f"sized by {self.source})"
+            f"sized by {self.source})" + self._describe_groups()
         )
+
+    def _describe_groups(self) -> str:
+        if len(self.groups) < 2:
+            return ""
+        parts = [f"group {g['group']} {g['kind']} ({g['num_layers']} layers): "
+                 f"{g['blocks_per_request']} blocks per request" for g in self.groups]
+        return "; " + ", ".join(parts)
+
+
+def group_capacity(kv_cache_config, max_model_len: int, max_num_batched_tokens: int,
+                   block_size: int) -> tuple[dict, ...]:
+    """Per KV-cache group: its kind, layers, and the blocks one ``max_model_len`` request holds
+    in it at most (full attention: every block of the context; a sliding window ``W``: the
+    blocks of ``W - 1`` tokens plus a step's tokens, plus one, as the admission reservation
+    counts them; chunked-local: a chunk plus a step's tokens, plus one; state groups: one)."""
+    from pagedkv.core.spec import (
+        ChunkedLocalAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    out = []
+    for gid, g in enumerate(kv_cache_config.kv_cache_groups):
+        spec = g.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            spec = next(iter(dict(spec.specs).values()))
+        b = spec.block_size
+        if isinstance(spec, SlidingWindowSpec):
+            kind = f"sliding_window {spec.sliding_window}"
+            need = cdiv(min(spec.sliding_window - 1 + max_num_batched_tokens, max_model_len), b) + 1
+        elif isinstance(spec, ChunkedLocalAttentionSpec):
+            kind = f"chunked_local {spec.attention_chunk_size}"
+            need = cdiv(min(spec.attention_chunk_size + max_num_batched_tokens, max_model_len), b) + 1
+        elif isinstance(spec, MambaSpec):
+            kind, need = "mamba", 1
+        else:
+            kind = "mla" if isinstance(spec, MLAAttentionSpec) else "full"
+            need = cdiv(max_model_len, b)
+        out.append(dict(group=gid, kind=kind, num_layers=len(g.layer_names), block_size=b,
+                        blocks_per_request=min(need, cdiv(max_model_len, b))))
+    return tuple(out)
 
 
 def blocks_from_bytes(budget: int, bytes_per_block: int) -> int:

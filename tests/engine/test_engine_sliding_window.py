@@ -113,3 +113,23 @@ def test_specs_follow_transformers_layer_rules(tiny_dir):
     assert isinstance(specs["model.layers.0.self_attn"], FullAttentionSpec)
     assert specs["model.layers.1.self_attn"] == SlidingWindowSpec(
         block_size=16, num_kv_heads=2, head_size=16, dtype="float32", sliding_window=W)
+
+
+def test_capacity_is_reported_per_group(tiny_dir):
+    """A hybrid pool reports per group the blocks one max-length request holds (full: the
+    whole context; a window W: W - 1 + a step's tokens, plus one), and the concurrency over
+    their sum: the groups share the pool."""
+    from pagedkv.core.spec import cdiv
+
+    path = tiny_dir("gemma2", sliding_window=16)
+    llm = make_llm(path, max_model_len=256, max_num_batched_tokens=64, block_size=16)
+    s = llm.kv_cache_sizing
+    kinds = {g["kind"]: g for g in s.groups}
+    assert set(kinds) == {"full", "sliding_window 16"}
+    assert kinds["full"]["blocks_per_request"] == 256 // 16
+    assert kinds["sliding_window 16"]["blocks_per_request"] == cdiv(15 + 64, 16) + 1
+    assert s.blocks_per_request == 16 + 6
+    assert s.max_concurrency == s.num_usable_blocks / 22
+    text = s.describe()
+    assert "group 0" in text and "blocks per request" in text
+    assert s.as_dict()["groups"][0]["num_layers"] >= 1
