@@ -171,13 +171,14 @@ def test_disconnect_frees_blocks_in_the_engine_process(live):
 
 
 def test_load_with_disconnects(live, ref):
-    """80 streamed requests from 16 concurrent clients, a quarter disconnecting mid-stream:
-    every completed one is correct, nothing is held afterwards, the metrics add up."""
+    """200 streamed requests from 32 concurrent clients, a quarter disconnecting mid-stream (the
+    issue's load test, against the default engine-process server): every completed one is
+    correct, nothing is held afterwards, no step failed, the metrics add up."""
     rng = random.Random(7)
-    jobs = [(rng.choice(PROMPTS), rng.randint(4, 24), rng.random() < 0.25) for _ in range(80)]
+    jobs = [(rng.choice(PROMPTS), rng.randint(4, 24), rng.random() < 0.25) for _ in range(200)]
     wants = {(p, n): _expected(ref, p, max_tokens=n, temperature=0, ignore_eos=True).text
              for p, n, _ in jobs}
-    sem = asyncio.Semaphore(16)
+    sem = asyncio.Semaphore(32)
 
     async def one(http, prompt, n, drop):
         async with sem:
@@ -203,7 +204,7 @@ def test_load_with_disconnects(live, ref):
     before = httpx.get(live.url + "/metrics").text
     results = asyncio.run(main())
     done = [(j, t) for j, t in zip(jobs, results) if t is not None]
-    assert len(done) >= 50
+    assert len(done) >= 120
     for (p, n, _), text in done:
         assert text == wants[(p, n)]
     assert live.idle()
