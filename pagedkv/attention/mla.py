@@ -36,6 +36,8 @@ counterpart.
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import torch
 
 from pagedkv.attention.backend import AttentionBackend, AttentionPlan
@@ -148,11 +150,12 @@ class MLABackend(AttentionBackend):
 
     name = "mla"
 
+    @abstractmethod
     def forward(self, layer_idx: int, q: torch.Tensor, latent: torch.Tensor | None,
                 kv_cache: torch.Tensor, plan: AttentionPlan, scale: float,
                 weights: MLAWeights) -> torch.Tensor:  # type: ignore[override]
-        """Write ``latent`` at the plan's slot mapping, return ``[T, H, v_head_dim]``."""
-        raise NotImplementedError
+        """Write ``latent`` at the plan's slot mapping, return ``[T, H, v_head_dim]``
+        (``TorchRefMLABackend``, ``TritonMLABackend``)."""
 
     @staticmethod
     def check_shapes(q: torch.Tensor, latent: torch.Tensor | None, kv_cache: torch.Tensor,
