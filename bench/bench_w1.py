@@ -72,6 +72,22 @@ def build_pagedkv(args) -> tuple[LLM, str]:
     return LLM.from_shape(args.shape, **kw), f"{args.shape} (random weights)"
 
 
+def hf_config_from_shape(name: str):
+    """transformers' config of a named shape whose family has its own config class (Gemma 3,
+    DeepSeek-V3, MoE: the shape dict is that class's ``to_dict``); None for the dense Llama-like
+    shapes (built through the tiny-checkpoint spec)."""
+    import transformers
+
+    from pagedkv.models.config import shape_config, shape_config_dict
+
+    if shape_config(name).family in ("llama", "qwen2", "qwen3", "mistral"):
+        return None
+    raw = shape_config_dict(name)
+    raw.pop("architectures", None)
+    raw.pop("dtype", None)
+    return transformers.AutoConfig.for_model(raw.pop("model_type"), **raw)
+
+
 def hf_model(args):
     import transformers
 
@@ -79,6 +95,12 @@ def hf_model(args):
     if args.model:
         model = transformers.AutoModelForCausalLM.from_pretrained(
             args.model, dtype=dtype, attn_implementation="sdpa").cuda().eval()
+    elif hf_config_from_shape(args.shape) is not None:  # families with their own config
+        config = hf_config_from_shape(args.shape)
+        config.dtype = dtype
+        config._attn_implementation = "sdpa"
+        with torch.device("cuda"):
+            model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
     else:
         from pagedkv.models.tiny import FAMILY_ARCHITECTURES, hf_config_dict, shape_spec_options, tiny_spec
 

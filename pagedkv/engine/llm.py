@@ -145,16 +145,17 @@ class LLM:
         gives it a word-level one over its vocabulary (``t0 t1 ...``: text to stream, e.g. for
         ``pagedkv serve --shape``), or pass a ``Tokenizer``."""
         from pagedkv.models.config import shape_config
-        from pagedkv.models.decoder import DecoderForCausalLM
         from pagedkv.models.loader import resolve_dtype
+        from pagedkv.models.registry import get_model_class
 
         cfg = shape_config(shape)
         dev = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, cfg)
         backend = make_attention_backend(attention_backend, dev)
-        model = DecoderForCausalLM(cfg, backend=backend, dtype=torch_dtype, device=dev)
+        model = get_model_class(cfg.architecture)(cfg, backend=backend, dtype=torch_dtype,
+                                                  device=dev)
         ec = EngineConfig.from_options(**engine_options)
-        model.init_random_weights(ec.seed).eval()
+        model.init_random_weights(ec.seed).finish_loading().eval()
         if isinstance(tokenizer, str):
             if tokenizer != "synthetic":
                 raise ConfigError(f"from_shape: tokenizer must be None, 'synthetic' or a "

@@ -1001,6 +1001,133 @@ SHAPES: dict[str, dict] = {
         "eos_token_id": 2,
         "dtype": "bfloat16",
     },
+    # Gemma-3-1B's dimensions (transformers' Gemma3TextConfig with the published sizes: 26
+    # layers, 5 local : 1 global, window 512, local / global RoPE bases 1e4 / 1e6).
+    "gemma-3-1b": {
+        "architectures": [
+            "Gemma3ForCausalLM"
+        ],
+        "dtype": "bfloat16",
+        "vocab_size": 262144,
+        "hidden_size": 1152,
+        "intermediate_size": 6912,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 32768,
+        "initializer_range": 0.02,
+        "rms_norm_eps": 1e-06,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "bos_token_id": 2,
+        "tie_word_embeddings": True,
+        "rope_parameters": {
+            "sliding_attention": {
+                "rope_type": "default",
+                "rope_theta": 10000.0
+            },
+            "full_attention": {
+                "rope_type": "default",
+                "rope_theta": 1000000.0
+            }
+        },
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 512,
+        "layer_types": [
+            "sliding_attention",
+            "sliding_attention",
+            "sliding_attention",
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+            "sliding_attention",
+            "sliding_attention",
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+            "sliding_attention",
+            "sliding_attention",
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+            "sliding_attention",
+            "sliding_attention",
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+            "sliding_attention"
+        ],
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "use_bidirectional_attention": False,
+        "model_type": "gemma3_text"
+    },
+    # DeepSeek-V2-Lite's dimensions (27 layers, hidden 2048, 16 heads, kv_lora_rank 512 + rope
+    # 64, no q LoRA, 64 routed experts (6 per token) + 2 shared, first layer dense, YaRN x40)
+    # on the DeepSeek-V3 architecture pagedkv implements: V3's sigmoid routing with correction
+    # bias instead of V2's softmax top-k (same FLOPs and bytes per token).
+    "deepseek-v2-lite": {
+        "architectures": [
+            "DeepseekV3ForCausalLM"
+        ],
+        "dtype": "bfloat16",
+        "vocab_size": 102400,
+        "hidden_size": 2048,
+        "intermediate_size": 10944,
+        "moe_intermediate_size": 1408,
+        "num_hidden_layers": 27,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "n_shared_experts": 2,
+        "n_routed_experts": 64,
+        "output_router_logits": False,
+        "routed_scaling_factor": 1.0,
+        "kv_lora_rank": 512,
+        "q_lora_rank": None,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "qk_nope_head_dim": 128,
+        "n_group": 1,
+        "topk_group": 1,
+        "num_experts_per_tok": 6,
+        "first_k_dense_replace": 1,
+        "norm_topk_prob": False,
+        "hidden_act": "silu",
+        "max_position_embeddings": 163840,
+        "initializer_range": 0.02,
+        "rms_norm_eps": 1e-06,
+        "pad_token_id": None,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pretraining_tp": 1,
+        "tie_word_embeddings": False,
+        "rope_parameters": {
+            "type": "yarn",
+            "factor": 40,
+            "original_max_position_embeddings": 4096,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "rope_theta": 10000,
+            "rope_type": "yarn"
+        },
+        "rope_interleave": True,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "num_nextn_predict_layers": 1,
+        "qk_head_dim": 192,
+        "head_dim": 64,
+        "model_type": "deepseek_v3"
+    },
 }
 
 
