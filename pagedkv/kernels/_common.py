@@ -161,3 +161,26 @@ def fill_pad_tail(out_ptr, qsl_ptr, num_reqs, num_tokens, length, r, s, num_row_
         t = t0 + lanes
         tl.store(out_ptr + t, tl.full([PAD], -1, tl.int64), mask=t < length)
         t0 += step
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference-side helpers of the state kernels (causal conv1d, SSM scans, gated delta rule).
+
+
+def varlen_state_rows(query_start_loc: torch.Tensor, state_indices: torch.Tensor,
+                      has_initial_state: torch.Tensor):
+    """The rows of a varlen state batch, for torch twins (host reads: never in a launcher):
+    ``(row, slot, start, end, init)`` for every row whose state index is not ``PAD_SLOT_ID``
+    (tokens ``start:end``, ``init``: continue from the slot)."""
+    qsl = query_start_loc.tolist()
+    init = has_initial_state.tolist()
+    for b, slot in enumerate(state_indices.tolist()):
+        if slot != PAD_SLOT_ID:
+            yield b, slot, qsl[b], qsl[b + 1], bool(init[b])
+
+
+def start_state(state: torch.Tensor, slot: int, init: bool) -> torch.Tensor:
+    """A sequence's state before its tokens, in float32: the slot's (``init``) or zeros."""
+    if init:
+        return state[slot].float()
+    return torch.zeros(state.shape[1:], dtype=torch.float32, device=state.device)

@@ -50,3 +50,59 @@ def random_batch(gen: torch.Generator, num_reqs: int, max_q: int, *, max_prefix:
 def random_table(gen: torch.Generator, rows: int, width: int, num_blocks: int = 1000):
     """int32 block table with distinct-ish random ids in [1, num_blocks)."""
     return torch.randint(1, num_blocks, (rows, width), generator=gen, dtype=torch.int32)
+
+
+def varlen_state_batch(gen: torch.Generator, lens, slots: int, *, pad=(), init=None):
+    """A varlen batch of state rows: ``(query_start_loc int32 [N+1], state_indices int32 [N],
+    has_initial_state bool [N])`` for sequences of ``lens`` tokens; distinct random slots in
+    ``[0, slots)``, -1 for the rows in ``pad``; ``init`` random unless given."""
+    n = len(lens)
+    qsl = torch.tensor([0] + torch.tensor(list(lens), dtype=torch.int64).cumsum(0).tolist(),
+                       dtype=torch.int32)
+    perm = torch.randperm(slots, generator=gen)[:n].tolist()
+    idx = torch.tensor([-1 if i in pad else perm[i] for i in range(n)], dtype=torch.int32)
+    if init is None:
+        init = torch.rand(n, generator=gen) < 0.5
+    if not isinstance(init, torch.Tensor):
+        init = torch.tensor(init, dtype=torch.bool)
+    return qsl, idx, init
+
+
+def prefill_pieces(qsl: torch.Tensor, lens, cuts):
+    """A chunked prefill of the sequences of ``lens`` tokens (packed at ``qsl``) cut at the
+    token offsets ``cuts``: per piece ``(index, token rows [M] int64, sub query_start_loc
+    int32 [N+1])`` on ``qsl``'s device (a sequence shorter than a cut has 0 tokens there)."""
+    q = qsl.tolist()
+    bounds = [0, *cuts, max(lens)]
+    for piece, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        rows, sub_lens = [], []
+        for b, n in enumerate(lens):
+            a, e = min(lo, n), min(hi, n)
+            rows.append(torch.arange(q[b] + a, q[b] + e, device=qsl.device))
+            sub_lens.append(e - a)
+        sub_qsl = torch.tensor([0] + torch.tensor(sub_lens).cumsum(0).tolist(),
+                               dtype=torch.int32, device=qsl.device)
+        yield piece, torch.cat(rows), sub_qsl
+
+
+def check_state_rows(state_before, state_after, out, qsl, idx):
+    """After a state kernel on NaN-poisoned outputs: slots no row names are unchanged, the
+    tokens of PAD_SLOT_ID rows still NaN, every other row's tokens written (no NaN)."""
+    used = {i for i in idx.tolist() if i >= 0}
+    for s in range(state_before.shape[0]):
+        if s not in used:
+            assert torch.equal(state_after[s], state_before[s]), f"slot {s} was touched"
+    q = qsl.tolist()
+    for b, i in enumerate(idx.tolist()):
+        rows = out[q[b]:q[b + 1]]
+        if i < 0:
+            assert torch.isnan(rows).all(), f"padded row {b}'s outputs were written"
+        else:
+            assert not torch.isnan(rows).any(), f"row {b}'s outputs are not all written"
+
+
+def rel_close(got, want, tol: float, what: str) -> None:
+    """The largest difference within ``tol`` of the largest ``|want|`` (GPU bf16 checks)."""
+    scale = want.float().abs().max().clamp_min(1e-6)
+    err = (got.float() - want.float()).abs().max() / scale
+    assert err < tol, f"{what}: max error {float(err):.3g} of the largest value"
