@@ -8,6 +8,8 @@
   ``UniformTypeKVCacheSpecs`` is replaced by one of its member specs.
 * ``resolve_kv_cache_block_sizes``: the scheduler block size and the prefix-cache hash
   block size.
+* ``hybrid_state_specs``: a state-space hybrid's specs as served (Mamba mode and block
+  size, attention block size raised to hold a state page, state pages padded).
 
 Pure Python (control plane).
 """
@@ -110,6 +112,69 @@ def _merge_group_spec(layer_names: Sequence[str], specs: Mapping[str, KVCacheSpe
     return UniformTypeKVCacheSpecs(
         block_size=first.block_size, specs=tuple((n, specs[n]) for n in layer_names)
     )
+
+
+# Attention block sizes of hybrid state models are multiples of this (vLLM's kernel alignment).
+STATE_HYBRID_BLOCK_ALIGNMENT = 16
+
+
+def hybrid_state_specs(
+    per_layer_specs: Mapping[str, KVCacheSpec],
+    *,
+    block_size: int,
+    max_model_len: int,
+    enable_prefix_caching: bool,
+    mamba_block_size: int | None = None,
+    alignment: int = STATE_HYBRID_BLOCK_ALIGNMENT,
+) -> tuple[dict[str, KVCacheSpec], int]:
+    """A state-space hybrid's per-layer specs as the engine serves them, and the attention
+    block size: ``(specs, attention_block_size)``; specs without a ``MambaSpec`` come back as
+    they are (with ``block_size``).
+
+    As vLLM's hybrid allocator lays out Mamba hybrids:
+
+    * mode: prefix caching on -> ``align`` (a state checkpoint per block), off -> ``none``
+      (one block holds the request's whole state);
+    * the attention block size grows to the smallest multiple of ``alignment`` whose page
+      holds the largest state page (``block_size`` when that is already enough), so one block
+      id's page serves either kind;
+    * each ``MambaSpec`` takes block size ``max_model_len`` (``none``) or the attention block
+      size (``align``, unless ``mamba_block_size`` is given), and its page is padded to the
+      largest attention page (``page_size_padded``).
+
+    Raises ``ConfigError`` for a model made of state layers only (no attention page to match).
+    """
+    _validate_specs(per_layer_specs)
+    states = {n: s for n, s in per_layer_specs.items() if isinstance(s, MambaSpec)}
+    if not states:
+        return dict(per_layer_specs), block_size
+    attn = {n: s for n, s in per_layer_specs.items() if not isinstance(s, MambaSpec)}
+    if not attn:
+        raise ConfigError("a model of state layers only has no attention page to size the "
+                          "pool's blocks by; pagedkv serves hybrids (state + attention layers)")
+    bad = [n for n, s in attn.items() if not isinstance(s, AttentionSpec)]
+    if bad:
+        raise ConfigError(f"layer {bad[0]!r}: a hybrid state model's other layers must be "
+                          f"attention layers, got {type(attn[bad[0]]).__name__}")
+    state_page = max(s.state_bytes for s in states.values())
+    per_token = min(s.page_size_bytes / s.block_size for s in attn.values())
+    need = alignment * cdiv(state_page, int(alignment * per_token)) if per_token else alignment
+    attn_block = max(block_size, need)
+    resized = {n: s.copy_with_new_block_size(attn_block) for n, s in attn.items()}
+    page = max(s.page_size_bytes for s in resized.values())
+    mode = MambaCacheMode.ALIGN if enable_prefix_caching else MambaCacheMode.NONE
+    if mode == MambaCacheMode.ALIGN:
+        sblock = mamba_block_size if mamba_block_size is not None else attn_block
+    else:
+        sblock = max_model_len
+    out: dict[str, KVCacheSpec] = {}
+    for name, spec in per_layer_specs.items():
+        if isinstance(spec, MambaSpec):
+            out[name] = dataclasses.replace(spec, block_size=sblock, mamba_cache_mode=mode,
+                                            page_size_padded=page)
+        else:
+            out[name] = resized[name]
+    return out, attn_block
 
 
 def get_kv_cache_groups(per_layer_specs: Mapping[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:

@@ -195,6 +195,9 @@ class MambaSpec(KVCacheSpec):
     dtypes: tuple[str, ...] = ("float32",)
     mamba_cache_mode: MambaCacheMode = MambaCacheMode.NONE
     num_speculative_blocks: int = 0
+    # the page the pool gives one state block when it is larger than the state (a hybrid
+    # model's pages are equal across groups: the state page is padded to the attention page)
+    page_size_padded: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -203,6 +206,9 @@ class MambaSpec(KVCacheSpec):
         for d in self.dtypes:
             dtype_size(d)
         object.__setattr__(self, "mamba_cache_mode", MambaCacheMode(self.mamba_cache_mode))
+        if self.page_size_padded is not None and self.page_size_padded < self.state_bytes:
+            raise ConfigError(f"MambaSpec.page_size_padded ({self.page_size_padded}) is smaller "
+                              f"than the state ({self.state_bytes} bytes)")
 
     @property
     def uses_slot_mapping(self) -> bool:
@@ -213,8 +219,13 @@ class MambaSpec(KVCacheSpec):
         return self.mamba_cache_mode == MambaCacheMode.ALIGN
 
     @property
-    def page_size_bytes(self) -> int:
+    def state_bytes(self) -> int:
+        """Bytes of one state block: every state tensor, unpadded."""
         return sum(math.prod(s) * dtype_size(d) for s, d in zip(self.shapes, self.dtypes))
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.state_bytes if self.page_size_padded is None else self.page_size_padded
 
     def max_num_blocks_per_req(self, max_model_len: int) -> int:
         if self.mamba_cache_mode != MambaCacheMode.ALIGN:

@@ -44,7 +44,7 @@ from pagedkv.attention.backend import AttentionBackend
 from pagedkv.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagedkv.core.request import FinishReason, Request, RequestStatus
 from pagedkv.core.scheduler import Scheduler
-from pagedkv.core.spec import KVCacheConfig, cdiv
+from pagedkv.core.spec import KVCacheConfig, MambaSpec, cdiv
 from pagedkv.engine.async_scheduler import AsyncScheduler
 from pagedkv.engine.heap import freeze_after_startup
 from pagedkv.engine.memory import (
@@ -735,6 +735,16 @@ def validate_request(prompt: PromptType, params: SamplingParams, *, tokenizer: A
     return text, ids, params
 
 
+def attention_block_size(groups, block_size: int) -> int:
+    """The block size the pool is sized and scheduled by: the attention groups' (a
+    state-space hybrid raises it, see ``hybrid_state_specs``), else ``block_size``."""
+    sizes = {g.kv_cache_spec.block_size for g in groups
+             if not isinstance(g.kv_cache_spec, MambaSpec)}
+    if any(isinstance(g.kv_cache_spec, MambaSpec) for g in groups) and len(sizes) == 1:
+        return sizes.pop()
+    return block_size
+
+
 def build_engine(
     model: Any,
     tokenizer: Any = None,
@@ -805,9 +815,12 @@ def build_engine(
     # Validates block_size, prefix caching and utilization before any memory work.
     CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
                 gpu_memory_utilization=gpu_memory_utilization)
-    groups = kv_cache_groups_for(model, block_size)
+    groups = kv_cache_groups_for(model, block_size, max_model_len=max_model_len,
+                                 enable_prefix_caching=enable_prefix_caching)
+    # a state-space hybrid's attention blocks grow until their page holds a state page
+    block_size = attention_block_size(groups, block_size)
     # a block's bytes over the shared tensor slots (one per layer with one group): the groups'
-    # pages (K and V; one latent vector per token for MLA)
+    # pages (K and V; one latent vector per token for MLA; a state block's padded page)
     per_block = kv_block_bytes(groups)
     backend = model.attn_backend
     graphs = device.type == "cuda" and not enforce_eager and backend.supports_cuda_graphs
@@ -833,6 +846,9 @@ def build_engine(
         if max_model_len >= 2:
             sc = dataclasses.replace(sc, max_model_len=max_model_len)
             sizing = dataclasses.replace(sizing, max_model_len=max_model_len)
+            # mode-none state blocks cover max_model_len tokens
+            groups = kv_cache_groups_for(model, block_size, max_model_len=max_model_len,
+                                         enable_prefix_caching=enable_prefix_caching)
         check_pool(sizing.num_blocks, block_size, max_model_len, sizing.source)
     kv = KVCacheConfig(num_blocks=sizing.num_blocks, kv_cache_groups=groups)
     if len(groups) > 1:  # the pool's capacity per group (a request holds blocks in each)

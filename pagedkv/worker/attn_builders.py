@@ -29,6 +29,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 
+import numpy as np
 import torch
 
 from pagedkv.core.spec import KVCacheSpec, MambaCacheMode, MambaSpec
@@ -214,14 +215,44 @@ def mamba_state_indices(block_table: torch.Tensor, seq_lens: torch.Tensor, spec:
 
 @dataclass
 class MambaMetadata:
+    """What a state layer's mixer reads in one step (rows reordered decodes first).
+
+    Rows ``[0, num_decodes)`` are decodes (one token, a state exists); rows ``[num_decodes,
+    num_actual_reqs)`` prefill chunks (``has_initial_state`` says whether they continue a
+    state: a later chunk, a prefix hit); rows ``>= num_actual_reqs`` padding (state index
+    ``PAD_SLOT_ID``, ``seq_len`` 0). The host counts come from the host copies of the lengths;
+    ``has_initial_state`` is computed on the device (so it is part of a captured graph)."""
+
     num_reqs: int
     num_actual_tokens: int
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     state_indices: torch.Tensor  # int32 [rows, 1 + spec_blocks]; padded rows PAD_SLOT_ID
-    has_initial_state: torch.Tensor  # [num_reqs] bool: num_computed > 0
+    has_initial_state: torch.Tensor  # bool [num_reqs]: tokens computed before this step
     block_table: torch.Tensor
     num_actual_reqs: int  # rows >= this are padding (state index PAD_SLOT_ID)
+    num_decodes: int = 0
+    num_decode_tokens: int = 0
+    num_prefills: int = 0
+    num_prefill_tokens: int = 0
+
+
+def _decode_prefill_split(common: CommonAttentionMetadata) -> tuple[int, int, int, int]:
+    """``(num_decodes, num_decode_tokens, num_prefills, num_prefill_tokens)``: the leading
+    rows with one scheduled token and computed tokens before it are decodes (the runner's
+    reorder puts decodes and one-token extends first, vLLM's regions); every later real row
+    is a prefill chunk (a fresh one-token prompt included)."""
+    n = common.num_actual_reqs
+    qsl = common.query_start_loc_cpu
+    qsl = qsl.numpy() if isinstance(qsl, torch.Tensor) else np.asarray(qsl)
+    qlens = np.diff(qsl[: n + 1].astype(np.int64))
+    seq = common.seq_lens_cpu
+    seq = seq.numpy() if isinstance(seq, torch.Tensor) else np.asarray(seq)
+    is_dec = (qlens == 1) & (seq[:n].astype(np.int64) > 1)
+    d = n if is_dec.all() else int(np.argmin(is_dec))
+    if is_dec[d:].any():
+        raise ConfigError("state groups need their decode rows first (reorder_batch_threshold 1)")
+    return d, d, n - d, int(qsl[n] - qsl[d])
 
 
 class MambaMetadataBuilder(AttentionMetadataBuilder):
@@ -234,10 +265,12 @@ class MambaMetadataBuilder(AttentionMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, device, max_num_reqs, max_num_pages_per_req)
 
     def build(self, common: CommonAttentionMetadata, for_cudagraph_capture: bool = False) -> MambaMetadata:
-        if common.num_computed_tokens_cpu is not None:
-            has_init = (common.num_computed_tokens_cpu > 0).to(self.device)
+        qsl = common.query_start_loc[: common.num_reqs + 1]
+        has_init = (common.seq_lens - (qsl[1:] - qsl[:-1])) > 0
+        if for_cudagraph_capture:  # a pure-decode graph: every row is a decode (or padding)
+            split = (common.num_reqs, common.num_reqs, 0, 0)
         else:
-            has_init = torch.zeros(common.num_reqs, dtype=torch.bool, device=self.device)
+            split = _decode_prefill_split(common)
         return MambaMetadata(
             num_reqs=common.num_reqs,
             num_actual_tokens=common.num_actual_tokens,
@@ -248,6 +281,8 @@ class MambaMetadataBuilder(AttentionMetadataBuilder):
             has_initial_state=has_init,
             block_table=common.block_table_tensor,
             num_actual_reqs=common.num_actual_reqs,
+            num_decodes=split[0], num_decode_tokens=split[1], num_prefills=split[2],
+            num_prefill_tokens=split[3],
         )
 
     def update_block_table(self, metadata: MambaMetadata, block_table: torch.Tensor, slot_mapping: torch.Tensor) -> MambaMetadata:

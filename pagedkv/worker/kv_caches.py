@@ -26,6 +26,15 @@ inside page ``b`` (strides ``(B*H*D, P_j, H*D, D, 1)`` in elements), or the MLA
 ``[N, B, D]`` with block stride ``P_j``. A block id's bytes are thus the same page in every
 view, whichever group holds it. The kernels address caches through their strides.
 
+State layers (``MambaSpec``: Mamba / gated-delta mixers, the seeds' ``SlotMappingMode.NONE``
+groups) live in the same pool: a state block is one page of the layer's slot, holding the
+layer's state tensors one after the other (conv state, then SSM / recurrent state, each at an
+offset aligned to its element size); the layer's entry is a tuple of views ``[num_blocks,
+*shape]`` with block stride ``P_j``. A state group's block table holds state indices (block
+ids) instead of token positions. A model with state layers always uses byte slots.
+:class:`KVPool` keeps the byte pages ``[num_blocks, P_j]`` for the runner's block operations
+(zeroing new blocks, copying a state checkpoint to the next block).
+
 ``kv_block_bytes`` is the bytes one block id takes across all slots (what the engine sizes the
 pool by), ``kv_block_dim`` the block dimension of a slot's tensor (1 for ``[2, num_blocks,
 ...]``, 0 for the MLA layout).
@@ -33,6 +42,8 @@ pool by), ``kv_block_dim`` the block dimension of a slot's tensor (1 for ``[2, n
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -43,6 +54,7 @@ from pagedkv.core.spec import (
     AttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
     MLAAttentionSpec,
     SlidingWindowMLASpec,
     UniformTypeKVCacheSpecs,
@@ -54,19 +66,19 @@ _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16":
 
 
 def _layer_specs(kv_cache_config: KVCacheConfig | Sequence[KVCacheGroupSpec]
-                 ) -> dict[str, AttentionSpec]:
+                 ) -> dict[str, AttentionSpec | MambaSpec]:
     groups = (kv_cache_config.kv_cache_groups if isinstance(kv_cache_config, KVCacheConfig)
               else kv_cache_config)
-    out: dict[str, AttentionSpec] = {}
+    out: dict[str, AttentionSpec | MambaSpec] = {}
     for g in groups:
         spec = g.kv_cache_spec
         members = dict(spec.specs) if isinstance(spec, UniformTypeKVCacheSpecs) else {}
         for name in g.layer_names:
             s = members.get(name, spec)
-            if not isinstance(s, AttentionSpec):
+            if not isinstance(s, (AttentionSpec, MambaSpec)):
                 raise ConfigError(
-                    f"layer {name!r}: {type(s).__name__} groups need their own state tensors; the "
-                    "runner serves attention groups only so far")
+                    f"layer {name!r}: {type(s).__name__} layers have no tensor layout here "
+                    "(attention and Mamba-style state layers do)")
             out[name] = s
     return out
 
@@ -76,30 +88,78 @@ def layer_slots(kv_cache_config: KVCacheConfig) -> dict[str, int]:
     return {name: j for g in kv_cache_config.kv_cache_groups for j, name in enumerate(g.layer_names)}
 
 
+@dataclass
+class KVPool:
+    """The KV memory of a runner: ``caches`` per layer (model cache-layer order; an attention
+    layer's tensor, or a state layer's tuple of state tensors ``[num_blocks, *shape]``), and
+    the tensors a block id addresses, for the runner's block operations (zeroing new blocks,
+    copying blocks): ``pages``, ``[num_blocks, page_bytes]`` byte views of block-major slots
+    (mixed geometries, state layers), and ``plain``, single-geometry slot tensors whose block
+    dimension is ``kv_block_dim``."""
+
+    caches: list
+    pages: list[torch.Tensor]
+    plain: list[torch.Tensor]
+
+    def zero_blocks(self, block_ids: torch.Tensor) -> None:
+        """Zero every byte of the given blocks in every slot."""
+        for p in self.pages:
+            p.index_fill_(0, block_ids, 0)
+        for t in self.plain:
+            t.index_fill_(kv_block_dim(t), block_ids, 0)
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Block ``dst[i]`` becomes a copy of block ``src[i]`` in every slot (sources are read
+        before any destination is written)."""
+        for p in self.pages:
+            p.index_copy_(0, dst, p.index_select(0, src))
+        for t in self.plain:
+            d = kv_block_dim(t)
+            t.index_copy_(d, dst, t.index_select(d, src))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pool (each shared tensor counted once)."""
+        return (sum(p.numel() for p in self.pages)
+                + sum(t.numel() * t.element_size() for t in self.plain))
+
+
 def allocate_group_kv_caches(
     kv_cache_config: KVCacheConfig,
     layer_names: Sequence[str],
     *,
     device: torch.device | str,
     fill: float | None = 0.0,
-) -> list[torch.Tensor]:
+) -> list:
     """The KV tensor of each of ``layer_names`` (model layer order), shared across groups by
-    slot (see the module docstring). Every layer of the model must be in exactly one group."""
+    slot (see the module docstring); a state layer's entry is the tuple of its state
+    tensors. Every layer of the model must be in exactly one group."""
+    return allocate_kv_pool(kv_cache_config, layer_names, device=device, fill=fill).caches
+
+
+def allocate_kv_pool(
+    kv_cache_config: KVCacheConfig,
+    layer_names: Sequence[str],
+    *,
+    device: torch.device | str,
+    fill: float | None = 0.0,
+) -> KVPool:
+    """:func:`allocate_group_kv_caches` with the pool's block-addressed tensors."""
     specs = _layer_specs(kv_cache_config)
     missing = [n for n in layer_names if n not in specs]
     extra = sorted(set(specs) - set(layer_names))
     if missing or extra:
-        raise ConfigError(f"the KV-cache groups must hold every attention layer once: missing "
+        raise ConfigError(f"the KV-cache groups must hold every cache layer once: missing "
                           f"{missing[:3]}, unknown {extra[:3]}")
+    if any(isinstance(s, MambaSpec) for s in specs.values()):
+        return _allocate_byte_slots(kv_cache_config, specs, layer_names, device, fill)
     shapes = {_slot_layout(s) for s in specs.values()}
     if len(shapes) != 1:
         return _allocate_byte_slots(kv_cache_config, specs, layer_names, device, fill)
     kind, block_size, heads, head_size, v_size, dtype_name = shapes.pop()
     if kind == "kv" and v_size != head_size:
         raise ConfigError("K and V of different sizes need separate K/V tensors (not built yet)")
-    dtype = _TORCH_DTYPES.get(dtype_name)
-    if dtype is None:
-        raise ConfigError(f"KV-cache dtype {dtype_name!r} has no torch dtype here")
+    dtype = _torch_dtype(dtype_name)
     slots = layer_slots(kv_cache_config)
     if kind == "mla":
         if heads != 1:
@@ -113,13 +173,35 @@ def allocate_group_kv_caches(
         if fill is not None:
             t.fill_(fill)
         tensors.append(t)
-    return [tensors[slots[name]] for name in layer_names]
+    return KVPool([tensors[slots[name]] for name in layer_names], [], tensors)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dtype = _TORCH_DTYPES.get(name)
+    if dtype is None:
+        raise ConfigError(f"KV-cache dtype {name!r} has no torch dtype here")
+    return dtype
+
+
+def _typed_view(raw: torch.Tensor, page: int, offset: int, dtype: torch.dtype, shape, what: str
+                ) -> torch.Tensor:
+    """``[num_blocks, *shape]`` of ``dtype`` at byte ``offset`` of every ``page``-byte page
+    of ``raw`` (block stride = the page, inner dimensions contiguous)."""
+    es = torch.empty((), dtype=dtype).element_size()
+    if page % es or offset % es:
+        raise ConfigError(f"{what}: a {page}-byte page (offset {offset}) does not hold whole "
+                          f"{dtype} elements")
+    n = raw.numel() // page
+    inner = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        inner[i] = inner[i + 1] * shape[i + 1]
+    return raw.view(dtype).as_strided((n, *shape), (page // es, *inner), offset // es)
 
 
 def _allocate_byte_slots(kv_cache_config: KVCacheConfig, specs: dict, layer_names, device,
-                         fill) -> list[torch.Tensor]:
-    """Mixed geometries: one raw block-major byte tensor per slot, a strided view per layer
-    (see the module docstring)."""
+                         fill) -> KVPool:
+    """Mixed geometries or state layers: one raw block-major byte tensor per slot, a strided
+    view per layer (see the module docstring)."""
     slots = layer_slots(kv_cache_config)
     n = kv_cache_config.num_blocks
     page: dict[int, int] = {}
@@ -129,31 +211,53 @@ def _allocate_byte_slots(kv_cache_config: KVCacheConfig, specs: dict, layer_name
     views = {}
     for name in layer_names:
         spec, j = specs[name], slots[name]
+        if isinstance(spec, MambaSpec):
+            views[name] = _state_views(raws[j], page[j], spec, name, fill)
+            continue
         kind, block_size, heads, head_size, v_size, dtype_name = _slot_layout(spec)
-        dtype = _TORCH_DTYPES.get(dtype_name)
-        if dtype is None:
-            raise ConfigError(f"KV-cache dtype {dtype_name!r} has no torch dtype here")
-        es = torch.empty((), dtype=dtype).element_size()
-        if page[j] % es:
-            raise ConfigError(f"layer {name!r}: a {page[j]}-byte page does not hold whole "
-                              f"{dtype_name} elements")
-        pe = page[j] // es
-        flat = raws[j].view(dtype)
+        dtype = _torch_dtype(dtype_name)
         if kind == "mla":
             if heads != 1:
                 raise ConfigError(f"an MLA latent cache has one KV head, the spec has {heads}")
-            view = flat.as_strided((n, block_size, head_size), (pe, head_size, 1))
+            view = _typed_view(raws[j], page[j], 0, dtype, (block_size, head_size),
+                               f"layer {name!r}")
         else:
             if v_size != head_size:
                 raise ConfigError("K and V of different sizes need separate K/V tensors "
                                   "(not built yet)")
+            es = torch.empty((), dtype=dtype).element_size()
+            if page[j] % es:
+                raise ConfigError(f"layer {name!r}: a {page[j]}-byte page does not hold whole "
+                                  f"{dtype_name} elements")
+            pe = page[j] // es
             plane = block_size * heads * head_size
-            view = flat.as_strided((2, n, block_size, heads, head_size),
-                                   (plane, pe, heads * head_size, head_size, 1))
+            view = raws[j].view(dtype).as_strided((2, n, block_size, heads, head_size),
+                                                  (plane, pe, heads * head_size, head_size, 1))
         if fill not in (None, 0.0):
             view.fill_(fill)
         views[name] = view
-    return [views[name] for name in layer_names]
+    pages = [raws[j].view(n, page[j]) for j in sorted(raws)]
+    return KVPool([views[name] for name in layer_names], pages, [])
+
+
+def _state_views(raw: torch.Tensor, page: int, spec: MambaSpec, name: str, fill
+                 ) -> tuple[torch.Tensor, ...]:
+    """A state layer's tensors, one per ``spec.shapes`` entry, packed in order inside each
+    page (each at an offset aligned to its element size)."""
+    out, offset = [], 0
+    for shape, dtype_name in zip(spec.shapes, spec.dtypes):
+        dtype = _torch_dtype(dtype_name)
+        es = torch.empty((), dtype=dtype).element_size()
+        offset = -(-offset // es) * es
+        view = _typed_view(raw, page, offset, dtype, tuple(shape), f"state layer {name!r}")
+        if fill not in (None, 0.0):
+            view.fill_(fill)
+        out.append(view)
+        offset += math.prod(shape) * es
+    if offset > page:
+        raise ConfigError(f"state layer {name!r}: its states ({offset} bytes with alignment) "
+                          f"exceed the {page}-byte page")
+    return tuple(out)
 
 
 def _slot_layout(s: AttentionSpec) -> tuple:
@@ -188,5 +292,5 @@ def kv_block_dim(kv_cache: torch.Tensor) -> int:
     return 1 if kv_cache.dim() == 5 else 0
 
 
-__all__ = ["allocate_group_kv_caches", "kv_block_bytes", "kv_block_dim", "kv_slot_count",
+__all__ = ["KVPool", "allocate_group_kv_caches", "allocate_kv_pool", "kv_block_bytes", "kv_block_dim", "kv_slot_count",
            "layer_slots"]

@@ -62,7 +62,14 @@ import torch
 from pagedkv.attention.backend import AttentionBackend, AttentionLayout, StepAttention
 from pagedkv.config import CacheConfig, SchedulerConfig
 from pagedkv.core.output import ModelRunnerOutput, SchedulerOutput
-from pagedkv.core.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
+from pagedkv.core.spec import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaCacheMode,
+    MambaSpec,
+    MLAAttentionSpec,
+)
 from pagedkv.errors import ConfigError, InvariantError
 from pagedkv.sampling.metadata import SamplingMetadata
 from pagedkv.sampling.params import SamplingParams
@@ -75,8 +82,8 @@ from pagedkv.worker.async_output import (  # noqa: F401 - re-exported
     SampledLogprobs,
     StepHandle,
 )
-from pagedkv.worker.attn_builders import CommonMetadataBuilder
-from pagedkv.worker.kv_caches import allocate_group_kv_caches, kv_block_dim
+from pagedkv.worker.attn_builders import CommonMetadataBuilder, MambaMetadataBuilder
+from pagedkv.worker.kv_caches import allocate_kv_pool
 from pagedkv.worker.metadata import (
     CommonAttentionMetadata,
     build_attention_metadata,
@@ -114,22 +121,52 @@ def kv_cache_spec_for(model: Any, block_size: int) -> FullAttentionSpec:
     )
 
 
-def kv_cache_groups_for(model: Any, block_size: int) -> list[KVCacheGroupSpec]:
-    """The model's KV-cache groups: each attention layer's spec (``model.kv_cache_specs``,
-    keyed by :func:`attention_layer_names`) formed into groups by the planner
+def kv_cache_groups_for(model: Any, block_size: int, *, max_model_len: int | None = None,
+                        enable_prefix_caching: bool = False) -> list[KVCacheGroupSpec]:
+    """The model's KV-cache groups: each cache layer's spec (``model.kv_cache_specs``, in the
+    model's cache-layer order) formed into groups by the planner
     (``pagedkv.core.planning.get_kv_cache_groups``: equal specs share one group; full and
-    sliding-window layers form a hybrid of several groups)."""
-    from pagedkv.core.planning import get_kv_cache_groups
+    sliding-window layers form a hybrid of several groups). A state-space hybrid's specs are
+    first made what the engine serves (``hybrid_state_specs``: Mamba mode from
+    ``enable_prefix_caching``, state block size ``max_model_len`` in mode none, attention block
+    size raised so its page holds a state page); ``max_model_len`` is then required."""
+    from pagedkv.core.planning import get_kv_cache_groups, hybrid_state_specs
 
-    return get_kv_cache_groups(model.kv_cache_specs(block_size))
+    specs = model.kv_cache_specs(block_size)
+    if any(isinstance(s, MambaSpec) for s in specs.values()):
+        if max_model_len is None:
+            raise ConfigError("a model with state layers needs max_model_len to plan its groups")
+        specs, _ = hybrid_state_specs(specs, block_size=block_size, max_model_len=max_model_len,
+                                      enable_prefix_caching=enable_prefix_caching)
+    return get_kv_cache_groups(specs)
+
+
+def cache_layer_names(model: Any) -> tuple[str, ...]:
+    """The model's cache layers in its order (the keys of ``model.kv_cache_specs``): what
+    ``kv_caches[k]`` and ``StepAttention.plans[k]`` of a forward pass belong to."""
+    return tuple(model.kv_cache_specs(16))
+
+
+def _same_layer_spec(declared, served) -> bool:
+    """Whether a group's spec serves a layer that declares ``declared``: equal, or (a state
+    layer) equal up to what the engine decides for it (block size, mode, padded page)."""
+    if declared == served:
+        return True
+    if isinstance(declared, MambaSpec) and isinstance(served, MambaSpec):
+        return (declared.shapes, declared.dtypes, declared.num_speculative_blocks) == (
+            served.shapes, served.dtypes, served.num_speculative_blocks)
+    return False
 
 
 class ModelRunner:
     """Owns the persistent batch, the request states, the input preparer, the per-layer KV
     caches, the sampler and (optionally) the CUDA graphs of one model.
 
-    ``kv_cache_config``: one full-attention group holding every layer (build it with
-    :func:`kv_cache_spec_for` and :func:`attention_layer_names`). ``attn_backend``: installed
+    ``kv_cache_config``: every cache layer of the model (:func:`cache_layer_names`) in exactly
+    one group (build the groups with :func:`kv_cache_groups_for`): attention groups
+    (full, sliding-window, latent) and state groups (``MambaSpec``: block tables of state
+    indices, no slot mapping; their layers get ``MambaMetadata`` as their plan and a tuple of
+    state tensors as their cache). ``attn_backend``: installed
     into the model when given. ``sampler``: default ``Sampler`` whose unseeded stream starts
     from ``seed``. CUDA graphs are captured by :meth:`capture_cuda_graphs` (on a CUDA device,
     with a graph-capturable backend, unless ``enforce_eager``).
@@ -161,11 +198,13 @@ class ModelRunner:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.kv_cache_config = kv_cache_config
-        self.layer_names = attention_layer_names(len(model.layers))
+        self.layer_names = cache_layer_names(model)
         self._check_kv_cache_config(kv_cache_config)
         groups = kv_cache_config.kv_cache_groups
         specs = [g.kv_cache_spec for g in groups]
-        self.block_size = specs[0].block_size  # group 0's (one value for every group today)
+        # the attention groups' block size (group 0's when every group is a state group)
+        self.block_size = next((s.block_size for s in specs if not isinstance(s, MambaSpec)),
+                               specs[0].block_size)
         self.num_blocks = kv_cache_config.num_blocks
         sc = scheduler_config
         self.max_model_len = sc.max_model_len
@@ -181,16 +220,24 @@ class ModelRunner:
         )
         self.requests: dict[str, CachedRequestState] = {}
         self.preparer = InputPreparer.for_batch(self.input_batch)
-        # one tensor per layer, shared across groups by position (the hybrid allocator's layout)
-        self.kv_caches: list[torch.Tensor] = allocate_group_kv_caches(
-            kv_cache_config, self.layer_names, device=self.device, fill=0.0)
-        # per KV-cache group: its metadata builder (the backend's) and the layout its plan serves
+        # one tensor per layer, shared across groups by position (the hybrid allocator's
+        # layout); a state layer's entry is the tuple of its state tensors
+        self.kv_pool = allocate_kv_pool(kv_cache_config, self.layer_names, device=self.device,
+                                        fill=0.0)
+        self.kv_caches: list = self.kv_pool.caches
+        # per KV-cache group: its metadata builder (the backend's; a state group's
+        # MambaMetadataBuilder) and the layout its plan serves (None: a state group, whose
+        # plan is its MambaMetadata)
         builder = self.attn_backend.metadata_builder or CommonMetadataBuilder
-        self.attn_groups = make_attention_groups(kv_cache_config, [builder] * len(groups),
-                                                 self.input_batch.block_table)
+        self._state_groups = [gid for gid, s in enumerate(specs) if isinstance(s, MambaSpec)]
+        self.attn_groups = make_attention_groups(
+            kv_cache_config,
+            [MambaMetadataBuilder if isinstance(s, MambaSpec) else builder for s in specs],
+            self.input_batch.block_table)
         group_of = {name: gid for gid, g in enumerate(groups) for name in g.layer_names}
         self._layer_group = [group_of[name] for name in self.layer_names]
-        self._layouts = [dataclasses.replace(model.attention_layout(s), device=self.device)
+        self._layouts = [None if isinstance(s, MambaSpec)
+                         else dataclasses.replace(model.attention_layout(s), device=self.device)
                          for s in specs]
         if sampler is None:
             gen = torch.Generator(device=self.device)
@@ -198,6 +245,8 @@ class ModelRunner:
             sampler = Sampler(generator=gen)
         self.sampler = sampler
         self.reorder_threshold = self.attn_backend.reorder_batch_threshold
+        if self._state_groups:  # state mixers take their one-token rows first
+            self.reorder_threshold = 1
         self.enforce_eager = enforce_eager
         self.cuda_graph_sizes = cuda_graph_sizes
         self.cuda_graphs = None  # a CudaGraphManager once captured
@@ -228,21 +277,22 @@ class ModelRunner:
             self._logits_widen_kw = False
     # ----- setup ---------------------------------------------------------------------------
     def _check_kv_cache_config(self, kv: KVCacheConfig) -> None:
-        """Every attention layer of the model in exactly one group, each group's spec the one
-        the model declares for its layers (``model.kv_cache_specs``)."""
+        """Every cache layer of the model in exactly one group, each group's spec the one
+        the model declares for its layers (``model.kv_cache_specs``; a state layer's up to
+        the block size, mode and page the engine chose)."""
         groups = kv.kv_cache_groups
         if not groups:
-            raise ConfigError("the KV-cache config has no group; the model's attention layers "
+            raise ConfigError("the KV-cache config has no group; the model's cache layers "
                               "need one (kv_cache_groups_for(model, block_size))")
         names = [n for g in groups for n in g.layer_names]
         if sorted(names) != sorted(self.layer_names) or len(set(names)) != len(names):
             raise ConfigError(
                 f"the KV-cache groups must list each of the model's {len(self.layer_names)} "
-                f"attention layers (attention_layer_names) exactly once, got {names[:3]}...")
+                f"cache layers (cache_layer_names) exactly once, got {names[:3]}...")
         for gid, g in enumerate(groups):
             spec = g.kv_cache_spec
             want = self.model.kv_cache_specs(spec.block_size)
-            bad = [n for n in g.layer_names if want[n] != spec]
+            bad = [n for n in g.layer_names if not _same_layer_spec(want[n], spec)]
             if bad:
                 raise ConfigError(
                     f"KV-cache group {gid} has {spec!r}, but the model's layer {bad[0]} needs "
@@ -251,12 +301,7 @@ class ModelRunner:
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes of the KV memory (each shared tensor, or shared byte slot, counted once)."""
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                    for t in self.kv_caches}
-        return sum(storages.values())
-
-    def _unique_kv_caches(self) -> list[torch.Tensor]:
-        return list({id(t): t for t in self.kv_caches}.values())
+        return self.kv_pool.nbytes
 
     def attention_for(self, step: StepInputs, common: CommonAttentionMetadata | None = None,
                       for_cudagraph_capture: bool = False) -> StepAttention:
@@ -271,7 +316,7 @@ class ModelRunner:
         mds = build_attention_metadata(common, self.attn_groups, bt, step.slot_mappings,
                                        for_cudagraph_capture=for_cudagraph_capture)
         backend = self.attn_backend
-        plans = [backend.plan(per_group[0], layout)
+        plans = [per_group[0] if layout is None else backend.plan(per_group[0], layout)
                  for per_group, layout in zip(mds.by_group, self._layouts)]
         return StepAttention(common, [plans[g] for g in self._layer_group])
 
@@ -308,6 +353,8 @@ class ModelRunner:
         prev = outputs.in_flight()
         upd = update_states(self.requests, self.input_batch, scheduler_output, self.reorder_threshold)
         self._apply_block_ops(upd)
+        if self._state_groups:
+            self._carry_aligned_states(scheduler_output)
         if upd.batch_changed:
             self._batch_version += 1
         batch = self.input_batch
@@ -462,14 +509,53 @@ class ModelRunner:
         """Zero the blocks the scheduler asks for, then apply copy-on-write pairs."""
         if upd.block_ids_to_zero:
             ids = torch.tensor(upd.block_ids_to_zero, dtype=torch.int64, device=self.device)
-            for kv in self._unique_kv_caches():
-                kv.index_fill_(kv_block_dim(kv), ids, 0)
+            self.kv_pool.zero_blocks(ids)
         if upd.block_copies:
             src = torch.tensor([s for s, _ in upd.block_copies], dtype=torch.int64, device=self.device)
             dst = torch.tensor([d for _, d in upd.block_copies], dtype=torch.int64, device=self.device)
-            for kv in self._unique_kv_caches():
-                d = kv_block_dim(kv)
-                kv.index_copy_(d, dst, kv.index_select(d, src))
+            self.kv_pool.copy_blocks(src, dst)
+
+    def aligned_state_copies(self, num_scheduled_tokens: dict[str, int]) -> list[tuple[int, int]]:
+        """Mode ``align`` state groups: ``(src, dst)`` block pairs that carry each request's
+        state to the block its step ends in. A request's state lives in the block holding its
+        last computed token (column ``(computed - 1) // B``); this step's tokens update it in
+        the block holding the step's last token (column ``(computed + scheduled - 1) // B``).
+        When those differ, the older block keeps the checkpoint of its boundary (what a later
+        prefix hit resumes from) and the newer one starts as its copy."""
+        batch = self.input_batch
+        n = batch.num_reqs
+        if n == 0:
+            return []
+        nsched = batch.scheduled_tokens_per_row(num_scheduled_tokens).astype(np.int64)
+        computed = batch.num_computed_tokens_cpu[:n].astype(np.int64)
+        pairs: list[tuple[int, int]] = []
+        for gid in self._state_groups:
+            spec = self.kv_cache_config.kv_cache_groups[gid].kv_cache_spec
+            if spec.mamba_cache_mode != MambaCacheMode.ALIGN:
+                continue
+            B = spec.block_size
+            rows = np.flatnonzero((computed > 0) & (nsched > 0))
+            src_col = (computed[rows] - 1) // B
+            dst_col = (computed[rows] + nsched[rows] - 1) // B
+            move = src_col != dst_col
+            rows, src_col, dst_col = rows[move], src_col[move], dst_col[move]
+            if rows.size == 0:
+                continue
+            table = batch.block_table[gid].block_table.np
+            src, dst = table[rows, src_col], table[rows, dst_col]
+            if (src <= 0).any() or (dst <= 0).any():
+                raise InvariantError("mamba-align", "a state block to carry is the null block",
+                                     group=gid, rows=rows.tolist(), src=src.tolist(),
+                                     dst=dst.tolist())
+            pairs.extend((int(a), int(b)) for a, b in zip(src, dst) if a != b)
+        return pairs
+
+    def _carry_aligned_states(self, scheduler_output: SchedulerOutput) -> None:
+        pairs = self.aligned_state_copies(scheduler_output.num_scheduled_tokens)
+        if pairs:
+            src = torch.tensor([a for a, _ in pairs], dtype=torch.int64, device=self.device)
+            dst = torch.tensor([b for _, b in pairs], dtype=torch.int64, device=self.device)
+            self.kv_pool.copy_blocks(src, dst)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
