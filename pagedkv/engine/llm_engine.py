@@ -832,7 +832,8 @@ def build_engine(
         kv_cache_memory_bytes=kv_cache_memory_bytes,
         device_type=device.type,
         gpu_memory_utilization=gpu_memory_utilization,
-        profile=(lambda: profile_peak_memory(model, sc, block_size)) if device.type == "cuda" else None,
+        profile=(lambda: profile_peak_memory(model, sc, block_size, kv_cache_groups=groups))
+        if device.type == "cuda" else None,
         graph_reserve_bytes=CUDA_GRAPH_RESERVE_BYTES if graphs else 0,
         check=user_max_model_len is not None,
         max_num_seqs=max_num_seqs,

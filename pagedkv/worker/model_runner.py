@@ -83,7 +83,7 @@ from pagedkv.worker.async_output import (  # noqa: F401 - re-exported
     StepHandle,
 )
 from pagedkv.worker.attn_builders import CommonMetadataBuilder, MambaMetadataBuilder
-from pagedkv.worker.kv_caches import allocate_kv_pool
+from pagedkv.worker.kv_caches import allocate_group_kv_caches, allocate_kv_pool
 from pagedkv.worker.metadata import (
     CommonAttentionMetadata,
     build_attention_metadata,
@@ -589,16 +589,47 @@ def _profile_metadata(num_tokens: int, max_model_len: int, block_size: int, devi
     return build_attention_metadata(lens, lens, table, slots, device=device)
 
 
+def _profile_state_attention(model: Any, groups: Sequence[KVCacheGroupSpec], md) -> tuple:
+    """A state hybrid's throw-away caches (two blocks) and per-layer plans for the profile
+    forward: attention layers get the backend's plan of ``md`` (null-block tables, ``-1``
+    slots), state layers a ``MambaMetadata`` whose rows are all prefills with the padding
+    state index (the mixers' GEMMs run at full size, their state kernels skip the rows)."""
+    from pagedkv.kernels._common import PAD_SLOT_ID
+    from pagedkv.worker.attn_builders import MambaMetadata
+
+    device = model.device
+    caches = allocate_group_kv_caches(KVCacheConfig(num_blocks=2, kv_cache_groups=tuple(groups)),
+                                      cache_layer_names(model), device=device, fill=0.0)
+    n = md.num_reqs
+    state_md = MambaMetadata(
+        num_reqs=n, num_actual_tokens=md.num_actual_tokens, query_start_loc=md.query_start_loc,
+        seq_lens=md.seq_lens,
+        state_indices=torch.full((n, 1), PAD_SLOT_ID, dtype=torch.int32, device=device),
+        has_initial_state=torch.zeros(n, dtype=torch.bool, device=device),
+        block_table=md.block_table_tensor, num_actual_reqs=n, num_prefills=n,
+        num_prefill_tokens=md.num_actual_tokens)
+    plan_of = {}
+    for g in groups:
+        spec = g.kv_cache_spec
+        plan = state_md if isinstance(spec, MambaSpec) else model.attn_backend.plan(
+            md, dataclasses.replace(model.attention_layout(spec), device=device))
+        plan_of.update({name: plan for name in g.layer_names})
+    return caches, StepAttention(md, [plan_of[name] for name in cache_layer_names(model)])
+
+
 @torch.inference_mode()
 def profile_peak_memory(
     model: Any,
     scheduler_config: SchedulerConfig,
     block_size: int,
     sampler: Sampler | None = None,
+    kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None,
 ) -> int:
     """Peak bytes of activations (beyond what is allocated before the call) of the largest step:
     a forward over ``max_num_batched_tokens`` tokens, logits for ``max_num_seqs`` rows and a
-    top-k/top-p sampling pass over them. CUDA only."""
+    top-k/top-p sampling pass over them. CUDA only. ``kv_cache_groups``: the engine's groups,
+    needed for a model with state layers (its forward takes per-layer plans and state
+    tensors)."""
     device = model.device
     if device.type != "cuda":
         raise ConfigError("profile_peak_memory needs a CUDA model; size CPU pools from a byte budget")
@@ -608,13 +639,17 @@ def profile_peak_memory(
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
-    caches = model.allocate_kv_caches(1, block_size, device=device, fill=0.0)
     md = _profile_metadata(num_tokens, sc.max_model_len, block_size, device)
+    if kv_cache_groups is not None and any(isinstance(g.kv_cache_spec, MambaSpec)
+                                           for g in kv_cache_groups):
+        caches, attn = _profile_state_attention(model, kv_cache_groups, md)
+    else:
+        caches, attn = model.allocate_kv_caches(1, block_size, device=device, fill=0.0), md
     gen = torch.Generator(device=device)
     gen.manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (num_tokens,), device=device, generator=gen)
     pos = torch.cat([torch.arange(n, device=device) for n in md.seq_lens_cpu.tolist()])
-    hidden = model(ids, pos, caches, md)
+    hidden = model(ids, pos, caches, attn)
     rows = min(sc.max_num_seqs, num_tokens)
     logits = model.compute_logits(hidden, torch.arange(rows, device=device))
     del hidden
@@ -622,7 +657,7 @@ def profile_peak_memory(
     (sampler or Sampler())(logits, SamplingMetadata.build(params, device))
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
-    del logits, caches, md
+    del logits, caches, md, attn
     torch.cuda.empty_cache()
     if peak < 0:
         raise InvariantError("profile", "negative peak memory", peak=peak)
