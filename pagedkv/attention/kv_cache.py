@@ -38,4 +38,30 @@ def allocate_kv_caches(
     return caches
 
 
-__all__ = ["allocate_kv_caches", "kv_cache_shape"]
+def allocate_layer_caches(specs, num_blocks: int, *, device: str | torch.device = "cpu",
+                          fill: float | None = 0.0) -> list:
+    """Unshared caches, one per entry of ``specs`` (a model's ``kv_cache_specs`` values, in
+    order; harnesses and tests, the engine's runner shares one pool instead): an attention
+    spec's KV tensor ``[2, num_blocks, block_size, num_kv_heads, head_size]``, a ``MambaSpec``'s
+    tuple of state tensors ``[num_blocks, *shape]``, each in its spec's dtype."""
+    from pagedkv.core.spec import AttentionSpec, MambaSpec, MLAAttentionSpec
+
+    out: list = []
+    for spec in specs:
+        if isinstance(spec, MambaSpec):
+            states = tuple(torch.empty(num_blocks, *shape, dtype=getattr(torch, dt), device=device)
+                           for shape, dt in zip(spec.shapes, spec.dtypes))
+            if fill is not None:
+                for t in states:
+                    t.fill_(fill)
+            out.append(states)
+        elif isinstance(spec, AttentionSpec) and not isinstance(spec, MLAAttentionSpec):
+            out += allocate_kv_caches(1, num_blocks, spec.block_size, spec.num_kv_heads,
+                                      spec.head_size, dtype=getattr(torch, spec.dtype),
+                                      device=device, fill=fill)
+        else:
+            raise ConfigError(f"allocate_layer_caches: no unshared layout for {type(spec).__name__}")
+    return out
+
+
+__all__ = ["allocate_kv_caches", "allocate_layer_caches", "kv_cache_shape"]

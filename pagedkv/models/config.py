@@ -54,6 +54,9 @@ class _Family:
     moe: str | None = None
     # multi-head latent attention (DeepSeek-V3, see _parse_mla)
     mla: bool = False
+    # Gated-DeltaNet linear attention beside gated full attention (Qwen3-Next, see
+    # _parse_linear_attn)
+    linear_attn: bool = False
 
 
 FAMILIES: dict[str, _Family] = {
@@ -136,6 +139,14 @@ FAMILIES["DeepseekV3ForCausalLM"] = _Family(
     head_dim=None, qkv_bias=False, o_bias="attention_bias", mlp_bias=False, qk_norm=False,
     sliding=None, moe="deepseek_v3", mla=True)
 
+# Qwen3-Next: Gated-DeltaNet linear-attention layers beside gated full-attention layers
+# (layer_types), (1 + w) RMSNorms, q/k norms, partial RoPE, softmax top-k experts with a gated
+# shared expert (LinearAttnConfig, MoeConfig)
+FAMILIES["Qwen3NextForCausalLM"] = _Family(
+    name="qwen3_next", max_position_embeddings=32768, bos_token_id=None, eos_token_id=None,
+    head_dim=256, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False,
+    qk_norm=True, sliding=None, moe="qwen3_next", linear_attn=True)
+
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(FAMILIES)
 
 
@@ -170,6 +181,9 @@ class MoeConfig:
     routed_scaling_factor: float = 1.0
     score_correction_bias: bool = False
     shared_intermediate_size: int = 0
+    # Qwen3-Next: the shared expert's output is scaled by ``sigmoid(x W_g^T)`` (``W_g [1, H]``,
+    # ``shared_expert_gate``) before it is added
+    shared_expert_gate: bool = False
 
     @property
     def num_sparse_layers(self) -> int:
@@ -207,6 +221,45 @@ class MlaConfig:
     def latent_dim(self) -> int:
         """Width of one cached latent vector: ``kv_lora_rank + qk_rope_head_dim``."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+@dataclass(frozen=True)
+class LinearAttnConfig:
+    """Qwen3-Next's hybrid layout, as transformers' ``Qwen3NextGatedDeltaNet`` and
+    ``Qwen3NextAttention`` run it.
+
+    ``layer_types[i]``: ``"linear_attention"`` (a Gated-DeltaNet mixer, ``linear_attn``) or
+    ``"full_attention"`` (gated attention, ``self_attn``). The mixer: ``in_proj_qkvz`` gives per
+    key head ``[q (K) | k (K) | v (HV/HK * V) | z (HV/HK * V)]``, ``in_proj_ba`` per key head
+    ``[b (HV/HK) | a (HV/HK)]``; a causal depthwise conv1d of ``conv_kernel_dim`` over
+    ``[q | k | v]`` (``conv_dim`` channels, SiLU), the gated delta rule with L2-normed q/k
+    (``beta = sigmoid(b)``, ``g = -exp(A_log) softplus(a + dt_bias)``), an RMSNorm of each value
+    head times ``silu(z)``, ``out_proj``. Full attention: ``q_proj`` gives per head ``[q | gate]``
+    (the output is multiplied by ``sigmoid(gate)`` before ``o_proj``); RoPE covers the first
+    ``rotary_dim`` (``head_dim * partial_rotary_factor``) dimensions of each head."""
+
+    layer_types: tuple[str, ...]
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel_dim: int
+    rotary_dim: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the short convolution: ``[q | k | v]``."""
+        return 2 * self.key_dim + self.value_dim
+
+    def is_linear(self, layer: int) -> bool:
+        return self.layer_types[layer] == "linear_attention"
 
 # --------------------------------------------------------------------------------------------
 # RoPE
@@ -400,6 +453,8 @@ class ModelArchConfig:
     # head of the KV cache (the query/key head is ``mla.qk_head_dim``); ``attn_scale`` the
     # softmax scale (``qk_head_dim ** -0.5``, times YaRN's ``mscale_all_dim`` factor squared)
     mla: MlaConfig | None = None
+    # Qwen3-Next only: linear-attention (Gated-DeltaNet) layers beside gated full attention
+    linear_attn: LinearAttnConfig | None = None
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived sizes
@@ -467,7 +522,17 @@ class ModelArchConfig:
             m = self.moe
             sparse = m.num_experts * (h + 3 * h * m.intermediate_size) - mlp
             sparse += 3 * h * m.shared_intermediate_size + (m.num_experts if m.score_correction_bias else 0)
+            sparse += h if m.shared_expert_gate else 0
             total += m.num_sparse_layers * sparse
+        if self.linear_attn is not None:  # Qwen3-Next: gated q_proj; mixers instead of attention
+            la = self.linear_attn
+            linear = sum(map(la.is_linear, range(self.num_hidden_layers)))
+            gate = h * self.q_size + (self.q_size if self.qkv_bias else 0)
+            mixer = (h * (2 * la.key_dim + 2 * la.value_dim + 2 * la.num_value_heads)
+                     + la.conv_dim * la.conv_kernel_dim + 2 * la.num_value_heads
+                     + la.value_head_dim + la.value_dim * h)
+            total += (self.num_hidden_layers - linear) * gate
+            total += linear * (mixer - attn - (2 * self.head_dim if self.qk_norm else 0))
         return total
 
     # ---- parsing
@@ -551,9 +616,11 @@ class ModelArchConfig:
         max_pos = fam.max_position_embeddings if max_pos is None else _pos_int(
             max_pos, "max_position_embeddings", source
         )
-        local_rope = None
+        local_rope = linear_attn = None
         if fam.gemma == 3:
             rope, local_rope = _parse_gemma3_rope(d, max_pos, source)
+        elif fam.linear_attn:
+            rope, linear_attn = _parse_linear_attn(d, layers, head_dim, max_pos, source)
         else:
             rope = _parse_rope(d, max_pos)
         windows = _layer_windows(d, fam, layers, source)
@@ -626,6 +693,7 @@ class ModelArchConfig:
             hidden_act=act,
             layer_windows=windows,
             moe=moe,
+            linear_attn=linear_attn,
             raw=dict(d),
             **gemma_fields,
         )
@@ -776,6 +844,61 @@ def _mla_softmax_scale(mla: MlaConfig, rope: RopeConfig) -> float:
     return scale
 
 
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+def _parse_linear_attn(d: dict, layers: int, head_dim: int, max_pos: int,
+                       source: str) -> tuple[RopeConfig, LinearAttnConfig]:
+    """Qwen3-Next's RoPE (``partial_rotary_factor``, default 0.25, in ``rope_parameters`` or
+    at the top level) and its ``LinearAttnConfig``, with ``Qwen3NextConfig``'s defaults:
+    ``layer_types`` (default: every ``full_attention_interval``-th (4) layer full attention),
+    ``linear_num_key_heads`` 16, ``linear_num_value_heads`` 32, ``linear_key_head_dim`` /
+    ``linear_value_head_dim`` 128, ``linear_conv_kernel_dim`` 4."""
+    rope_d = dict(d)
+    params = d.get("rope_scaling") or d.get("rope_parameters") or {}
+    params = dict(params) if isinstance(params, dict) else params  # (_parse_rope rejects it)
+    top = rope_d.pop("partial_rotary_factor", 0.25)
+    factor = params.pop("partial_rotary_factor", top) if isinstance(params, dict) else top
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise ConfigError(f"{source}: partial_rotary_factor must be a number in (0, 1], got "
+                          f"{factor!r}")
+    rotary_dim = int(head_dim * factor)
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise ConfigError(f"{source}: the rotary part of the head (head_dim {head_dim} x "
+                          f"partial_rotary_factor {factor} = {rotary_dim}) must be even and >= 2")
+    rope_d.pop("rope_scaling", None)
+    rope_d["rope_parameters"] = params
+    rope = _parse_rope(rope_d, max_pos)
+    types = d.get("layer_types")
+    if types is None:
+        interval = d.get("full_attention_interval", 4)
+        interval = _pos_int(interval, "full_attention_interval", source)
+        types = [LAYER_TYPES[0] if (i + 1) % interval else LAYER_TYPES[1] for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers or not set(types) <= set(LAYER_TYPES):
+        raise ConfigError(f"{source}: layer_types must list 'linear_attention' / "
+                          f"'full_attention' for each of the {layers} layers, got {types!r}")
+
+    def size(key: str, default: int) -> int:
+        v = d.get(key)
+        return _pos_int(default if v is None else v, key, source)
+
+    hk, hv = size("linear_num_key_heads", 16), size("linear_num_value_heads", 32)
+    if hv % hk:
+        raise ConfigError(f"{source}: linear_num_value_heads ({hv}) must be a multiple of "
+                          f"linear_num_key_heads ({hk})")
+    kd, vd = size("linear_key_head_dim", 128), size("linear_value_head_dim", 128)
+    if kd > 256:
+        raise ConfigError(f"{source}: linear_key_head_dim {kd} is larger than the gated delta "
+                          f"rule kernels support (256)")
+    width = size("linear_conv_kernel_dim", 4)
+    if not 2 <= width <= 4:
+        raise ConfigError(f"{source}: linear_conv_kernel_dim must be 2, 3 or 4 (the causal "
+                          f"conv1d kernel's widths), got {width}")
+    return rope, LinearAttnConfig(layer_types=tuple(types), num_key_heads=hk,
+                                  num_value_heads=hv, key_head_dim=kd, value_head_dim=vd,
+                                  conv_kernel_dim=width, rotary_dim=rotary_dim)
+
+
 def _parse_moe(d: dict, fam: _Family, layers: int, source: str) -> MoeConfig:
     """The experts of an MoE family, with transformers' defaults and layer rule.
 
@@ -787,7 +910,10 @@ def _parse_moe(d: dict, fam: _Family, layers: int, source: str) -> MoeConfig:
     layer sparse. DeepSeek-V3: ``n_routed_experts`` (256), ``num_experts_per_tok`` (8),
     ``moe_intermediate_size`` (2048), ``norm_topk_prob`` (true), ``n_group`` (8) /
     ``topk_group`` (4), ``routed_scaling_factor`` (2.5), ``n_shared_experts`` (1); layer ``i``
-    is sparse iff ``i >= first_k_dense_replace`` (3)."""
+    is sparse iff ``i >= first_k_dense_replace`` (3). Qwen3-Next: Qwen3-MoE's rule and names
+    with ``Qwen3NextConfig``'s defaults (512 experts, 10 per token, ``moe_intermediate_size``
+    512, ``norm_topk_prob`` true) and a shared expert of ``shared_expert_intermediate_size``
+    (512) scaled by its sigmoid gate."""
     def count(key: str, default: int, *, zero: bool = False) -> int:
         v = d.get(key)
         v = default if v is None else v
@@ -826,10 +952,14 @@ def _parse_moe(d: dict, fam: _Family, layers: int, source: str) -> MoeConfig:
                         routed_scaling_factor=float(scaling), score_correction_bias=True,
                         shared_intermediate_size=count("n_shared_experts", 1, zero=True) * inter)
     else:
+        qwen3_next = fam.moe == "qwen3_next"
         key = "num_experts" if "num_experts" in d else "num_local_experts"
-        experts = count(key, 128, zero=True)
-        inter = count("moe_intermediate_size", 768)
-        norm = d.get("norm_topk_prob", False)
+        experts = count(key, 512 if qwen3_next else 128, zero=True)
+        inter = count("moe_intermediate_size", 512 if qwen3_next else 768)
+        norm = d.get("norm_topk_prob", qwen3_next)
+        if qwen3_next:
+            deepseek = dict(shared_intermediate_size=count("shared_expert_intermediate_size", 512),
+                            shared_expert_gate=True)
         if not isinstance(norm, bool):
             raise ConfigError(f"{source}: norm_topk_prob must be true or false, got {norm!r}")
         weights_dtype = "model"
@@ -842,11 +972,11 @@ def _parse_moe(d: dict, fam: _Family, layers: int, source: str) -> MoeConfig:
                               f"[0, {layers}), got {only!r}")
         sparse = tuple(i not in only and experts > 0 and (i + 1) % step == 0
                        for i in range(layers))
-    top_k = count("num_experts_per_tok", 2 if fam.moe == "mixtral" else 8)
+    top_k = count("num_experts_per_tok", {"mixtral": 2, "qwen3_next": 10}.get(fam.moe, 8))
     if any(sparse) and top_k > experts:
         raise ConfigError(f"{source}: num_experts_per_tok ({top_k}) must not exceed the number "
                           f"of experts ({experts})")
-    if deepseek and any(sparse) and top_k > deepseek["topk_group"] * (experts // deepseek["n_group"]):
+    if "topk_group" in deepseek and any(sparse) and top_k > deepseek["topk_group"] * (experts // deepseek["n_group"]):
         raise ConfigError(f"{source}: num_experts_per_tok ({top_k}) must not exceed the experts "
                           f"of topk_group ({deepseek['topk_group']}) groups of "
                           f"{experts // deepseek['n_group']}")
@@ -1150,6 +1280,7 @@ def shape_config(name: str, *, dtype: str | None = None) -> ModelArchConfig:
 
 __all__ = [
     "FAMILIES",
+    "LinearAttnConfig",
     "MlaConfig",
     "ModelArchConfig",
     "MoeConfig",

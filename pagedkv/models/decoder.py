@@ -387,6 +387,22 @@ class DecoderForCausalLM(nn.Module):
             hidden = hidden + delta
         return self.norm(hidden)
 
+    def forward_layer_modules(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                              kv_caches: Sequence, attn) -> torch.Tensor:
+        """The eager forward of the families whose layers are one module call each
+        (``layer(hidden, cos, sin, cache, plan, backend) -> hidden``, ``cache`` and ``plan``
+        the layer's entries of ``kv_caches`` and ``attn.plans``): embeddings, the layers in
+        order, the final norm."""
+        self.check_inputs(input_ids, positions, kv_caches)
+        attn = self.step_attention(attn)
+        seq_lens = tokens_seq_lens(attn.metadata, input_ids.shape[0]) if self.rotary.is_dynamic else None
+        cos, sin = self._rope(positions, seq_lens)
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        backend = self.attn_backend
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+            hidden = layer(hidden, cos, sin, cache, attn.plans[i], backend)
+        return self.norm(hidden)
+
     def check_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor,
                      kv_caches: Sequence[torch.Tensor]) -> None:
         """The forward's argument checks: flat ``[T]`` ids and positions, one cache per layer."""

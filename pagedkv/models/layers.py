@@ -139,5 +139,13 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
+    def hf_entries(self, name: str) -> dict:
+        """The Hugging Face tensors ``{name}.gate_proj`` / ``.up_proj`` (rows of the fused
+        ``gate_up_proj``) and ``{name}.down_proj`` (``name``: e.g. ``model.layers.{i}.mlp``)."""
+        m = self.gate_up_proj.hf_entries_of_shards({"gate": name + ".gate_proj",
+                                                    "up": name + ".up_proj"})
+        m.update(self.down_proj.hf_entries(name + ".down_proj"))
+        return m
+
 
 __all__ = ["GatedMLP", "Linear", "MergedLinear", "QKVProjection", "RMSNorm", "rms_norm", "silu_and_mul"]

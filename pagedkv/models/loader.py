@@ -4,10 +4,10 @@ file, or shards listed by ``model.safetensors.index.json``) and the tokenizer.
 Name checking is strict: every tensor the architecture needs must be present exactly once with
 the right shape, in one of the model's tensor layouts (``hf_weight_layouts``: one for dense
 models; per-expert or stacked experts for MoE models), and every tensor present must be used
-(``rotary_emb.inv_freq`` buffers of old checkpoints, ``lm_head.weight`` of tied models and
+(``rotary_emb.inv_freq`` buffers of old checkpoints, ``lm_head.weight`` of tied models,
 DeepSeek-V3's multi-token-prediction layers ``model.layers.{L + i}.*``, ``i <
-num_nextn_predict_layers``, are the only ones skipped). Errors list the tensors and files
-involved.
+num_nextn_predict_layers``, and Qwen3-Next's ``mtp.*`` are the only ones skipped). Errors list
+the tensors and files involved.
 """
 
 from __future__ import annotations
@@ -111,6 +111,8 @@ def _ignorable(name: str, config: ModelArchConfig) -> bool:
         if layer.isdigit() and isinstance(mtp, int) and (
                 config.num_hidden_layers <= int(layer) < config.num_hidden_layers + mtp):
             return True
+    if config.linear_attn is not None and name.startswith("mtp."):
+        return True  # Qwen3-Next's multi-token-prediction module (transformers skips it too)
     return config.tie_word_embeddings and name == "lm_head.weight"
 
 

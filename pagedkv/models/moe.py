@@ -14,7 +14,9 @@ inside the ``topk_group`` best of ``n_group`` groups (a group scores the sum of 
 weighted by their plain scores (divided by their sum + 1e-20 with ``norm_topk_prob``) times
 ``routed_scaling_factor``, in float32. Its shared experts are one dense gated MLP
 (``shared_experts``, ``n_shared_experts * moe_intermediate_size`` wide) added to the routed
-output.
+output. Qwen3-Next routes as Qwen3-MoE (weights in the model dtype) and adds one shared expert
+(``shared_expert_intermediate_size`` wide) scaled by ``sigmoid(x W_g^T)``
+(``shared_expert_gate``, ``W_g [1, H]``), as its ``Qwen3NextSparseMoeBlock``.
 
 Experts are stacked weights: ``w13 [E, 2I, H]`` (each expert's gate rows then its up rows:
 one GEMM) and ``w2 [E, H, I]``. On CUDA the Triton fused-MoE kernel runs them
@@ -28,7 +30,8 @@ hub holds (Qwen3-MoE ``mlp.experts.{e}.{gate,up,down}_proj.weight``, Mixtral
 layout (``save_pretrained(save_original_format=False)``: ``mlp.experts.gate_up_proj``,
 ``mlp.experts.down_proj``, ``mlp.gate.weight`` for both families). DeepSeek-V3 names its
 experts as Qwen3-MoE does, plus ``mlp.gate.e_score_correction_bias`` and
-``mlp.shared_experts.{gate,up,down}_proj.weight`` (both layouts).
+``mlp.shared_experts.{gate,up,down}_proj.weight`` (both layouts); Qwen3-Next as Qwen3-MoE,
+plus ``mlp.shared_expert.{gate,up,down}_proj.weight`` and ``mlp.shared_expert_gate.weight``.
 """
 
 from __future__ import annotations
@@ -47,7 +50,10 @@ _PER_EXPERT_NAMES = {
     "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
     "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
     "deepseek_v3": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "qwen3_next": ("mlp", "gate_proj", "up_proj", "down_proj"),
 }
+# the shared expert(s)' module name, by family
+_SHARED_NAMES = {"deepseek_v3": "shared_experts", "qwen3_next": "shared_expert"}
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
@@ -86,7 +92,8 @@ def route_grouped_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Te
 class SparseMoeBlock(nn.Module):
     """Router (``gate``: ``[E, H]``, no bias) + experts ``w13 [E, 2I, H]``, ``w2 [E, H, I]``;
     DeepSeek-V3 (``moe.scoring == "sigmoid"``): a float32 router with
-    ``e_score_correction_bias [E]`` and ``shared_experts`` (a :class:`GatedMLP`)."""
+    ``e_score_correction_bias [E]`` and ``shared_experts`` (a :class:`GatedMLP`); Qwen3-Next:
+    ``shared_experts`` times ``sigmoid(shared_expert_gate(x))``."""
 
     def __init__(self, hidden_size: int, moe: MoeConfig, family: str, *, dtype=None, device=None):
         super().__init__()
@@ -110,6 +117,8 @@ class SparseMoeBlock(nn.Module):
         self.w2 = nn.Parameter(torch.empty(e, h, i, dtype=dtype, device=device), requires_grad=False)
         self.shared_experts = GatedMLP(h, moe.shared_intermediate_size, bias=False, dtype=dtype,
                                        device=device) if moe.shared_intermediate_size else None
+        self.shared_expert_gate = Linear(h, 1, bias=False, dtype=dtype, device=device) \
+            if moe.shared_expert_gate else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(topk_weights, topk_ids)`` of the tokens ``x [T, H]``."""
@@ -131,7 +140,10 @@ class SparseMoeBlock(nn.Module):
         else:
             out = fused_moe_ref(x, self.w13, self.w2, weights, ids)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            shared = self.shared_experts(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         return out
 
     def hf_entries(self, prefix: str, layout: str) -> dict:
@@ -142,7 +154,7 @@ class SparseMoeBlock(nn.Module):
             m = {p + "gate.weight": (self.gate.weight, None),
                  p + "experts.gate_up_proj": (self.w13, None),
                  p + "experts.down_proj": (self.w2, None)}
-            return self._deepseek_entries(p, m)
+            return self._shared_entries(p, m)
         if layout != "per_expert":
             raise ValueError(f"unknown MoE checkpoint layout {layout!r}; one of {LAYOUTS}")
         module, gate, up, down = _PER_EXPERT_NAMES[self.family]
@@ -154,17 +166,18 @@ class SparseMoeBlock(nn.Module):
             m[f"{p}experts.{e}.{gate}.weight"] = (w13, (0, i))
             m[f"{p}experts.{e}.{up}.weight"] = (w13, (i, i))
             m[f"{p}experts.{e}.{down}.weight"] = (self.w2.data[e], None)
-        return self._deepseek_entries(p, m)
+        return self._shared_entries(p, m)
 
-    def _deepseek_entries(self, p: str, m: dict) -> dict:
-        """DeepSeek-V3's router bias and shared experts (``p`` = ``model.layers.{i}.mlp.``)."""
+    def _shared_entries(self, p: str, m: dict) -> dict:
+        """DeepSeek-V3's router bias and shared experts, Qwen3-Next's shared expert and its
+        gate (``p`` = ``model.layers.{i}.mlp.``)."""
         if self.e_score_correction_bias is not None:
             m[p + "gate.e_score_correction_bias"] = (self.e_score_correction_bias, None)
         if self.shared_experts is not None:
-            s = self.shared_experts
-            m.update(s.gate_up_proj.hf_entries_of_shards(
-                {"gate": p + "shared_experts.gate_proj", "up": p + "shared_experts.up_proj"}))
-            m.update(s.down_proj.hf_entries(p + "shared_experts.down_proj"))
+            m.update(self.shared_experts.hf_entries(
+                p + _SHARED_NAMES.get(self.family, "shared_experts")))
+        if self.shared_expert_gate is not None:
+            m.update(self.shared_expert_gate.hf_entries(p + "shared_expert_gate"))
         return m
 
 

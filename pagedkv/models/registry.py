@@ -8,6 +8,7 @@ from pagedkv.models.decoder import DecoderForCausalLM
 from pagedkv.models.deepseek_v3 import DeepseekV3ForCausalLM
 from pagedkv.models.gemma import GemmaForCausalLM
 from pagedkv.models.moe_decoder import MoeForCausalLM
+from pagedkv.models.qwen3_next import Qwen3NextForCausalLM
 
 
 def _model_class(arch: str) -> type[DecoderForCausalLM]:
@@ -15,6 +16,8 @@ def _model_class(arch: str) -> type[DecoderForCausalLM]:
         return GemmaForCausalLM
     if FAMILIES[arch].mla:
         return DeepseekV3ForCausalLM
+    if FAMILIES[arch].linear_attn:
+        return Qwen3NextForCausalLM
     if FAMILIES[arch].moe:
         return MoeForCausalLM
     return DecoderForCausalLM
@@ -22,7 +25,8 @@ def _model_class(arch: str) -> type[DecoderForCausalLM]:
 
 # one generic decoder for the Llama-like families; Gemma 2 / 3 have their own layers; the
 # mixture-of-experts families (Qwen3-MoE, Mixtral) the decoder's layers with sparse MLPs;
-# DeepSeek-V3 its latent-attention layers
+# DeepSeek-V3 its latent-attention layers; Qwen3-Next its Gated-DeltaNet and gated attention
+# layers
 MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     arch: _model_class(arch) for arch in SUPPORTED_ARCHITECTURES
 }

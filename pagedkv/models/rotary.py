@@ -107,7 +107,14 @@ def compute_inv_freq(
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, heads, head_dim]`` by per-token angles (``cos``/``sin``: ``[T, head_dim//2]``)."""
+    """Rotate ``x [T, heads, head_dim]`` by per-token angles (``cos``/``sin``: ``[T, head_dim//2]``).
+
+    Partial rotary (Qwen3-Next's ``partial_rotary_factor``): with ``cos``/``sin`` of
+    ``[T, rotary_dim // 2]``, ``rotary_dim < head_dim``, only the first ``rotary_dim``
+    dimensions rotate (halves of that part, as transformers); the rest pass unchanged."""
+    rot = 2 * cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     half = x.shape[-1] // 2
     c = cos.to(x.dtype).unsqueeze(-2)
     s = sin.to(x.dtype).unsqueeze(-2)
