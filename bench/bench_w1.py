@@ -289,9 +289,10 @@ def main(argv=None) -> int:
                 traceback.print_exc()
         if model is not None and args.hf_static:
             try:
-                hf = run_hf_static(model, args.hf_static_batch)
+                hf = run_hf_static(model, args.hf_static_batch, new_tokens=args.hf_max_new_tokens)
                 record["hf_static"] = hf
-                rows.append((f"transformers generate static {args.hf_static_batch}x512->256",
+                rows.append((f"transformers generate static {args.hf_static_batch}x512->"
+                             f"{args.hf_max_new_tokens}",
                              f"{hf['output_tokens_per_s']:,.0f} tok/s"))
             except Exception as e:
                 record["hf_static_error"] = f"{type(e).__name__}: {e}"
