@@ -146,19 +146,26 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,
         plan: AttentionPlan,
         scale: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write ``k``/``v`` into ``kv_cache`` at the plan's slot mapping and return the
-        attention output ``[T, num_heads, head_dim]``."""
+        attention output ``[T, num_heads, head_dim]``. ``sinks``: the layer's attention sinks
+        ``[num_heads]`` (GPT-OSS; a per-layer weight, so it comes with the call, not the
+        group's plan): one logit per query head that joins the softmax denominator as
+        ``exp(sink)`` (see ``paged_attention_ref``); None: plain softmax."""
 
     def forward_with_metadata(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor | None,
                               v: torch.Tensor | None, kv_cache: torch.Tensor,
                               metadata: AttentionMetadataLike, scale: float,
-                              **variant) -> torch.Tensor:
+                              sinks: torch.Tensor | None = None, **variant) -> torch.Tensor:
         """One layer of one step from its metadata: :meth:`plan` (for this layer's layout;
         ``variant``: ``sliding_window`` / ``logits_soft_cap``), then :meth:`forward` (tests and
-        single-layer drivers)."""
+        single-layer drivers; ``sinks`` as :meth:`forward` takes them)."""
         layout = AttentionLayout.of(q, kv_cache, **variant)
-        return self.forward(layer_idx, q, k, v, kv_cache, self.plan(metadata, layout), scale)
+        plan = self.plan(metadata, layout)
+        if sinks is None:
+            return self.forward(layer_idx, q, k, v, kv_cache, plan, scale)
+        return self.forward(layer_idx, q, k, v, kv_cache, plan, scale, sinks=sinks)
 
     def graph_variants(self, num_reqs: int, num_kv_heads: int, device: torch.device) -> tuple:
         """The values of the host decision a decode graph of ``num_reqs`` requests bakes in

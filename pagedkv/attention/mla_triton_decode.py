@@ -90,6 +90,29 @@ def default_mla_decode_config(device: torch.device) -> MLADecodeConfig:
 
 
 @triton.jit
+def _latent_tile(acc, l_i, m_i, q_c, q_r, tok, valid, c_ptr, dl, dr, scale_log2,
+                 RANK: tl.constexpr, ROPE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One tile of the online softmax over latent rows: the rows at element offsets ``tok``
+    (``valid`` ones only; others are never read), scores ``q_c c^T + q_r k_pe^T`` (base 2),
+    ``acc += P c``. Heads that have seen no valid row yet keep ``m = -inf`` and zero sums (the
+    sparse MLA kernel's tiles may hold none). Also the tile of ``mla_sparse_attention``."""
+    c = tl.load(c_ptr + tok[:, None] + dl[None, :], mask=valid[:, None] & (dl < RANK)[None, :],
+                other=0.0)
+    kr = tl.load(c_ptr + tok[:, None] + RANK + dr[None, :],
+                 mask=valid[:, None] & (dr < ROPE)[None, :], other=0.0)
+    scores = tl.dot(q_c, tl.trans(c), input_precision=DOT_PREC)
+    scores = tl.dot(q_r, tl.trans(kr), scores, input_precision=DOT_PREC)
+    scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # shift an all -inf row by 0
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(scores - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None], input_precision=DOT_PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _mla_decode_tile(acc, l_i, m_i, q_c, q_r, t, seq_len, c_ptr, bt_row, bt_width, c_sb, c_st,
                      dl, dr, scale_log2, RANK: tl.constexpr, ROPE: tl.constexpr,
                      BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -99,19 +122,8 @@ def _mla_decode_tile(acc, l_i, m_i, q_c, q_r, t, seq_len, c_ptr, bt_row, bt_widt
     valid = (n < seq_len) & (col < bt_width)
     blk = tl.load(bt_row + col, mask=valid, other=0).to(tl.int64)
     tok = blk * c_sb + (n % BLOCK_SIZE).to(tl.int64) * c_st
-    c = tl.load(c_ptr + tok[:, None] + dl[None, :], mask=valid[:, None] & (dl < RANK)[None, :],
-                other=0.0)
-    kr = tl.load(c_ptr + tok[:, None] + RANK + dr[None, :],
-                 mask=valid[:, None] & (dr < ROPE)[None, :], other=0.0)
-    scores = tl.dot(q_c, tl.trans(c), input_precision=DOT_PREC)
-    scores = tl.dot(q_r, tl.trans(kr), scores, input_precision=DOT_PREC)
-    scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None], input_precision=DOT_PREC)
-    return acc, l_i, m_new
+    return _latent_tile(acc, l_i, m_i, q_c, q_r, tok, valid, c_ptr, dl, dr, scale_log2, RANK,
+                        ROPE, DOT_PREC)
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_splits", "min_split_tiles", "zero_rows"])
@@ -308,8 +320,9 @@ def mla_decode_attention(
         _decode_reduce_kernel[(num_reqs, num_heads)](
             query_start_loc, seq_lens, num_reqs, num_splits, min_split_tiles, 0,
             out, out.stride(0), out.stride(1),
-            m_buf, l_buf, acc_buf,
+            m_buf, l_buf, acc_buf, q,  # no attention sinks (q is never read as one)
             NUM_HEADS=num_heads, HEAD_DIM=rank, D_PAD=l_pad, TILE_N=cfg.tile_n, SPLIT_CHUNK=8,
+            HAS_SINKS=False,
             num_warps=4 if l_pad >= 128 else 1,
         )
     return out

@@ -26,6 +26,7 @@ def paged_attention_ref(
     *,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q [T, H, D]`` over each request's paged context (read only).
 
@@ -33,7 +34,9 @@ def paged_attention_ref(
     itself included, as transformers' and vLLM's windows); only the blocks that hold such keys
     are read (older ones may be the null block, as the sliding-window manager leaves them).
     ``logits_soft_cap`` c: scores become ``c * tanh(scores / c)`` before the softmax.
-    Rows past ``metadata.num_actual_tokens`` are zero.
+    ``sinks [H]`` (GPT-OSS's attention sinks): per query head one more logit in the softmax,
+    as is (not scaled or capped), whose probability is dropped: ``exp(sink)`` joins the
+    denominator only. Rows past ``metadata.num_actual_tokens`` are zero.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
@@ -81,7 +84,12 @@ def paged_attention_ref(
         # their V rows are zeroed so that 0 * NaN (a never-written slot) cannot occur
         v = torch.where((k_pos >= k_lo)[:, None, None], v, torch.zeros((), dtype=v.dtype))
         scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:
+            sink = sinks.to(torch.float32).reshape(num_kv_heads, group, 1, 1)
+            scores = torch.cat((scores, sink.expand(-1, -1, q_len, 1)), dim=-1)
+            probs = torch.softmax(scores, dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         o = torch.einsum("hgqk,khd->qhgd", probs, v.to(torch.float32))
         out[start:end] = o.reshape(q_len, num_heads, head_dim).to(q.dtype)
     return out
@@ -112,6 +120,7 @@ class TorchRefBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         plan: AttentionPlan,
         scale: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         metadata = plan.metadata
         if k is not None:
@@ -120,7 +129,7 @@ class TorchRefBackend(AttentionBackend):
         layout = plan.layout
         return paged_attention_ref(q, kv_cache, metadata, scale,
                                    sliding_window=layout.sliding_window,
-                                   logits_soft_cap=layout.logits_soft_cap)
+                                   logits_soft_cap=layout.logits_soft_cap, sinks=sinks)
 
 
 __all__ = ["TorchRefBackend", "paged_attention_ref"]

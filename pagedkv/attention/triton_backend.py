@@ -14,6 +14,9 @@
          selects it and it is available (CUDA, bf16/fp16);
   3. rows past ``query_start_loc[num_reqs]`` (CUDA-graph padding) are zero.
 
+A layer's attention sinks (``sinks [H]``, GPT-OSS) reach both kernels (the varlen path has
+none: a layer with sinks takes the paged prefill kernel instead).
+
 Host work per call reads only host ints and the metadata's ``*_cpu`` copies: a decode-only
 batch (``max_query_len <= 1``) costs no array work, except a sum and a max of its host lengths
 where the batch size is one the balanced-lengths rule of ``DecodeConfig`` can change (unless the
@@ -136,6 +139,7 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         plan: "TritonPlan",
         scale: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         check = not plan.checked
         if check:  # first layer of the step: the plan's layout and the launchers' shapes
@@ -150,7 +154,7 @@ class TritonAttentionBackend(AttentionBackend):
         window, cap = layout.sliding_window, layout.logits_soft_cap
         if not plan.triton:
             return paged_attention_ref(q, kv_cache, metadata, scale, sliding_window=window,
-                                       logits_soft_cap=cap)
+                                       logits_soft_cap=cap, sinks=sinks)
 
         n = plan.n
         out = torch.empty_like(q)
@@ -168,22 +172,22 @@ class TritonAttentionBackend(AttentionBackend):
                                    max_seq_len=plan.max_seq_len, balanced=plan.balanced,
                                    config=self.decode_config, zero_padded_rows=True,
                                    check=check, workspace=plan.workspace,
-                                   sliding_window=window, logits_soft_cap=cap)
+                                   sliding_window=window, logits_soft_cap=cap, sinks=sinks)
             return out
         if plan.end < q.shape[0]:
             out[plan.end:].zero_()
-        if plan.varlen:
+        if plan.varlen and sinks is None:  # torch's varlen kernel has no sinks
             varlen_prefill_attention(q, k, v, qsl[: n + 1], plan.end, plan.max_q, scale, out)
             return out
         if plan.has_decode:
             paged_decode_attention(q, kv_cache, table, qsl, seq_lens, n, scale, out,
                                    max_seq_len=plan.max_seq_len, config=self.decode_config,
                                    check=check, workspace=plan.workspace,
-                                   sliding_window=window, logits_soft_cap=cap)
+                                   sliding_window=window, logits_soft_cap=cap, sinks=sinks)
         paged_prefill_attention(q, kv_cache, table, qsl, seq_lens, n, scale, out,
                                 num_tokens=plan.end, skip_decode=plan.has_decode,
                                 config=self.prefill_config, check=check,
-                                sliding_window=window, logits_soft_cap=cap)
+                                sliding_window=window, logits_soft_cap=cap, sinks=sinks)
         return out
 
 

@@ -27,6 +27,10 @@ Kernel (``_decode_kernel``), grid ``(num_reqs, Hkv, num_splits)``:
     ranges). Merging inside the split kernel (the last range of a request merges, after an
     atomic ticket) was measured slower (BENCHMARKS.md) and is not used.
 
+Attention sinks (``sinks [H]``, GPT-OSS): each query head's learned logit joins the softmax
+denominator as ``exp(sink)`` once, where a request's output is normalized (the split kernel's
+direct write or the reduce kernel; ``_sink_denominator``, which the prefill kernel shares).
+
 CUDA graphs: the grid depends on host ints only (``num_reqs``, heads, the split count); lengths
 are read on the device; ``num_reqs``, the split count and the split minimum are runtime
 arguments, not specialized (one compiled variant of each kernel for every split choice: a
@@ -220,6 +224,19 @@ def _soft_cap(scores_log2, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _sink_denominator(l_i, m_i, sinks_ptr, head, mask, HAS_SINKS: tl.constexpr):
+    """The softmax denominator ``l_i`` (of base-2 scores with running max ``m_i``) plus each
+    head's attention sink ``exp(sink)`` (``sinks_ptr[head]``, natural-log units, as GPT-OSS
+    learns them): ``l + 2^(sink log2(e) - m)``; ``l_i`` itself without sinks. The sink joins
+    the denominator only (no value row). An overflow to inf (a sink ~88 above every score)
+    gives the right limit, an output of 0."""
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head, mask=mask, other=0.0).to(tl.float32)
+        return l_i + tl.exp2(sink * 1.4426950408889634 - m_i)
+    return l_i
+
+
+@triton.jit
 def _decode_tile(acc, l_i, m_i, q, t, seq_len, lo, k_ptr, v_ptr, bt_row, bt_width, c_sb, c_st,
                  head_off, d, scale_log2, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -256,8 +273,10 @@ def _decode_kernel(
     qsl_ptr, seq_ptr, num_reqs, num_splits, min_split_tiles, zero_rows, window,
     out_ptr, o_s0, o_s1,
     m_ptr, l_ptr, acc_ptr,
+    sinks_ptr,
     scale_log2,
     SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -315,6 +334,7 @@ def _decode_kernel(
     out_rows = out_ptr + q_row.to(tl.int64) * o_s0 + head[:, None] * o_s1 + d[None, :]
     if per >= n_tiles:
         # this request fits in one split: write the final output directly
+        l_i = _sink_denominator(l_i, m_i, sinks_ptr, head, g < GROUP, HAS_SINKS)
         tl.store(out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=gd_mask)
     else:
         part = (r.to(tl.int64) * NUM_HEADS + head) * num_splits + s
@@ -328,11 +348,13 @@ def _decode_reduce_kernel(
     qsl_ptr, seq_ptr, num_reqs, num_splits, min_split_tiles, window,
     out_ptr, o_s0, o_s1,
     m_ptr, l_ptr, acc_ptr,
+    sinks_ptr,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     TILE_N: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -368,6 +390,7 @@ def _decode_reduce_kernel(
         acc = acc * alpha + tl.sum(w[:, None] * a, 0)
         m_run = m_new
         sp += SPLIT_CHUNK
+    l_run = _sink_denominator(l_run, m_run, sinks_ptr, h, h < NUM_HEADS, HAS_SINKS)
     tl.store(out_ptr + q_row.to(tl.int64) * o_s0 + h.to(tl.int64) * o_s1 + d,
              (acc / l_run).to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
@@ -391,6 +414,7 @@ def paged_decode_attention(
     workspace: dict | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each single-token request's query row over its paged context.
 
@@ -418,6 +442,9 @@ def paged_decode_attention(
         sliding_window: W: the query (at ``seq_len - 1``) sees positions ``>= seq_len - W``;
             only the tiles holding them are read and split (the rest may be the null block).
         logits_soft_cap: c: scores become ``c tanh(s / c)`` before the softmax.
+        sinks: ``[H]`` attention sinks (GPT-OSS): per query head a logit (natural units, not
+            scaled, not soft-capped) that joins the softmax's denominator only, as
+            ``exp(sink)``; any float dtype, on ``q``'s device.
     Returns ``out``.
     """
     fn = "paged_decode_attention"
@@ -435,11 +462,13 @@ def paged_decode_attention(
         return out
     window = _check_window(fn, sliding_window)
     softcap = _check_softcap(fn, logits_soft_cap)
+    if check:
+        check_sinks(fn, sinks, q)
     if not use_triton(_decode_kernel, q):
         return paged_decode_attention_ref(q, kv_cache, block_table, query_start_loc, seq_lens,
                                           num_reqs, scale, out, zero_padded_rows=zero_padded_rows,
                                           sliding_window=sliding_window,
-                                          logits_soft_cap=logits_soft_cap)
+                                          logits_soft_cap=logits_soft_cap, sinks=sinks)
     cfg = config or default_decode_config(q.device)
     span = max_seq_len if not window or max_seq_len is None else min(max_seq_len, window)
     auto_splits, min_split_tokens = choose_split(num_reqs, shape.num_kv_heads, span,
@@ -471,8 +500,9 @@ def paged_decode_attention(
         window,
         out, out.stride(0), out.stride(1),
         m_buf, l_buf, acc_buf,
+        q if sinks is None else sinks,  # never read without sinks
         float(scale) * LOG2E,
-        SOFTCAP=softcap,
+        SOFTCAP=softcap, HAS_SINKS=sinks is not None,
         NUM_HEADS=shape.num_heads, GROUP=shape.group, GROUP_PAD=group_pad,
         HEAD_DIM=shape.head_dim, D_PAD=d_pad, BLOCK_SIZE=shape.block_size,
         TILE_N=cfg.tile_n,
@@ -484,8 +514,9 @@ def paged_decode_attention(
             query_start_loc, seq_lens, num_reqs, num_splits, min_split_tiles, window,
             out, out.stride(0), out.stride(1),
             m_buf, l_buf, acc_buf,
+            q if sinks is None else sinks,
             NUM_HEADS=shape.num_heads, HEAD_DIM=shape.head_dim, D_PAD=d_pad,
-            TILE_N=cfg.tile_n, SPLIT_CHUNK=8,
+            TILE_N=cfg.tile_n, SPLIT_CHUNK=8, HAS_SINKS=sinks is not None,
             num_warps=4 if d_pad >= 128 else 1,
         )
     return out
@@ -509,6 +540,7 @@ def paged_decode_attention_ref(
     workspace: dict | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain torch twin of :func:`paged_decode_attention` (``paged_attention_ref`` on the
     single-token requests; reads lengths back to the host). The launch hints are ignored."""
@@ -534,7 +566,7 @@ def paged_decode_attention_ref(
     )
     idx = torch.tensor(rows, dtype=torch.int64, device=q.device)
     res = paged_attention_ref(q[idx], kv_cache, meta, scale, sliding_window=sliding_window,
-                              logits_soft_cap=logits_soft_cap)
+                              logits_soft_cap=logits_soft_cap, sinks=sinks)
     out[idx] = res.to(out.dtype)
     return out
 
@@ -546,6 +578,19 @@ def _check_window(fn: str, window) -> int:
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ConfigError(f"{fn}: sliding_window must be an int >= 1 or None, got {window!r}")
     return window
+
+
+def check_sinks(fn: str, sinks, q: torch.Tensor) -> None:
+    """``sinks``: None or a float tensor ``[H]`` (one logit per query head) on ``q``'s device."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point() \
+            or tuple(sinks.shape) != (q.shape[1],) or sinks.device != q.device:
+        raise ConfigError(f"{fn}: sinks must be a float tensor [num_heads={q.shape[1]}] on "
+                          f"{q.device}, got {getattr(sinks, 'dtype', type(sinks).__name__)} "
+                          f"{tuple(getattr(sinks, 'shape', ()))} on {getattr(sinks, 'device', '-')}")
+    if sinks.stride(0) != 1:
+        raise ConfigError(f"{fn}: sinks must be contiguous")
 
 
 def _check_softcap(fn: str, cap) -> float:
@@ -562,6 +607,7 @@ __all__ = [
     "INTERPRET_DECODE_CONFIG",
     "MAX_SPLITS",
     "choose_num_splits",
+    "check_sinks",
     "choose_split",
     "default_decode_config",
     "lengths_balanced",

@@ -44,7 +44,13 @@ from pagedkv.attention._triton_common import (
     interpreted,
 )
 from pagedkv.attention.torch_ref import paged_attention_ref
-from pagedkv.attention.triton_decode import _check_softcap, _check_window, _soft_cap
+from pagedkv.attention.triton_decode import (
+    _check_softcap,
+    _check_window,
+    _sink_denominator,
+    _soft_cap,
+    check_sinks,
+)
 from pagedkv.errors import ConfigError
 from pagedkv.kernels._common import check_tensor, next_pow2, use_triton
 
@@ -144,9 +150,11 @@ def _prefill_kernel(
     bt_ptr, bt_s0, bt_width,
     qsl_ptr, seq_ptr, num_reqs, skip_decode, window,
     out_ptr, o_s0, o_s1,
+    sinks_ptr,
     scale_log2,
     HAS_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -230,6 +238,7 @@ def _prefill_kernel(
                                          window, d, scale_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
                                          D_PAD, True, DOT_PREC, HAS_WINDOW, SOFTCAP)
             start += BLOCK_N
+    l_i = _sink_denominator(l_i, m_i, sinks_ptr, h, h >= 0, HAS_SINKS)
     o = acc / l_i[:, None]
     tl.store(out_ptr + rows[:, None] * o_s0 + h * o_s1 + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=md_mask)
@@ -251,6 +260,7 @@ def paged_prefill_attention(
     check: bool = True,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of every request's query rows over its paged context.
 
@@ -266,6 +276,8 @@ def paged_prefill_attention(
         check: validate the arguments (False: the caller validated the same shapes already).
         sliding_window: W: a query at ``p`` sees keys ``p - W < k <= p`` (blocks before a
             tile's first window are not read). logits_soft_cap: c: scores -> ``c tanh(s / c)``.
+        sinks: ``[H]`` attention sinks (GPT-OSS), as ``paged_decode_attention`` takes them:
+            ``exp(sink)`` joins each row's softmax denominator.
     Returns ``out``.
     """
     fn = "paged_prefill_attention"
@@ -280,13 +292,15 @@ def paged_prefill_attention(
         raise ConfigError(f"{fn}: num_tokens must be a host int >= 0, got {num_tokens!r}")
     window = _check_window(fn, sliding_window)
     softcap = _check_softcap(fn, logits_soft_cap)
+    if check:
+        check_sinks(fn, sinks, q)
     if num_reqs == 0 or num_tokens == 0:
         return out
     if not use_triton(_prefill_kernel, q):
         return paged_prefill_attention_ref(q, kv_cache, block_table, query_start_loc, seq_lens,
                                            num_reqs, scale, out, skip_decode=skip_decode,
                                            sliding_window=sliding_window,
-                                           logits_soft_cap=logits_soft_cap)
+                                           logits_soft_cap=logits_soft_cap, sinks=sinks)
     cfg = config or default_prefill_config(q.device)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     grid = (num_tokens // cfg.block_m + num_reqs, shape.num_heads)
@@ -296,8 +310,9 @@ def paged_prefill_attention(
         block_table, block_table.stride(0), block_table.shape[1],
         query_start_loc, seq_lens, num_reqs, int(bool(skip_decode)), window,
         out, out.stride(0), out.stride(1),
+        q if sinks is None else sinks,  # never read without sinks
         float(scale) * LOG2E,
-        HAS_WINDOW=window > 0, SOFTCAP=softcap,
+        HAS_WINDOW=window > 0, SOFTCAP=softcap, HAS_SINKS=sinks is not None,
         GROUP=shape.group, HEAD_DIM=shape.head_dim,
         D_PAD=max(16, next_pow2(shape.head_dim)), BLOCK_SIZE=shape.block_size,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -322,6 +337,7 @@ def paged_prefill_attention_ref(
     config: PrefillConfig | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain torch twin of :func:`paged_prefill_attention` (``paged_attention_ref`` per request;
     reads lengths back to the host). The launch hints are ignored."""
@@ -341,7 +357,7 @@ def paged_prefill_attention_ref(
     meta = SimpleNamespace(query_start_loc_cpu=sub_qsl, num_reqs=len(keep),
                            seq_lens_cpu=lens[keep], block_table_tensor=block_table[keep])
     out[rows] = paged_attention_ref(q[rows], kv_cache, meta, scale, sliding_window=sliding_window,
-                                    logits_soft_cap=logits_soft_cap).to(out.dtype)
+                                    logits_soft_cap=logits_soft_cap, sinks=sinks).to(out.dtype)
     return out
 
 
