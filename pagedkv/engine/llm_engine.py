@@ -101,7 +101,6 @@ class _RequestState:
     request: Request
     metrics: RequestMetrics
     detokenizer: IncrementalDetokenizer | None
-    output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
@@ -118,6 +117,12 @@ class _RequestState:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def output_token_ids(self) -> Sequence[int]:
+        """The request's output tokens: the scheduler's list itself (a sampled token is
+        appended once on this side, by the scheduler; the runner keeps its own rows)."""
+        return self.request.output_token_ids
 
     def _sync_text(self) -> None:
         d = self.detokenizer
@@ -501,7 +506,6 @@ class LLMEngine:
             m = st.metrics
             if toks:
                 n_tokens += len(toks)
-                st.output_token_ids.extend(toks)
                 if m.first_token_time is None:
                     m.first_token_time = now
                 m.last_token_time = now

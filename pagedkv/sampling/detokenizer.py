@@ -91,7 +91,7 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(context)
         self._prefix_text: str | None = None  # decode(ids[prefix:read]), computed lazily
-        self.output_token_ids: list[int] = []
+        self.num_output_tokens = 0  # output tokens fed (the engine's request owns the list)
         self.output_text = ""
         self._emitted = 0  # characters of output_text already returned
         self.stop_string: str | None = None
@@ -150,17 +150,17 @@ class IncrementalDetokenizer:
 
         check_from = len(self.output_text)
         for t in ids:
-            self.output_token_ids.append(t)
+            self.num_output_tokens += 1
             self._ids.append(t)
             self.output_text += self._advance(final=False)
-            if len(self.output_token_ids) <= self.min_tokens:
+            if self.num_output_tokens <= self.min_tokens:
                 check_from = len(self.output_text)
         if skipped is not None:
-            self.output_token_ids.append(skipped)
+            self.num_output_tokens += 1
         if finished:
             self.output_text += self._advance(final=True)
 
-        if (self.stop and len(self.output_token_ids) > self.min_tokens
+        if (self.stop and self.num_output_tokens > self.min_tokens
                 and len(self.output_text) > check_from):
             match = find_stop_string(self.output_text, check_from, self.stop)
             if match is not None:
