@@ -25,6 +25,10 @@ data plane (``check_step``)
   ``slot-collision``    no two tokens of one step share a slot (per group)
   ``null-write``        no slot lies in the null block
   ``slot-owner``        every slot lies in a block that the token's request holds
+  ``state-index``       a state group's (``SlotMappingMode.NONE``) state index of each live row
+                        is a block the row's request holds, not the null block (mode none:
+                        column 0; align: the block holding the step's last token), and no
+                        two live rows share one; state groups get no slots
 """
 
 from __future__ import annotations
@@ -181,6 +185,7 @@ def check_step(
             t = nt + int(np.nonzero(slots[nt:] != -1)[0][0])
             raise InvariantError("padding", "slot of a padded token is not -1", group=gid, token=t)
         if mode != SlotMappingMode.TOKEN_TO_KV_SLOT:
+            _check_state_indices(batch, mgr, gid, num_reqs, seq_lens)
             continue
         B = bt.block_sizes[gid]
         view = bt[gid].block_table.np
@@ -217,3 +222,30 @@ def check_step(
                         group=gid, token=int(t), row=row, req_id=req_id, slot=int(s[t]),
                         block=int(blocks[t]),
                     )
+
+
+def _check_state_indices(batch, mgr, gid: int, num_reqs: int, seq_lens: np.ndarray) -> None:
+    """``state-index`` (see the module docstring), from the committed CPU table with the
+    rule the state layers' metadata applies (``mamba_state_indices``)."""
+    from pagedkv.core.spec import MambaCacheMode, MambaSpec
+
+    spec = mgr.kv_cache_spec
+    if not isinstance(spec, MambaSpec) or num_reqs == 0:
+        return
+    view = batch.block_table[gid].block_table.np[:num_reqs]
+    if spec.mamba_cache_mode == MambaCacheMode.ALIGN:
+        cols = np.maximum((seq_lens[:num_reqs].astype(np.int64) - 1) // spec.block_size, 0)
+    else:
+        cols = np.zeros(num_reqs, dtype=np.int64)
+    idx = view[np.arange(num_reqs), np.minimum(cols, view.shape[1] - 1)].astype(np.int64)
+    for row in range(num_reqs):
+        req_id = batch.req_ids[row]
+        owned = {b.block_id for b in mgr.req_to_blocks.get(req_id, ()) if not b.is_null}
+        if idx[row] <= 0 or int(idx[row]) not in owned:
+            raise InvariantError("state-index", "a live row's state index is not a block its "
+                                 "request holds", group=gid, row=row, req_id=req_id,
+                                 column=int(cols[row]), state_index=int(idx[row]))
+    if np.unique(idx).size != idx.size:
+        vals, counts = np.unique(idx, return_counts=True)
+        raise InvariantError("state-index", "two live rows share a state block", group=gid,
+                             state_index=int(vals[counts > 1][0]))

@@ -258,3 +258,25 @@ def test_align_copies_follow_the_block_boundary():
     # after 16 and 32 computed tokens (decode steps), never inside a block
     moved = [c for c, pairs in copies if pairs]
     assert moved == [16, 32]
+
+
+def test_sanitizer_state_index_rule():
+    from pagedkv.errors import InvariantError
+    from pagedkv.sanitizer import _check_state_indices
+
+    model = ToyStateModel()
+    sched, runner = _engine(model, prefix=True, max_num_batched_tokens=64)
+    seen = []
+    runner.step_check = lambda step: seen.append(
+        (step.seq_lens_cpu.numpy().copy(), step.num_reqs))
+    for rid, p in _prompts([40, 20], seed=5).items():
+        sched.add_request(sched.make_request(rid, p, max_tokens=4, ignore_eos=True))
+    so = sched.schedule()
+    sched.update_from_output(so, runner.execute_model(so))
+    seq, n = seen[-1]
+    mgr = sched.kv_cache_manager.coordinator.single_type_managers[1]
+    _check_state_indices(runner.input_batch, mgr, 1, n, seq)  # the real step passes
+    # the column of a state 16 tokens further on holds no block of the request yet
+    with pytest.raises(InvariantError) as e:
+        _check_state_indices(runner.input_batch, mgr, 1, n, seq + 16)
+    assert e.value.rule == "state-index"
