@@ -11,6 +11,12 @@
     out[t] = sum_j topk_weights[t, j] * w2[e] (silu(w13[e, :I] x[t]) * w13[e, I:] x[t]),
              e = topk_ids[t, j]
 
+Options (GPT-OSS's experts): ``gate_up_interleaved`` (w13's rows alternate gate / up: row
+``2i`` is gate unit ``i``, row ``2i + 1`` its up unit, as GPT-OSS stores ``gate_up_proj``);
+biases ``b13 [E, 2I]`` (in w13's row order) and ``b2 [E, H]`` added to the two products; the
+activation (``GatedActivation``): ``silu(gate) * up`` or GPT-OSS's clamped SwiGLU
+``(clamp(up, -limit, limit) + 1) * g sigmoid(alpha g)``, ``g = min(gate, limit)``.
+
 The ``T * k`` (token, choice) pairs are sorted by expert (stable: within one expert in pair
 order ``t * k + j``); each expert that received tokens runs its two GEMMs on its contiguous
 segment only (no dense all-experts compute). The weighted outputs are summed over the ``k``
@@ -51,6 +57,8 @@ results differ by about one ulp of the intermediate.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -60,10 +68,42 @@ from pagedkv.errors import ConfigError
 from pagedkv.kernels._common import cdiv, next_pow2
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ACTIVATIONS = ("silu", "swiglu_clamp")
+
+
+@dataclass(frozen=True)
+class GatedActivation:
+    """The experts' gated activation of ``(gate, up)``: ``"silu"`` (``silu(gate) * up``) or
+    ``"swiglu_clamp"`` (GPT-OSS: ``g = min(gate, limit)``, ``u = clamp(up, -limit, limit)``,
+    ``(u + 1) * g * sigmoid(alpha * g)``). The Triton kernel computes the same in float32."""
+
+    name: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __post_init__(self):
+        if self.name not in ACTIVATIONS:
+            raise ConfigError(f"unknown expert activation {self.name!r}; one of {ACTIVATIONS}")
+        if not (self.alpha > 0 and self.limit > 0):
+            raise ConfigError(f"GatedActivation: alpha and limit must be positive, got "
+                              f"{self.alpha}, {self.limit}")
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The torch form (in the inputs' dtype, as transformers' experts compute it)."""
+        if self.name == "silu":
+            return F.silu(gate) * up
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+SILU = GatedActivation()
 
 
 def check_moe_args(fn: str, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                   topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> tuple[int, int, int, int, int]:
+                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                   b13: torch.Tensor | None = None,
+                   b2: torch.Tensor | None = None) -> tuple[int, int, int, int, int]:
     """Shapes, dtypes and devices of the experts' arguments (metadata only: no host sync).
     Returns ``(T, H, E, I, k)``."""
     for name, t in (("x", x), ("w13", w13), ("w2", w2), ("topk_weights", topk_weights)):
@@ -86,7 +126,13 @@ def check_moe_args(fn: str, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
     if w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise ConfigError(f"{fn}: x, w13 and w2 must share one dtype, got {x.dtype}, "
                           f"{w13.dtype}, {w2.dtype}")
-    devices = {a.device for a in (x, w13, w2, topk_weights, topk_ids)}
+    for name, b, shape in (("b13", b13, (e, two_i)), ("b2", b2, (e, h))):
+        if b is not None and (not isinstance(b, torch.Tensor) or b.dtype not in FLOAT_DTYPES
+                              or tuple(b.shape) != shape or b.stride(-1) != 1):
+            raise ConfigError(f"{fn}: {name} must be a float tensor {list(shape)} contiguous in "
+                              f"its last dimension, got {getattr(b, 'dtype', type(b).__name__)} "
+                              f"{tuple(getattr(b, 'shape', ()))}")
+    devices = {a.device for a in (x, w13, w2, topk_weights, topk_ids, b13, b2) if a is not None}
     if len(devices) != 1:
         raise ConfigError(f"{fn}: all tensors must be on one device, got {sorted(map(str, devices))}")
     return t, h, e, two_i // 2, topk_ids.shape[1]
@@ -107,11 +153,24 @@ def weighted_sum(pair_out: torch.Tensor, topk_weights: torch.Tensor, dtype: torc
     return (pair_out * topk_weights.unsqueeze(-1)).sum(dim=1).to(dtype)
 
 
+def split_gate_up(gate_up: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gate, up)`` of ``[..., 2I]`` projections in w13's row order: halves, or alternating
+    units (``interleaved``)."""
+    if interleaved:
+        return gate_up[..., 0::2], gate_up[..., 1::2]
+    return gate_up.chunk(2, dim=-1)
+
+
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """Plain torch twin: sort the pairs by expert, per expert with tokens ``silu(gate) * up``
-    then ``down`` on its segment (model dtype, as ``F.linear``), un-sort, weighted sum."""
-    t, h, e, inter, k = check_moe_args("fused_moe_ref", x, w13, w2, topk_weights, topk_ids)
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                  b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                  activation: GatedActivation = SILU,
+                  gate_up_interleaved: bool = False) -> torch.Tensor:
+    """Plain torch twin: sort the pairs by expert, per expert with tokens the gated activation
+    (``silu(gate) * up`` by default) then ``down`` on its segment (model dtype, as
+    ``F.linear``; biases added there), un-sort, weighted sum."""
+    t, h, e, inter, k = check_moe_args("fused_moe_ref", x, w13, w2, topk_weights, topk_ids,
+                                       b13, b2)
     if t == 0:
         return x.new_zeros((0, h))
     lo, hi = int(topk_ids.min()), int(topk_ids.max())  # host syncs: the reference may
@@ -126,8 +185,9 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         if n == 0:
             continue
         seg = rows[start:start + n]
-        gate, up = F.linear(seg, w13[expert]).chunk(2, dim=-1)
-        out[start:start + n] = F.linear(F.silu(gate) * up, w2[expert])
+        gate_up = F.linear(seg, w13[expert], None if b13 is None else b13[expert].to(x.dtype))
+        act = activation(*split_gate_up(gate_up, gate_up_interleaved))
+        out[start:start + n] = F.linear(act, w2[expert], None if b2 is None else b2[expert].to(x.dtype))
         start += n
     pair_out = torch.empty_like(out)
     pair_out[order] = out  # back to pair order t * k + j
@@ -183,9 +243,12 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gate_up_kernel(x_ptr, sx0, sx1, w_ptr, sw0, sw1, sw2, out_ptr, so0, so1,
-                        pairs_ptr, block_expert_ptr, num_pairs, HIDDEN: tl.constexpr,
+                        pairs_ptr, block_expert_ptr, num_pairs, b_ptr, sb0, alpha, limit,
+                        HIDDEN: tl.constexpr,
                         INTER: tl.constexpr, TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+                        INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        SWIGLU_CLAMP: tl.constexpr):
     b = tl.program_id(0)
     e = tl.load(block_expert_ptr + b)
     if e >= NUM_EXPERTS:
@@ -196,6 +259,10 @@ def _moe_gate_up_kernel(x_ptr, sx0, sx1, w_ptr, sw0, sw1, sw2, out_ptr, so0, so1
     token = tl.where(valid, pair // TOP_K, 0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < INTER
+    if INTERLEAVED:  # w13 rows alternate gate / up units
+        g_row, u_row = 2 * n, 2 * n + 1
+    else:
+        g_row, u_row = n, n + INTER
     w_base = w_ptr + e * sw0
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -205,21 +272,31 @@ def _moe_gate_up_kernel(x_ptr, sx0, sx1, w_ptr, sw0, sw1, sw2, out_ptr, so0, so1
         a = tl.load(x_ptr + token[:, None] * sx0 + kk[None, :] * sx1,
                     mask=valid[:, None] & k_ok[None, :], other=0.0)
         w_mask = k_ok[:, None] & n_ok[None, :]
-        wg = tl.load(w_base + n[None, :].to(tl.int64) * sw1 + kk[:, None] * sw2, mask=w_mask, other=0.0)
-        wu = tl.load(w_base + (n[None, :] + INTER).to(tl.int64) * sw1 + kk[:, None] * sw2,
+        wg = tl.load(w_base + g_row[None, :].to(tl.int64) * sw1 + kk[:, None] * sw2, mask=w_mask,
+                     other=0.0)
+        wu = tl.load(w_base + u_row[None, :].to(tl.int64) * sw1 + kk[:, None] * sw2,
                      mask=w_mask, other=0.0)
         acc_g = tl.dot(a, wg, acc_g, input_precision=PREC)
         acc_u = tl.dot(a, wu, acc_u, input_precision=PREC)
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    if HAS_BIAS:
+        acc_g += tl.load(b_ptr + e * sb0 + g_row, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_ptr + e * sb0 + u_row, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if SWIGLU_CLAMP:  # GPT-OSS: (clamp(up) + 1) * g sigmoid(alpha g), g = min(gate, limit)
+        g = tl.minimum(acc_g, limit)
+        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        h = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
+    else:
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     tl.store(out_ptr + rows[:, None] * so0 + n[None, :] * so1, h.to(out_ptr.dtype.element_ty),
              mask=valid[:, None] & n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_down_kernel(h_ptr, sh0, sh1, w_ptr, sw0, sw1, sw2, out_ptr, so0, so1, rw_ptr, srw0, srw1,
-                     pairs_ptr, block_expert_ptr, num_pairs, HIDDEN: tl.constexpr,
+                     pairs_ptr, block_expert_ptr, num_pairs, b_ptr, sb0, HIDDEN: tl.constexpr,
                      INTER: tl.constexpr, TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+                     HAS_BIAS: tl.constexpr):
     b = tl.program_id(0)
     e = tl.load(block_expert_ptr + b)
     if e >= NUM_EXPERTS:
@@ -240,6 +317,8 @@ def _moe_down_kernel(h_ptr, sh0, sh1, w_ptr, sw0, sw1, sw2, out_ptr, so0, so1, r
         w = tl.load(w_base + n[None, :].to(tl.int64) * sw1 + kk[:, None] * sw2,
                     mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, w, acc, input_precision=PREC)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + e * sb0 + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     rw = tl.load(rw_ptr + (pair // TOP_K) * srw0 + (pair % TOP_K) * srw1, mask=valid, other=0.0)
     acc = acc * rw.to(tl.float32)[:, None]
     tl.store(out_ptr + pair[:, None] * so0 + n[None, :] * so1, acc.to(out_ptr.dtype.element_ty),
@@ -247,12 +326,15 @@ def _moe_down_kernel(h_ptr, sh0, sh1, w_ptr, sw0, sw1, sw2, out_ptr, so0, so1, r
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+              b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+              activation: GatedActivation = SILU,
+              gate_up_interleaved: bool = False) -> torch.Tensor:
     """The experts with the Triton kernels (CUDA tensors, or any tensors under the Triton
     interpreter): same signature and result as :func:`fused_moe_ref` (see the module
     docstring). No host sync: CUDA-graph safe. ``topk_ids`` must lie in ``[0, E)`` (not
     checked: that would read the device)."""
-    t, h, e, inter, k = check_moe_args("fused_moe", x, w13, w2, topk_weights, topk_ids)
+    t, h, e, inter, k = check_moe_args("fused_moe", x, w13, w2, topk_weights, topk_ids, b13, b2)
     if t == 0:
         return x.new_zeros((0, h))
     num_pairs = t * k
@@ -264,17 +346,21 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     _moe_gate_up_kernel[(blocks, cdiv(inter, bn))](
         x, x.stride(0), x.stride(1), w13, w13.stride(0), w13.stride(1), w13.stride(2),
         inter_buf, inter_buf.stride(0), inter_buf.stride(1), sorted_pairs, block_expert,
-        num_pairs, HIDDEN=h, INTER=inter, TOP_K=k, NUM_EXPERTS=e, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        PREC=prec, num_warps=warps, num_stages=stages)
+        num_pairs, x if b13 is None else b13, 0 if b13 is None else b13.stride(0),  # x: unread
+        float(activation.alpha), float(activation.limit),
+        HIDDEN=h, INTER=inter, TOP_K=k, NUM_EXPERTS=e, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        PREC=prec, INTERLEAVED=bool(gate_up_interleaved), HAS_BIAS=b13 is not None,
+        SWIGLU_CLAMP=activation.name == "swiglu_clamp", num_warps=warps, num_stages=stages)
     pair_out = _empty((num_pairs, h), torch.promote_types(x.dtype, topk_weights.dtype), x.device)
     _moe_down_kernel[(blocks, cdiv(h, bn))](
         inter_buf, inter_buf.stride(0), inter_buf.stride(1), w2, w2.stride(0), w2.stride(1),
         w2.stride(2), pair_out, pair_out.stride(0), pair_out.stride(1), topk_weights,
         topk_weights.stride(0), topk_weights.stride(1), sorted_pairs, block_expert, num_pairs,
+        x if b2 is None else b2, 0 if b2 is None else b2.stride(0),
         HIDDEN=h, INTER=inter, TOP_K=k, NUM_EXPERTS=e, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREC=prec,
-        num_warps=warps, num_stages=stages)
+        HAS_BIAS=b2 is not None, num_warps=warps, num_stages=stages)
     return pair_out.view(t, k, h).sum(dim=1).to(x.dtype)
 
 
-__all__ = ["check_moe_args", "fused_moe", "fused_moe_ref", "moe_align", "moe_block_config",
-           "sort_by_expert", "weighted_sum"]
+__all__ = ["ACTIVATIONS", "GatedActivation", "SILU", "check_moe_args", "fused_moe", "fused_moe_ref",
+           "moe_align", "moe_block_config", "sort_by_expert", "split_gate_up", "weighted_sum"]

@@ -153,3 +153,94 @@ def test_gpu_kernel_in_a_cuda_graph():
         ids.copy_(ids_new)
         graph.replay()
         torch.testing.assert_close(out, fused_moe(x, w13, w2, w, ids), atol=0, rtol=0)
+
+
+# ---- GPT-OSS's experts: biases, gate/up rows interleaved, the clamped SwiGLU
+
+
+def test_clamped_swiglu_hand_computed():
+    act = fm.GatedActivation("swiglu_clamp", alpha=1.0, limit=1.0)
+    gate, up = torch.tensor([2.0, 0.0, -3.0]), torch.tensor([3.0, -0.5, -4.0])
+    # g = min(gate, 1) = (1, 0, -3); u = clamp(up, -1, 1) = (1, -0.5, -1)
+    want = torch.tensor([2.0 / (1 + torch.e ** -1.0), 0.0, 0.0 * -3.0 / (1 + torch.e ** 3.0)])
+    torch.testing.assert_close(act(gate, up), want)
+    torch.testing.assert_close(fm.SILU(gate, up), torch.nn.functional.silu(gate) * up)
+    with pytest.raises(ConfigError, match="activation"):
+        fm.GatedActivation("gelu")
+
+
+def _gpt_oss_inputs(seed, t, e, k, h, inter, dtype, device="cpu", scale=0.6):
+    """Inputs with biases, large enough products that the clamp (limit 1.5) bites."""
+    x, w13, w2, w, ids = _inputs(seed, t, e, k, h, inter, dtype, device, scale=scale)
+    g = torch.Generator().manual_seed(seed + 1)
+    b13 = (torch.randn(e, 2 * inter, generator=g) * 0.5).to(dtype).to(device)
+    b2 = (torch.randn(e, h, generator=g) * 0.5).to(dtype).to(device)
+    return x, w13, w2, w, ids, b13, b2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("t,e,k,h,inter", CASES[:4])
+def test_kernel_gpt_oss_experts_match_reference(kernel_device, poisoned_scratch, t, e, k, h,
+                                                inter, dtype, interleaved):
+    x, w13, w2, w, ids, b13, b2 = _gpt_oss_inputs(t + 7 * e, t, e, k, h, inter, dtype,
+                                                  kernel_device)
+    act = fm.GatedActivation("swiglu_clamp", alpha=1.702, limit=1.5)
+    kw = dict(b13=b13, b2=b2, activation=act, gate_up_interleaved=interleaved)
+    got = fused_moe(x, w13, w2, w, ids, **kw)
+    ref = fused_moe_ref(x, w13, w2, w, ids, **kw)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+    else:  # fp16: the kernel keeps float32 inside; against the float32 twin
+        f = lambda a: None if a is None else a.float()  # noqa: E731
+        want = fused_moe_ref(f(x), f(w13), f(w2), f(w), ids, **dict(kw, b13=f(b13), b2=f(b2)))
+        torch.testing.assert_close(got.float(), want, atol=8e-3, rtol=8e-3)
+    # the options matter: the clamp bites, the biases and the row order change the result
+    pre = torch.einsum("th,eih->tei", x.float(), w13.float()) + b13.float()
+    assert (pre > 1.5).any() and (pre < -1.5).any()
+    for other in (dict(kw, b2=None), dict(kw, b13=None), dict(kw, activation=fm.SILU),
+                  dict(kw, gate_up_interleaved=not interleaved)):
+        assert (fused_moe_ref(x, w13, w2, w, ids, **other) - ref).abs().max() > 1e-2
+
+
+def test_interleaved_rows_equal_halves(kernel_device, poisoned_scratch):
+    """w13 with alternating gate/up rows gives what the same weights in halves give."""
+    x, w13, w2, w, ids, b13, b2 = _gpt_oss_inputs(4, 9, 4, 2, 32, 24, torch.float32,
+                                                  kernel_device)
+    inter = 24
+    halves = torch.cat([w13[:, 0::2], w13[:, 1::2]], dim=1)
+    b_halves = torch.cat([b13[:, 0::2], b13[:, 1::2]], dim=1)
+    act = fm.GatedActivation("swiglu_clamp", limit=1.5)
+    a = fused_moe(x, w13, w2, w, ids, b13=b13, b2=b2, activation=act, gate_up_interleaved=True)
+    b = fused_moe(x, halves, w2, w, ids, b13=b_halves, b2=b2, activation=act)
+    assert halves.shape[1] == 2 * inter
+    torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+
+
+def test_bias_errors(kernel_device):
+    x, w13, w2, w, ids, b13, b2 = _gpt_oss_inputs(1, 4, 4, 2, 32, 16, torch.float32,
+                                                  kernel_device)
+    for bad in (dict(b13=b13[:, 1:]), dict(b2=b2.t()), dict(b2=b2[:, :5]),
+                dict(b13=b13.to(torch.int32))):
+        with pytest.raises(ConfigError, match="b13|b2"):
+            fused_moe(x, w13, w2, w, ids, **bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 64, 2048])
+def test_gpu_kernel_bf16_gpt_oss_20b_shape(poisoned_scratch, t):
+    """GPT-OSS-20B's experts (E 32, k 4, H = I = 2880, biases, interleaved gate/up, clamped
+    SwiGLU alpha 1.702 limit 7) in bf16 against the float32 twin, no worse than the bf16
+    twin (1.5x its error, or 2e-3)."""
+    e, k, h, inter = 32, 4, 2880, 2880
+    x, w13, w2, w, ids, b13, b2 = _gpt_oss_inputs(t, t, e, k, h, inter, torch.bfloat16, "cuda",
+                                                  scale=4 * h ** -0.5)
+    w = w.to(torch.bfloat16)
+    kw = dict(activation=fm.GatedActivation("swiglu_clamp"), gate_up_interleaved=True)
+    got = fused_moe(x, w13, w2, w, ids, b13=b13, b2=b2, **kw)
+    want = fused_moe_ref(x.float(), w13.float(), w2.float(), w.float(), ids, b13=b13.float(),
+                         b2=b2.float(), **kw)
+    ref = fused_moe_ref(x, w13, w2, w, ids, b13=b13, b2=b2, **kw)
+    err = (got.float() - want).norm() / want.norm()
+    ref_err = (ref.float() - want).norm() / want.norm()
+    assert err <= max(1.5 * ref_err, 2e-3), (float(err), float(ref_err))
