@@ -2,7 +2,8 @@
 
 ``ModelArchConfig.from_dict`` parses and validates a Hugging Face ``config.json`` of one of the
 supported decoder-only families (Llama, Qwen2, Qwen3, Mistral, Gemma 2/3, the
-mixture-of-experts Qwen3-MoE and Mixtral, and DeepSeek-V3 with multi-head latent attention)
+mixture-of-experts Qwen3-MoE and Mixtral, DeepSeek-V3 with multi-head latent attention and
+DeepSeek-V3.2 with its lightning indexer)
 into one frozen dataclass. The family decides the defaults of absent keys (as transformers
 does) and the structural flags of the generic decoder (q/k/v bias, o_proj bias, q/k RMSNorm);
 an MoE family adds its routing (``MoeConfig``), DeepSeek-V3 its latent attention
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pagedkv.errors import ConfigError, UnsupportedArchitectureError
@@ -54,6 +55,9 @@ class _Family:
     moe: str | None = None
     # multi-head latent attention (DeepSeek-V3, see _parse_mla)
     mla: bool = False
+    # DeepSeek sparse attention: the lightning indexer beside MLA (DeepSeek-V3.2, see
+    # _parse_indexer)
+    indexer: bool = False
     # Gated-DeltaNet linear attention beside gated full attention (Qwen3-Next, see
     # _parse_linear_attn)
     linear_attn: bool = False
@@ -147,6 +151,14 @@ FAMILIES["Qwen3NextForCausalLM"] = _Family(
     head_dim=256, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False,
     qk_norm=True, sliding=None, moe="qwen3_next", linear_attn=True)
 
+# DeepSeek-V3.2 (DSA): DeepSeek-V3 (MLA with q LoRA, always interleaved RoPE pairs; the same
+# MoE) plus the lightning indexer in every attention layer (IndexerConfig); mlp_layer_types,
+# when given, says which layers are sparse
+FAMILIES["DeepseekV32ForCausalLM"] = _Family(
+    name="deepseek_v32", max_position_embeddings=163840, bos_token_id=0, eos_token_id=1,
+    head_dim=None, qkv_bias=False, o_bias="attention_bias", mlp_bias=False, qk_norm=False,
+    sliding=None, moe="deepseek_v3", mla=True, indexer=True)
+
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(FAMILIES)
 
 
@@ -221,6 +233,22 @@ class MlaConfig:
     def latent_dim(self) -> int:
         """Width of one cached latent vector: ``kv_lora_rank + qk_rope_head_dim``."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class IndexerConfig:
+    """The lightning indexer of DeepSeek sparse attention (DeepSeek-V3.2), as transformers'
+    ``DeepseekV32Indexer``: ``n_heads`` query heads of ``head_dim`` from the query LoRA
+    (``wq_b``), one key of ``head_dim`` per token (``wk``, LayerNorm ``k_norm``), per-head
+    weights ``weights_proj(x)``; RoPE (halves, not interleaved) on the first ``rope_dim``
+    (``qk_rope_head_dim``) dimensions of queries and keys. Each token attends to the ``topk``
+    cached positions of its request with the highest ``sum_h w_h relu(q_h . k)``."""
+
+    n_heads: int
+    head_dim: int
+    topk: int
+    rope_dim: int
+
 
 @dataclass(frozen=True)
 class LinearAttnConfig:
@@ -453,6 +481,9 @@ class ModelArchConfig:
     # head of the KV cache (the query/key head is ``mla.qk_head_dim``); ``attn_scale`` the
     # softmax scale (``qk_head_dim ** -0.5``, times YaRN's ``mscale_all_dim`` factor squared)
     mla: MlaConfig | None = None
+    # DeepSeek-V3.2 only: the lightning indexer (its key cache is a second cache layer per
+    # attention layer)
+    indexer: IndexerConfig | None = None
     # Qwen3-Next only: linear-attention (Gated-DeltaNet) layers beside gated full attention
     linear_attn: LinearAttnConfig | None = None
     raw: dict = field(default_factory=dict, compare=False, repr=False)
@@ -492,7 +523,8 @@ class ModelArchConfig:
     def kv_cache_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V (MLA: of the one latent vector), all layers, for one token."""
         if self.mla is not None:
-            return self.num_hidden_layers * self.mla.latent_dim * dtype_bytes
+            per_layer = self.mla.latent_dim + (self.indexer.head_dim if self.indexer else 0)
+            return self.num_hidden_layers * per_layer * dtype_bytes
         return 2 * self.num_hidden_layers * self.kv_size * dtype_bytes
 
     def _mla_attention_parameters(self) -> int:
@@ -513,6 +545,10 @@ class ModelArchConfig:
             attn += h
         if self.mla is not None:
             attn = self._mla_attention_parameters()
+        if self.indexer is not None:  # wq_b, wk, k_norm (weight + bias), weights_proj
+            x = self.indexer
+            attn += (self.mla.q_lora_rank * x.n_heads * x.head_dim + h * x.head_dim
+                     + 2 * x.head_dim + h * x.n_heads)
         mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
         norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         per_layer = attn + mlp + norms
@@ -627,7 +663,11 @@ class ModelArchConfig:
         moe = _parse_moe(d, fam, layers, source) if fam.moe else None
         gemma_fields = {}
         if mla is not None:
-            gemma_fields = dict(attn_scale=_mla_softmax_scale(mla, rope), mla=mla)
+            if fam.indexer:
+                gemma_fields = dict(indexer=_parse_indexer(d, mla, source))
+                # transformers' DeepseekV32Attention always rotates interleaved pairs
+                mla = replace(mla, rope_interleave=True)
+            gemma_fields.update(attn_scale=_mla_softmax_scale(mla, rope), mla=mla)
         if fam.gemma:
             def opt_num(key, default):
                 v = d.get(key, default)
@@ -831,6 +871,24 @@ def _parse_mla(d: dict, source: str) -> MlaConfig:
                      rope_interleave=interleave, attention_bias=bias)
 
 
+def _parse_indexer(d: dict, mla: MlaConfig, source: str) -> IndexerConfig:
+    """DeepSeek-V3.2's indexer, with ``DeepseekV32Config``'s defaults (``index_n_heads`` 64,
+    ``index_head_dim`` 128, ``index_topk`` 2048). Its queries come from the query LoRA, so
+    ``q_lora_rank`` must be set; RoPE covers the first ``qk_rope_head_dim`` dimensions."""
+    if mla.q_lora_rank is None:
+        raise ConfigError(f"{source}: DeepSeek-V3.2's indexer reads the query LoRA; "
+                          "q_lora_rank must be a positive integer, not null")
+    sizes = {}
+    for key, default in (("index_n_heads", 64), ("index_head_dim", 128), ("index_topk", 2048)):
+        v = d.get(key)
+        sizes[key] = _pos_int(default if v is None else v, key, source)
+    if sizes["index_head_dim"] < mla.qk_rope_head_dim:
+        raise ConfigError(f"{source}: index_head_dim ({sizes['index_head_dim']}) must be at "
+                          f"least qk_rope_head_dim ({mla.qk_rope_head_dim}), its rotary part")
+    return IndexerConfig(n_heads=sizes["index_n_heads"], head_dim=sizes["index_head_dim"],
+                         topk=sizes["index_topk"], rope_dim=mla.qk_rope_head_dim)
+
+
 def _mla_softmax_scale(mla: MlaConfig, rope: RopeConfig) -> float:
     """``qk_head_dim ** -0.5``, and with a scaled RoPE whose ``mscale_all_dim`` is set, times
     ``yarn_mscale(factor, mscale_all_dim) ** 2`` (transformers' ``yarn_apply_mscale``; the
@@ -937,6 +995,13 @@ def _parse_moe(d: dict, fam: _Family, layers: int, source: str) -> MoeConfig:
         weights_dtype = "float32"  # the router runs in float32
         first_dense = count("first_k_dense_replace", 3, zero=True)
         sparse = tuple(i >= first_dense for i in range(layers))
+        kinds = d.get("mlp_layer_types") if fam.indexer else None
+        if kinds is not None:  # DeepSeek-V3.2: the layer kinds, when listed, decide
+            if not isinstance(kinds, list) or len(kinds) != layers or not set(kinds) <= {
+                    "dense", "sparse"}:
+                raise ConfigError(f"{source}: mlp_layer_types must list 'dense' / 'sparse' for "
+                                  f"each of the {layers} layers, got {kinds!r}")
+            sparse = tuple(k == "sparse" for k in kinds)
         groups, topk_groups = count("n_group", 8), count("topk_group", 4)
         if experts % groups or experts // groups < 2:
             raise ConfigError(f"{source}: n_routed_experts ({experts}) must be a multiple of "
@@ -1280,6 +1345,7 @@ def shape_config(name: str, *, dtype: str | None = None) -> ModelArchConfig:
 
 __all__ = [
     "FAMILIES",
+    "IndexerConfig",
     "LinearAttnConfig",
     "MlaConfig",
     "ModelArchConfig",

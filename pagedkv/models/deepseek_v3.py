@@ -36,15 +36,18 @@ from pagedkv.models.rotary import RotaryEmbedding, tokens_seq_lens
 
 
 class DeepseekV3Layer(nn.Module):
+    attn_class = MLAttention  # the attention layer (DeepSeek-V3.2 subclasses it)
+
     def __init__(self, cfg: ModelArchConfig, layer_idx: int, *, dtype=None, device=None):
         super().__init__()
         h = cfg.hidden_size
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype, device=device)
-        self.self_attn = MLAttention(cfg, layer_idx, dtype=dtype, device=device)
+        self.self_attn = self.attn_class(cfg, layer_idx, dtype=dtype, device=device)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.sparse = cfg.moe.sparse_layers[layer_idx]
         if self.sparse:
-            self.mlp = SparseMoeBlock(h, cfg.moe, cfg.family, dtype=dtype, device=device)
+            # DeepSeek-V3's expert names (also those of DeepSeek-V3.2)
+            self.mlp = SparseMoeBlock(h, cfg.moe, "deepseek_v3", dtype=dtype, device=device)
         else:
             self.mlp = GatedMLP(h, cfg.intermediate_size, bias=False, dtype=dtype, device=device)
 
@@ -70,6 +73,9 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
     """DeepSeek-V3 (see the module docstring); the engine-facing interface of
     :class:`DecoderForCausalLM` (KV specs per layer, plans, logits, weights, random init)."""
 
+    # the decoder layer (DeepSeek-V3.2 subclasses it)
+    layer_class = DeepseekV3Layer
+
     def __init__(self, config: ModelArchConfig, *, backend: AttentionBackend | None = None,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         nn.Module.__init__(self)
@@ -83,7 +89,7 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
         h = config.hidden_size
         self.embed_tokens = nn.Parameter(
             torch.empty(config.vocab_size, h, dtype=dtype, device=device), requires_grad=False)
-        self.layers = nn.ModuleList(DeepseekV3Layer(config, i, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(self.layer_class(config, i, dtype=dtype, device=device)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(h, config.rms_norm_eps, dtype=dtype, device=device)
         self.lm_head = None if config.tie_word_embeddings else nn.Parameter(
@@ -144,9 +150,15 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
         cos, sin = self._rope(positions, seq_lens)
         hidden = F.embedding(input_ids, self.embed_tokens)
         backend = self.attn_backend
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            hidden = layer(hidden, cos, sin, kv_cache, attn.plans[i], backend)
+        for i, layer in enumerate(self.layers):
+            kv_cache, plan = self.layer_caches(i, kv_caches, attn.plans)
+            hidden = layer(hidden, cos, sin, kv_cache, plan, backend)
         return self.norm(hidden)
+
+    def layer_caches(self, i: int, kv_caches: Sequence[torch.Tensor], plans: Sequence) -> tuple:
+        """``(cache, plan)`` of layer ``i``'s attention: its entry of the cache layers
+        (DeepSeek-V3.2: a pair, latent and indexer keys)."""
+        return kv_caches[i], plans[i]
 
     # ---- weights
     def hf_weight_map(self, layout: str | None = None) -> dict:

@@ -72,15 +72,23 @@ class MLAttention(nn.Module):
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return apply_rotary(deinterleave(x) if self.rope_interleave else x, cos, sin)
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def query_lora(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``q_a_layernorm(q_a_proj(x))`` ``[T, q_lora_rank]``, the query LoRA's latent (None
+        with a plain ``q_proj``); DeepSeek-V3.2's indexer reads it too."""
+        if self.q_proj is not None:
+            return None
+        return self.q_a_layernorm(self.q_a_proj(x))
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                q_resid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(q [T, H, nope + rope], latent [T, L + R])`` of ``x [T, hidden]``: what the
-        backend attends with and writes into the latent cache."""
+        backend attends with and writes into the latent cache (``q_resid``: the
+        :meth:`query_lora` of ``x`` when the caller has it)."""
         t = x.shape[0]
         if self.q_proj is not None:
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = self.q_b_proj(self.query_lora(x) if q_resid is None else q_resid)
         q = q.view(t, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)

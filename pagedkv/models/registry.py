@@ -6,6 +6,7 @@ from pagedkv.errors import UnsupportedArchitectureError
 from pagedkv.models.config import FAMILIES, SUPPORTED_ARCHITECTURES
 from pagedkv.models.decoder import DecoderForCausalLM
 from pagedkv.models.deepseek_v3 import DeepseekV3ForCausalLM
+from pagedkv.models.deepseek_v32 import DeepseekV32ForCausalLM
 from pagedkv.models.gemma import GemmaForCausalLM
 from pagedkv.models.moe_decoder import MoeForCausalLM
 from pagedkv.models.qwen3_next import Qwen3NextForCausalLM
@@ -14,6 +15,8 @@ from pagedkv.models.qwen3_next import Qwen3NextForCausalLM
 def _model_class(arch: str) -> type[DecoderForCausalLM]:
     if FAMILIES[arch].gemma:
         return GemmaForCausalLM
+    if FAMILIES[arch].indexer:
+        return DeepseekV32ForCausalLM
     if FAMILIES[arch].mla:
         return DeepseekV3ForCausalLM
     if FAMILIES[arch].linear_attn:

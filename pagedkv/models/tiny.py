@@ -42,8 +42,9 @@ FAMILY_ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "deepseek_v32": "DeepseekV32ForCausalLM",
 }
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v32")
 # transformers config class per family where it is not "<Architecture minus ForCausalLM>Config"
 CONFIG_CLASSES = {"gemma3": "Gemma3TextConfig"}
 
@@ -123,6 +124,12 @@ class TinySpec:
     topk_group: int = 1
     n_shared_experts: int = 1
     routed_scaling_factor: float = 2.5
+    # DeepSeek-V3.2 (deepseek_v32: DeepSeek-V3's options, RoPE always interleaved, q LoRA
+    # required) adds the lightning indexer: index_n_heads query heads of index_head_dim (its
+    # first qk_rope_head_dim dimensions rotated), top-k of index_topk positions per token
+    index_n_heads: int = 16
+    index_head_dim: int = 16
+    index_topk: int = 8
 
     def validate(self) -> None:
         if self.family not in FAMILY_ARCHITECTURES:
@@ -138,8 +145,8 @@ class TinySpec:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"tiny dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.attention_bias and self.family not in ("llama", "qwen3", "qwen3_moe", "gemma2",
-                                                       "gemma3", "deepseek_v3"):
-            raise ConfigError("attention_bias is a llama/qwen3/gemma/deepseek_v3 option")
+                                                       "gemma3", *DEEPSEEK_FAMILIES):
+            raise ConfigError("attention_bias is a llama/qwen3/gemma/deepseek option")
         if self.mlp_bias and self.family != "llama":
             raise ConfigError("mlp_bias is a llama option")
         if self.sliding_window is not None and self.family == "llama":
@@ -152,9 +159,16 @@ class TinySpec:
             raise ConfigError("mixtral: every layer is sparse, experts of intermediate_size, "
                               "always renormalized; only num_experts / num_experts_per_tok apply")
         mla_opts = [f for f in _MLA_DEFAULTS if getattr(self, f) != _MLA_DEFAULTS[f]]
-        if self.family != "deepseek_v3" and mla_opts:
-            raise ConfigError(f"{', '.join(mla_opts)}: options of deepseek_v3")
-        if self.family == "deepseek_v3":
+        if self.family not in DEEPSEEK_FAMILIES and mla_opts:
+            raise ConfigError(f"{', '.join(mla_opts)}: options of deepseek_v3 / deepseek_v32")
+        dsa_opts = [f for f in _DSA_DEFAULTS if getattr(self, f) != _DSA_DEFAULTS[f]]
+        if self.family != "deepseek_v32" and dsa_opts:
+            raise ConfigError(f"{', '.join(dsa_opts)}: options of deepseek_v32")
+        if self.family == "deepseek_v32" and (self.q_lora_rank is None or not self.rope_interleave
+                                              or self.index_head_dim < self.qk_rope_head_dim):
+            raise ConfigError("deepseek_v32: needs q_lora_rank, interleaved RoPE and "
+                              "index_head_dim >= qk_rope_head_dim")
+        if self.family in DEEPSEEK_FAMILIES:
             if set(moe_opts) & {"decoder_sparse_step", "mlp_only_layers"}:
                 raise ConfigError("deepseek_v3: sparse layers follow first_k_dense_replace")
             if self.num_experts % self.n_group or self.num_experts // self.n_group < 2:
@@ -177,7 +191,7 @@ class TinySpec:
 
     def key(self) -> str:
         d = asdict(self)
-        for f, default in {**_MOE_DEFAULTS, **_MLA_DEFAULTS}.items():  # absent at their
+        for f, default in {**_MOE_DEFAULTS, **_MLA_DEFAULTS, **_DSA_DEFAULTS}.items():  # absent at their
             if d[f] == default:  # defaults: older keys hold
                 del d[f]
         d["format"] = FORMAT_VERSION
@@ -192,6 +206,8 @@ _MLA_DEFAULTS = {f: getattr(TinySpec, f) for f in (
     "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
     "rope_interleave", "first_k_dense_replace", "n_group", "topk_group", "n_shared_experts",
     "routed_scaling_factor")}
+_DSA_DEFAULTS = {f: getattr(TinySpec, f) for f in ("index_n_heads", "index_head_dim", "index_topk")}
+DEEPSEEK_FAMILIES = ("deepseek_v3", "deepseek_v32")
 
 
 def default_cache_dir() -> str:
@@ -236,7 +252,7 @@ def hf_config_dict(spec: TinySpec) -> dict:
     elif spec.family == "mixtral":
         d.update(sliding_window=spec.sliding_window, num_local_experts=spec.num_experts,
                  num_experts_per_tok=spec.num_experts_per_tok)
-    elif spec.family == "deepseek_v3":
+    elif spec.family in DEEPSEEK_FAMILIES:
         del d["head_dim"]  # transformers sets it to qk_rope_head_dim
         d.update(num_key_value_heads=spec.num_heads, attention_bias=spec.attention_bias,
                  q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank,
@@ -248,6 +264,10 @@ def hf_config_dict(spec: TinySpec) -> dict:
                  first_k_dense_replace=spec.first_k_dense_replace, n_group=spec.n_group,
                  topk_group=spec.topk_group, n_shared_experts=spec.n_shared_experts,
                  routed_scaling_factor=spec.routed_scaling_factor)
+        if spec.family == "deepseek_v32":  # always interleaved; the indexer
+            del d["rope_interleave"]
+            d.update(index_n_heads=spec.index_n_heads, index_head_dim=spec.index_head_dim,
+                     index_topk=spec.index_topk)
     elif spec.family == "qwen3_moe":
         d.update(attention_bias=spec.attention_bias, num_experts=spec.num_experts,
                  num_experts_per_tok=spec.num_experts_per_tok,
@@ -372,10 +392,10 @@ def _build(spec: TinySpec, out_dir: str) -> None:
     model = model_cls(config)
     _fill_weights(model, spec)
     tok = train_tokenizer(spec.vocab_size, add_bos=spec.family in (
-        "llama", "mistral", "gemma2", "gemma3", "mixtral", "deepseek_v3"))
+        "llama", "mistral", "gemma2", "gemma3", "mixtral", *DEEPSEEK_FAMILIES))
     if tok.get_vocab_size() > spec.vocab_size:
         raise ConfigError(f"trained tokenizer has {tok.get_vocab_size()} tokens > vocab_size {spec.vocab_size}")
-    if spec.family == "deepseek_v3":
+    if spec.family in DEEPSEEK_FAMILIES:
         _fill_correction_bias(model, spec)
     if spec.family in MOE_FAMILIES:
         _spread_routing(model, tok)
