@@ -18,6 +18,7 @@ No torch import: the engine's control plane may read these values.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -61,6 +62,9 @@ class _Family:
     # Gated-DeltaNet linear attention beside gated full attention (Qwen3-Next, see
     # _parse_linear_attn)
     linear_attn: bool = False
+    # Mamba-2 mixers beside (Bamba) or in parallel with (Falcon-H1) attention: "bamba" or
+    # "falcon_h1" (see _parse_mamba)
+    mamba: str | None = None
 
 
 FAMILIES: dict[str, _Family] = {
@@ -158,6 +162,18 @@ FAMILIES["DeepseekV32ForCausalLM"] = _Family(
     name="deepseek_v32", max_position_embeddings=163840, bos_token_id=0, eos_token_id=1,
     head_dim=None, qkv_bias=False, o_bias="attention_bias", mlp_bias=False, qk_norm=False,
     sliding=None, moe="deepseek_v3", mla=True, indexer=True)
+
+# Bamba: Mamba-2 mixer layers, full attention on attn_layer_indices (RoPE on half of each
+# head); Falcon-H1: a Mamba-2 mixer and attention in parallel in every layer, muP multipliers
+# (MambaConfig)
+FAMILIES["BambaForCausalLM"] = _Family(
+    name="bamba", max_position_embeddings=262144, bos_token_id=1, eos_token_id=2,
+    head_dim=None, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias",
+    qk_norm=False, sliding=None, mamba="bamba")
+FAMILIES["FalconH1ForCausalLM"] = _Family(
+    name="falcon_h1", max_position_embeddings=8192, bos_token_id=1, eos_token_id=2,
+    head_dim=None, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias",
+    qk_norm=False, sliding=None, mamba="falcon_h1")
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(FAMILIES)
 
@@ -288,6 +304,87 @@ class LinearAttnConfig:
 
     def is_linear(self, layer: int) -> bool:
         return self.layer_types[layer] == "linear_attention"
+
+@dataclass(frozen=True)
+class MambaConfig:
+    """The Mamba-2 mixers of a hybrid family (Bamba, Falcon-H1) and what the family adds
+    around them, as transformers' ``BambaMixer`` / ``FalconH1Mixer`` and their decoder layers
+    run them.
+
+    ``layer_types[i]``: ``"mamba"`` (a mixer, ``model.layers.{i}.mamba``), ``"attention"``
+    (``self_attn``: Bamba's ``attn_layer_indices``) or ``"hybrid"`` (both on the same normed
+    input, outputs added: every Falcon-H1 layer). The mixer: ``in_proj`` gives ``[z | x | B |
+    C | dt]`` (``intermediate_size``, ``intermediate_size``, ``n_groups * d_state`` twice,
+    ``num_heads``); a causal depthwise conv1d of width ``d_conv`` with SiLU over ``[x | B | C]``
+    (``conv_dim`` channels); the SSD recurrence per head (``num_heads`` heads of ``head_dim``,
+    state ``[head_dim, d_state]``, ``A = -exp(A_log)``, ``dt' = softplus(dt + dt_bias)``
+    clamped to ``time_step_limit`` in prefill, unclamped in decode steps as transformers runs
+    them, skip ``D``); the gate: ``gated_norm`` an RMSNorm over each of ``n_groups`` groups
+    with weight ``w``, of ``y * silu(z)`` (Bamba; Falcon-H1 without ``norm_before_gate``) or
+    ``RMSNorm(y) * w * silu(z)`` (``norm_before_gate``), else plain ``y * silu(z)``
+    (Falcon-H1 without ``mamba_rms_norm``); ``out_proj``. Per-request states: conv
+    ``(d_conv - 1, conv_dim)``, SSM ``(num_heads, head_dim, d_state)``.
+
+    Falcon-H1's muP multipliers (all 1 for Bamba) scale the embeddings, the logits, the
+    attention input and output and its keys (before RoPE), the mixer input and output, the five
+    parts of ``in_proj``'s output (``ssm_multipliers``) and the MLP's gate and output
+    (``mlp_multipliers``). RoPE covers the first ``rotary_dim`` dimensions of each attention
+    head (Bamba: half the head, as transformers hard-codes it)."""
+
+    variant: str  # "bamba" | "falcon_h1"
+    layer_types: tuple[str, ...]
+    num_heads: int
+    head_dim: int
+    n_groups: int
+    d_state: int
+    d_conv: int
+    intermediate_size: int
+    conv_bias: bool
+    in_proj_bias: bool
+    out_proj_bias: bool
+    rotary_dim: int
+    time_step_limit: tuple[float, float] = (0.0, math.inf)
+    gated_norm: bool = True
+    norm_before_gate: bool = False
+    embedding_multiplier: float = 1.0
+    lm_head_multiplier: float = 1.0
+    attention_in_multiplier: float = 1.0
+    attention_out_multiplier: float = 1.0
+    key_multiplier: float = 1.0
+    ssm_in_multiplier: float = 1.0
+    ssm_out_multiplier: float = 1.0
+    ssm_multipliers: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0, 1.0)  # z, x, B, C, dt
+    mlp_multipliers: tuple[float, float] = (1.0, 1.0)  # gate, down
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the short convolution: ``[x | B | C]``."""
+        return self.intermediate_size + 2 * self.n_groups * self.d_state
+
+    @property
+    def in_proj_size(self) -> int:
+        return self.intermediate_size + self.conv_dim + self.num_heads
+
+    @property
+    def conv_state_shape(self) -> tuple[int, int]:
+        return (self.d_conv - 1, self.conv_dim)
+
+    @property
+    def ssm_state_shape(self) -> tuple[int, int, int]:
+        return (self.num_heads, self.head_dim, self.d_state)
+
+    def has_mixer(self, layer: int) -> bool:
+        return self.layer_types[layer] != "attention"
+
+    def has_attention(self, layer: int) -> bool:
+        return self.layer_types[layer] != "mamba"
+
+    def mixer_parameters(self, hidden_size: int) -> int:
+        p, c, inter = self.in_proj_size, self.conv_dim, self.intermediate_size
+        return (hidden_size * p + (p if self.in_proj_bias else 0) + c * self.d_conv
+                + (c if self.conv_bias else 0) + 3 * self.num_heads
+                + (inter if self.gated_norm else 0) + inter * hidden_size
+                + (hidden_size if self.out_proj_bias else 0))
 
 # --------------------------------------------------------------------------------------------
 # RoPE
@@ -486,6 +583,8 @@ class ModelArchConfig:
     indexer: IndexerConfig | None = None
     # Qwen3-Next only: linear-attention (Gated-DeltaNet) layers beside gated full attention
     linear_attn: LinearAttnConfig | None = None
+    # Bamba / Falcon-H1 only: the Mamba-2 mixers and the family's multipliers
+    mamba: MambaConfig | None = None
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived sizes
@@ -554,6 +653,11 @@ class ModelArchConfig:
         per_layer = attn + mlp + norms
         emb = v * h * (1 if self.tie_word_embeddings else 2)
         total = self.num_hidden_layers * per_layer + emb + h
+        if self.mamba is not None:  # Bamba / Falcon-H1: attention and / or a mixer per layer
+            m = self.mamba
+            layers = range(self.num_hidden_layers)
+            total += (sum(map(m.has_attention, layers)) - self.num_hidden_layers) * attn
+            total += sum(map(m.has_mixer, layers)) * m.mixer_parameters(h)
         if self.moe is not None:  # sparse layers: router + experts instead of the dense MLP
             m = self.moe
             sparse = m.num_experts * (h + 3 * h * m.intermediate_size) - mlp
@@ -644,7 +748,7 @@ class ModelArchConfig:
             act = d.get("hidden_act", "silu")
             if act != "silu":
                 raise ConfigError(f"{source}: hidden_act {act!r} is not supported; these families use 'silu'")
-        eps = d.get("rms_norm_eps", 1e-6)
+        eps = d.get("rms_norm_eps", 1e-5 if fam.mamba else 1e-6)
         if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps <= 0:
             raise ConfigError(f"{source}: rms_norm_eps must be a positive number, got {eps!r}")
 
@@ -652,11 +756,13 @@ class ModelArchConfig:
         max_pos = fam.max_position_embeddings if max_pos is None else _pos_int(
             max_pos, "max_position_embeddings", source
         )
-        local_rope = linear_attn = None
+        local_rope = linear_attn = mamba = None
         if fam.gemma == 3:
             rope, local_rope = _parse_gemma3_rope(d, max_pos, source)
         elif fam.linear_attn:
             rope, linear_attn = _parse_linear_attn(d, layers, head_dim, max_pos, source)
+        elif fam.mamba:
+            rope, mamba = _parse_mamba(d, fam, hidden, layers, head_dim, max_pos, source)
         else:
             rope = _parse_rope(d, max_pos)
         windows = _layer_windows(d, fam, layers, source)
@@ -734,6 +840,7 @@ class ModelArchConfig:
             layer_windows=windows,
             moe=moe,
             linear_attn=linear_attn,
+            mamba=mamba,
             raw=dict(d),
             **gemma_fields,
         )
@@ -955,6 +1062,123 @@ def _parse_linear_attn(d: dict, layers: int, head_dim: int, max_pos: int,
     return rope, LinearAttnConfig(layer_types=tuple(types), num_key_heads=hk,
                                   num_value_heads=hv, key_head_dim=kd, value_head_dim=vd,
                                   conv_kernel_dim=width, rotary_dim=rotary_dim)
+
+
+def _parse_mamba(d: dict, fam: _Family, hidden: int, layers: int, head_dim: int, max_pos: int,
+                 source: str) -> tuple[RopeConfig, MambaConfig]:
+    """Bamba's / Falcon-H1's RoPE and ``MambaConfig``, with ``BambaConfig``'s /
+    ``FalconH1Config``'s defaults: ``mamba_n_heads`` 128, ``mamba_d_head`` "auto" (the mixer
+    width / heads), ``mamba_n_groups`` 1, ``mamba_d_state`` 256, ``mamba_d_conv`` 4, mixer width
+    ``mamba_expand`` (2) x hidden (Falcon-H1: ``mamba_d_ssm``, default 1024, when not null),
+    ``mamba_conv_bias`` true, ``mamba_proj_bias`` false (Bamba's ``out_proj`` too; Falcon-H1's
+    ``out_proj`` has ``projectors_bias``), ``time_step_limit`` [0, inf] (null: no limit;
+    ``{"__float__": "Infinity"}`` as ``save_pretrained`` writes it). Bamba: attention on
+    ``attn_layer_indices`` (default none), RoPE on half of each head whatever
+    ``partial_rotary_factor`` says (transformers sets 0.5). Falcon-H1: every layer hybrid,
+    ``mamba_rms_norm`` false, ``mamba_norm_before_gate`` true, the multipliers 1."""
+    falcon = fam.mamba == "falcon_h1"
+
+    def size(key: str, default: int) -> int:
+        v = d.get(key)
+        return _pos_int(default if v is None else v, key, source)
+
+    def flag(key: str, default: bool) -> bool:
+        v = d.get(key)
+        v = default if v is None else v
+        if not isinstance(v, bool):
+            raise ConfigError(f"{source}: {key} must be true or false, got {v!r}")
+        return v
+
+    def number(v: Any, key: str) -> float:
+        if isinstance(v, dict) and set(v) == {"__float__"}:  # save_pretrained's inf / nan
+            try:
+                v = float(v["__float__"])
+            except (TypeError, ValueError):
+                pass
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ConfigError(f"{source}: {key} must be a number, got {v!r}")
+        return float(v)
+
+    def numbers(key: str, n: int) -> tuple[float, ...]:
+        v = d.get(key)
+        if v is None:
+            return (1.0,) * n
+        if not isinstance(v, list) or len(v) != n:
+            raise ConfigError(f"{source}: {key} must list {n} numbers, got {v!r}")
+        return tuple(number(x, key) for x in v)
+
+    heads, groups = size("mamba_n_heads", 128), size("mamba_n_groups", 1)
+    d_state, d_conv = size("mamba_d_state", 256), size("mamba_d_conv", 4)
+    inter = size("mamba_expand", 2) * hidden
+    if falcon and d.get("mamba_d_ssm", 1024) is not None:
+        inter = _pos_int(d.get("mamba_d_ssm", 1024), "mamba_d_ssm", source)
+    d_head = d.get("mamba_d_head", "auto")
+    if d_head in (None, "auto"):
+        if inter % heads:
+            raise ConfigError(f"{source}: mamba_n_heads ({heads}) must divide the mixer width "
+                              f"({inter})")
+        d_head = inter // heads
+    d_head = _pos_int(d_head, "mamba_d_head", source)
+    if d_head * heads != inter:
+        raise ConfigError(f"{source}: mamba_d_head ({d_head}) x mamba_n_heads ({heads}) must "
+                          f"equal the mixer width ({inter})")
+    if heads % groups:
+        raise ConfigError(f"{source}: mamba_n_heads ({heads}) must be a multiple of "
+                          f"mamba_n_groups ({groups})")
+    if not 2 <= d_conv <= 4:
+        raise ConfigError(f"{source}: mamba_d_conv must be 2, 3 or 4 (the causal conv1d "
+                          f"kernel's widths), got {d_conv}")
+    if d_state > 256:
+        raise ConfigError(f"{source}: mamba_d_state {d_state} is larger than the Mamba-2 "
+                          f"kernels support (256)")
+    limit = d.get("time_step_limit", [0.0, math.inf])
+    if limit is None:
+        limit = [0.0, math.inf]
+    if not isinstance(limit, (list, tuple)) or len(limit) != 2:
+        raise ConfigError(f"{source}: time_step_limit must be [min, max], got {limit!r}")
+    lo, hi = (number(x, "time_step_limit") for x in limit)
+    if not 0.0 <= lo <= hi:
+        raise ConfigError(f"{source}: time_step_limit must satisfy 0 <= min <= max, got "
+                          f"{limit!r}")
+
+    if falcon:
+        types = ("hybrid",) * layers
+        rope, factor = _parse_rope(d, max_pos), 1.0
+    else:
+        idx = d.get("attn_layer_indices")
+        idx = [] if idx is None else idx
+        if not isinstance(idx, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in idx):
+            raise ConfigError(f"{source}: attn_layer_indices must list layer indices in "
+                              f"[0, {layers}), got {idx!r}")
+        types = tuple("attention" if i in idx else "mamba" for i in range(layers))
+        rope_d = dict(d)
+        rope_d.pop("partial_rotary_factor", None)
+        params = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
+        params.pop("partial_rotary_factor", None)
+        rope_d.pop("rope_scaling", None)
+        rope_d["rope_parameters"] = params
+        rope, factor = _parse_rope(rope_d, max_pos), 0.5
+    rotary_dim = int(head_dim * factor)
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise ConfigError(f"{source}: the rotary part of the head (head_dim {head_dim} x "
+                          f"{factor} = {rotary_dim}) must be even and >= 2")
+    muls = {}
+    if falcon:
+        for key in ("embedding_multiplier", "lm_head_multiplier", "attention_in_multiplier",
+                    "attention_out_multiplier", "key_multiplier", "ssm_in_multiplier",
+                    "ssm_out_multiplier"):
+            muls[key] = number(d.get(key, 1.0), key)
+        muls.update(ssm_multipliers=numbers("ssm_multipliers", 5),
+                    mlp_multipliers=numbers("mlp_multipliers", 2))
+    return rope, MambaConfig(
+        variant=fam.mamba, layer_types=types, num_heads=heads, head_dim=d_head, n_groups=groups,
+        d_state=d_state, d_conv=d_conv, intermediate_size=inter,
+        conv_bias=flag("mamba_conv_bias", True), in_proj_bias=flag("mamba_proj_bias", False),
+        out_proj_bias=flag("projectors_bias" if falcon else "mamba_proj_bias", False),
+        rotary_dim=rotary_dim, time_step_limit=(lo, hi),
+        gated_norm=flag("mamba_rms_norm", False) if falcon else True,
+        norm_before_gate=flag("mamba_norm_before_gate", True) if falcon else False, **muls)
 
 
 def _parse_moe(d: dict, fam: _Family, layers: int, source: str) -> MoeConfig:
@@ -1347,6 +1571,7 @@ __all__ = [
     "FAMILIES",
     "IndexerConfig",
     "LinearAttnConfig",
+    "MambaConfig",
     "MlaConfig",
     "ModelArchConfig",
     "MoeConfig",

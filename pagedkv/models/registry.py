@@ -5,8 +5,10 @@ from __future__ import annotations
 from pagedkv.errors import UnsupportedArchitectureError
 from pagedkv.models.config import FAMILIES, SUPPORTED_ARCHITECTURES
 from pagedkv.models.decoder import DecoderForCausalLM
+from pagedkv.models.bamba import BambaForCausalLM
 from pagedkv.models.deepseek_v3 import DeepseekV3ForCausalLM
 from pagedkv.models.deepseek_v32 import DeepseekV32ForCausalLM
+from pagedkv.models.falcon_h1 import FalconH1ForCausalLM
 from pagedkv.models.gemma import GemmaForCausalLM
 from pagedkv.models.moe_decoder import MoeForCausalLM
 from pagedkv.models.qwen3_next import Qwen3NextForCausalLM
@@ -17,6 +19,10 @@ def _model_class(arch: str) -> type[DecoderForCausalLM]:
         return GemmaForCausalLM
     if FAMILIES[arch].indexer:
         return DeepseekV32ForCausalLM
+    if FAMILIES[arch].mamba == "bamba":
+        return BambaForCausalLM
+    if FAMILIES[arch].mamba == "falcon_h1":
+        return FalconH1ForCausalLM
     if FAMILIES[arch].mla:
         return DeepseekV3ForCausalLM
     if FAMILIES[arch].linear_attn:

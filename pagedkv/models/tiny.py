@@ -45,6 +45,9 @@ FAMILY_ARCHITECTURES = {
     "deepseek_v32": "DeepseekV32ForCausalLM",
 }
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v32")
+# Mamba-2 hybrids (their mixer options are transformers config keys: TinySpec.mamba_options)
+MAMBA_FAMILIES = ("bamba", "falcon_h1")
+FAMILY_ARCHITECTURES.update(bamba="BambaForCausalLM", falcon_h1="FalconH1ForCausalLM")
 # transformers config class per family where it is not "<Architecture minus ForCausalLM>Config"
 CONFIG_CLASSES = {"gemma3": "Gemma3TextConfig"}
 
@@ -124,6 +127,10 @@ class TinySpec:
     topk_group: int = 1
     n_shared_experts: int = 1
     routed_scaling_factor: float = 2.5
+    # bamba / falcon_h1: transformers config keys over the tiny mixers (_MAMBA_TINY: 4 heads
+    # in 2 groups, state 16; Bamba's attention on layer 1, Falcon-H1's multipliers 1), e.g.
+    # {"mamba_rms_norm": True, "key_multiplier": 0.7}
+    mamba_options: dict | None = field(default=None, hash=False)
     # DeepSeek-V3.2 (deepseek_v32: DeepSeek-V3's options, RoPE always interleaved, q LoRA
     # required) adds the lightning indexer: index_n_heads query heads of index_head_dim (its
     # first qk_rope_head_dim dimensions rotated), top-k of index_topk positions per token
@@ -180,6 +187,8 @@ class TinySpec:
                                   "num_experts_per_tok <= the experts of topk_group groups")
         if self.family in MOE_FAMILIES and not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ConfigError("tiny num_experts_per_tok must lie in [1, num_experts]")
+        if self.mamba_options is not None and self.family not in MAMBA_FAMILIES:
+            raise ConfigError(f"mamba_options: an option of {MAMBA_FAMILIES}")
         if not all(0 <= i < self.num_layers for i in self.mlp_only_layers):
             raise ConfigError(f"tiny mlp_only_layers must be layer indices < {self.num_layers}")
 
@@ -194,6 +203,8 @@ class TinySpec:
         for f, default in {**_MOE_DEFAULTS, **_MLA_DEFAULTS, **_DSA_DEFAULTS}.items():  # absent at their
             if d[f] == default:  # defaults: older keys hold
                 del d[f]
+        if d["mamba_options"] is None:  # absent: older keys hold
+            del d["mamba_options"]
         d["format"] = FORMAT_VERSION
         blob = json.dumps(d, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
@@ -285,7 +296,15 @@ def hf_config_dict(spec: TinySpec) -> dict:
                 "full_attention": dict(rope, rope_theta=float(spec.rope_theta) * 100),
                 "sliding_attention": {"rope_type": "default", "rope_theta": float(spec.rope_theta)},
             }
+    if spec.family in MAMBA_FAMILIES:
+        d.update(_MAMBA_TINY)
+        d.update({"attn_layer_indices": [1]} if spec.family == "bamba" else {"mamba_d_ssm": None})
+        d.update(spec.mamba_options or {})
     return d
+
+
+_MAMBA_TINY = dict(mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4,
+                   mamba_expand=2, mamba_chunk_size=16)
 
 
 def train_tokenizer(vocab_size: int, *, add_bos: bool):
@@ -341,6 +360,27 @@ def _fill_correction_bias(model, spec: TinySpec) -> None:
             bias = getattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias", None)
             if bias is not None:
                 bias.copy_(torch.randn(bias.shape, generator=gen) * 0.05)
+
+
+def _fill_mamba(model, spec: TinySpec) -> None:
+    """The Mamba-2 mixers' per-head parameters, seeded: ``A_log = log(U(0.05, 0.6))`` and
+    ``dt_bias ~ N(-1, 0.3)`` (slow decays, so a state carries many tokens and a state that is
+    lost or stale shows in the outputs), ``D ~ N(1, 0.3)``; conv kernels ~ N(0, 0.4) (the
+    generic 0.1 leaves the SiLU almost linear)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(spec.seed * 1000 + 983)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            mixer = getattr(layer, "mamba", None)
+            if mixer is None:
+                continue
+            n = mixer.A_log.shape[0]
+            mixer.A_log.copy_(torch.log(0.05 + 0.55 * torch.rand(n, generator=gen)))
+            mixer.dt_bias.copy_(-1.0 + 0.3 * torch.randn(n, generator=gen))
+            mixer.D.copy_(1.0 + 0.3 * torch.randn(n, generator=gen))
+            w = mixer.conv1d.weight
+            w.copy_(0.4 * torch.randn(w.shape, generator=gen))
 
 
 def _spread_routing(model, tok) -> None:
@@ -399,6 +439,8 @@ def _build(spec: TinySpec, out_dir: str) -> None:
         _fill_correction_bias(model, spec)
     if spec.family in MOE_FAMILIES:
         _spread_routing(model, tok)
+    if spec.family in MAMBA_FAMILIES:
+        _fill_mamba(model, spec)
     model = model.to(getattr(torch, spec.dtype))
     kwargs = {} if spec.max_shard_size is None else {"max_shard_size": spec.max_shard_size}
     if not spec.save_original_format:
@@ -495,6 +537,7 @@ def tiny_spec(family: str, **options) -> TinySpec:
 __all__ = [
     "CORPUS",
     "FAMILY_ARCHITECTURES",
+    "MAMBA_FAMILIES",
     "MOE_FAMILIES",
     "TinySpec",
     "build_tiny_checkpoint",
