@@ -45,8 +45,9 @@ from pagedkv.tools.benchmark import (  # noqa: E402
     environment,
     format_table,
     result_table,
+    WORKLOAD_MAX_MODEL_LEN,
     run_throughput,
-    w1_workload,
+    workload,
     write_json,
 )
 from pagedkv.engine.llm import LLM  # noqa: E402
@@ -206,7 +207,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint directory (default: --shape)")
     p.add_argument("--shape", default="qwen3-0.6b")
-    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--workload", default="w1", choices=["w1", "w2", "w3"],
+                   help="w1 (default), w2 long context, w3 shared prefix (issue 13)")
+    p.add_argument("--num-requests", type=int, default=None, help="default: the workload's own")
     p.add_argument("--scale", type=float, default=1.0)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--dtype", default="auto")
@@ -214,7 +217,8 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="default: 4096 for W1 / W3, 8704 for W2")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -238,8 +242,10 @@ def main(argv=None) -> int:
                         "steps, and new CUDA allocator segments (where a first run loses time)")
     p.add_argument("--json", default="bench_w1.json")
     args = p.parse_args(argv)
+    if args.max_model_len is None:
+        args.max_model_len = WORKLOAD_MAX_MODEL_LEN[args.workload]
 
-    wl = w1_workload(args.num_requests, args.scale)
+    wl = workload(args.workload, args.num_requests, args.scale)
     record: dict = {"environment": environment(), "args": vars(args), "workload": {
         "name": wl.name, "requests": wl.num_requests, "prompt_tokens": wl.prompt_tokens,
         "requested_output_tokens": wl.requested_output_tokens}}

@@ -278,7 +278,7 @@ def cmd_bench_serve(args) -> int:
     import asyncio
     import math
 
-    from pagedkv.tools.benchmark import environment, w1_workload, write_json
+    from pagedkv.tools.benchmark import environment, workload, write_json
     from pagedkv.entrypoints.bench_serve import format_result, run_serve_bench
 
     if not args.base_url:
@@ -286,7 +286,7 @@ def cmd_bench_serve(args) -> int:
     if args.model or args.shape:
         raise ConfigError("pagedkv bench serve talks to a running server: give --base-url and "
                           "--model-name, not --model/--shape")
-    wl = w1_workload(args.num_requests or 256, args.scale or 1.0)
+    wl = workload(args.workload, args.num_requests, args.scale or 1.0)
     prompts = wl.prompts
     if args.vocab_size is not None:
         if args.vocab_size < 1:
@@ -313,7 +313,14 @@ def cmd_bench_serve(args) -> int:
 def cmd_bench(args) -> int:
     if args.mode == "serve":
         return cmd_bench_serve(args)
-    from pagedkv.tools.benchmark import environment, result_table, run_throughput, w1_workload, write_json
+    from pagedkv.tools.benchmark import (
+        WORKLOAD_MAX_MODEL_LEN,
+        environment,
+        result_table,
+        run_throughput,
+        workload,
+        write_json,
+    )
     from pagedkv.engine.llm import LLM
 
     from pagedkv.engine.llm_engine import resolve_device
@@ -325,13 +332,14 @@ def cmd_bench(args) -> int:
     gpu = resolve_device(args.device).type == "cuda"
     # W1 itself on a GPU; on a CPU a small variant of it (a 0.6B model decodes a few tokens a
     # second there) with max_model_len fitted to the CPU pool
-    if args.num_requests is None:
-        args.num_requests = 256 if gpu else 8
+    name = args.workload.lower()
+    if args.num_requests is None and not gpu:
+        args.num_requests = 8
     if args.scale is None:
-        args.scale = 1.0 if gpu else 0.05
+        args.scale = 1.0 if gpu else (0.05 if name == "w1" else 0.01)
     kw = _engine_kwargs(args)
     if kw["max_model_len"] is None and gpu:
-        kw["max_model_len"] = 4096
+        kw["max_model_len"] = WORKLOAD_MAX_MODEL_LEN[name]
     if args.model:
         llm = LLM(args.model, dtype=args.dtype, device=args.device, tokenizer=False,
                   attention_backend=args.attention_backend, **kw)
@@ -340,7 +348,7 @@ def cmd_bench(args) -> int:
         llm = LLM.from_shape(args.shape, dtype=args.dtype, device=args.device,
                              attention_backend=args.attention_backend, **kw)
         label = f"{args.shape} (random weights)"
-    wl = w1_workload(args.num_requests, args.scale)
+    wl = workload(name, args.num_requests, args.scale)
     print(f"pagedkv bench: {wl.name}: {wl.num_requests} requests, {wl.prompt_tokens:,} prompt tokens, "
           f"{wl.requested_output_tokens:,} output tokens requested; model {label}, "
           f"{llm.engine.model.dtype}, device {llm.engine.runner.device}, "
@@ -505,8 +513,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--model", default=None, help="checkpoint directory")
     b.add_argument("--shape", default=None,
                    help="named architecture with random weights (default qwen3-0.6b)")
+    b.add_argument("--workload", default="w1", choices=["w1", "w2", "w3"],
+                   help="w1 (PERF.md, default), w2 (long context: 64 x 6-8k prompts, 512 "
+                        "out), w3 (shared 2,048-token prefix + 50-200 tokens, 256 out)")
     b.add_argument("--num-requests", type=int, default=None,
-                   help="default 256 (W1) on a GPU, 8 on a CPU")
+                   help="default the workload's own (W1 256, W2 64, W3 256) on a GPU, 8 on a CPU")
     b.add_argument("--scale", type=float, default=None,
                    help="multiply prompt and output lengths (default 1 on a GPU, 0.05 on a CPU)")
     b.add_argument("--temperature", type=float, default=0.0)

@@ -1,5 +1,9 @@
-"""Workload W1 (PERF.md) and the offline-throughput measurement ``pagedkv bench`` and
-``bench/bench_w1.py`` run.
+"""Workloads W1 (PERF.md), W2 (long context) and W3 (shared prefix) of issue 13, and the
+offline-throughput measurement ``pagedkv bench`` and ``bench/bench_w1.py`` run.
+
+W2: 64 requests of ``U[6000, 8000]`` prompt tokens, 512 output tokens each; W3: 256 requests
+of one 2,048-token system prompt + ``U[50, 200]`` unique tokens, 256 output tokens each
+(:func:`w2_workload`, :func:`w3_workload`).
 
 W1, exactly: ``random.seed(0)``; for each of 256 requests ``randint(100, 1024)`` prompt tokens,
 each ``randint(0, 10000)`` (the length is drawn, then its tokens); then for each request
@@ -76,6 +80,73 @@ def w1_workload(num_requests: int = W1_NUM_REQUESTS, scale: float = 1.0, seed: i
     name = "W1" if (num_requests, scale, seed) == (W1_NUM_REQUESTS, 1.0, 0) else (
         f"W1-variant(n={num_requests}, scale={scale}, seed={seed})")
     return Workload(name, prompts, max_tokens)
+
+
+# Issue 13's workloads (Qwen3-0.6B shape, token-id prompts, EOS ignored)
+W2_NUM_REQUESTS, W2_LEN_RANGE, W2_OUTPUT = 64, (6000, 8000), 512
+W3_NUM_REQUESTS, W3_PREFIX, W3_TAIL_RANGE, W3_OUTPUT = 256, 2048, (50, 200), 256
+
+
+def _scaled(prompts: list[list[int]], max_tokens: list[int], scale: float):
+    if scale == 1.0:
+        return prompts, max_tokens
+    return ([p[: max(1, round(len(p) * scale))] for p in prompts],
+            [max(1, round(m * scale)) for m in max_tokens])
+
+
+def _check_variant(num_requests, scale) -> None:
+    if not isinstance(num_requests, int) or num_requests < 1:
+        raise ConfigError(f"num_requests must be an int >= 1, got {num_requests!r}")
+    if not scale > 0:
+        raise ConfigError(f"scale must be > 0, got {scale!r}")
+
+
+def w2_workload(num_requests: int = W2_NUM_REQUESTS, scale: float = 1.0, seed: int = 0) -> Workload:
+    """W2, long context: ``random.Random(seed)``; per request ``randint(6000, 8000)`` prompt
+    tokens, each ``randint(0, 10000)``; 512 output tokens each. ``scale`` shortens both."""
+    _check_variant(num_requests, scale)
+    rng = random.Random(seed)
+    lo, hi = W2_LEN_RANGE
+    prompts = [[rng.randint(0, W1_TOKEN_MAX) for _ in range(rng.randint(lo, hi))]
+               for _ in range(num_requests)]
+    prompts, max_tokens = _scaled(prompts, [W2_OUTPUT] * num_requests, scale)
+    name = "W2" if (num_requests, scale, seed) == (W2_NUM_REQUESTS, 1.0, 0) else (
+        f"W2-variant(n={num_requests}, scale={scale}, seed={seed})")
+    return Workload(name, prompts, max_tokens)
+
+
+def w3_workload(num_requests: int = W3_NUM_REQUESTS, scale: float = 1.0, seed: int = 0) -> Workload:
+    """W3, shared prefix: ``random.Random(seed)``; one system prompt of 2048 tokens
+    (``randint(0, 10000)`` each), then per request ``randint(50, 200)`` unique tokens after
+    it; 256 output tokens each. ``scale`` shortens the prefix, the tails and the outputs."""
+    _check_variant(num_requests, scale)
+    rng = random.Random(seed)
+    prefix = [rng.randint(0, W1_TOKEN_MAX) for _ in range(W3_PREFIX)]
+    lo, hi = W3_TAIL_RANGE
+    tails = [[rng.randint(0, W1_TOKEN_MAX) for _ in range(rng.randint(lo, hi))]
+             for _ in range(num_requests)]
+    if scale != 1.0:
+        prefix = prefix[: max(1, round(len(prefix) * scale))]
+        tails = [t[: max(1, round(len(t) * scale))] for t in tails]
+    out = max(1, round(W3_OUTPUT * scale))
+    name = "W3" if (num_requests, scale, seed) == (W3_NUM_REQUESTS, 1.0, 0) else (
+        f"W3-variant(n={num_requests}, scale={scale}, seed={seed})")
+    return Workload(name, [prefix + t for t in tails], [out] * num_requests)
+
+
+WORKLOADS = {"w1": w1_workload, "w2": w2_workload, "w3": w3_workload}
+# the max_model_len each workload needs on a GPU (prompt + output, rounded up)
+WORKLOAD_MAX_MODEL_LEN = {"w1": 4096, "w2": 8704, "w3": 4096}
+
+
+def workload(name: str, num_requests: int | None = None, scale: float = 1.0, seed: int = 0) -> Workload:
+    """W1, W2 or W3 by name (``num_requests`` default: the workload's own)."""
+    fn = WORKLOADS.get(name.lower())
+    if fn is None:
+        raise ConfigError(f"unknown workload {name!r}; choose one of {sorted(WORKLOADS)}")
+    if num_requests is None:
+        return fn(scale=scale, seed=seed)
+    return fn(num_requests, scale, seed)
 
 
 @dataclass

@@ -9,7 +9,14 @@ import sys
 import pytest
 
 from pagedkv.cli import main
-from pagedkv.tools.benchmark import W1_TOTAL_OUTPUT_TOKENS, w1_workload
+from pagedkv.errors import ConfigError
+from pagedkv.tools.benchmark import (
+    W1_TOTAL_OUTPUT_TOKENS,
+    w1_workload,
+    w2_workload,
+    w3_workload,
+    workload,
+)
 
 
 def test_w1_workload_matches_perf_md():
@@ -23,6 +30,37 @@ def test_w1_workload_matches_perf_md():
     assert [len(p) for p in small.prompts] == [max(1, round(len(p) * 0.1)) for p in wl.prompts[:8]]
     assert small.prompts[0] == wl.prompts[0][: len(small.prompts[0])]
     assert wl.fit_vocab(200_000) is wl and max(max(p) for p in wl.fit_vocab(512).prompts) < 512
+
+
+def test_w2_w3_workloads_as_issue_13_defines_them():
+    w2 = w2_workload()
+    assert w2.name == "W2" and w2.num_requests == 64 and set(w2.max_tokens) == {512}
+    assert all(6000 <= len(p) <= 8000 for p in w2.prompts)
+    assert all(0 <= t <= 10000 for p in w2.prompts for t in p)
+    w3 = w3_workload()
+    assert w3.name == "W3" and w3.num_requests == 256 and set(w3.max_tokens) == {256}
+    prefix = w3.prompts[0][:2048]
+    assert all(p[:2048] == prefix and 50 <= len(p) - 2048 <= 200 for p in w3.prompts)
+    # the tails are unique: no two requests share more than the system prompt's blocks
+    assert len({tuple(p[2048:2064]) for p in w3.prompts}) == 256
+    assert workload("W3").prompts == w3.prompts and workload("w2", 4).num_requests == 4
+    small = w3_workload(4, scale=0.01, seed=0)
+    assert len({tuple(p[:20]) for p in small.prompts}) == 1 and small.max_tokens == [3] * 4
+    assert w2_workload(seed=1).prompts != w2.prompts  # seeded
+    with pytest.raises(ConfigError, match="unknown workload"):
+        workload("w4")
+
+
+def test_cli_bench_w3_small_variant_hits_the_prefix(tiny_dir, tmp_path, capsys):
+    out_json = tmp_path / "bench.json"
+    rc = main(["bench", "--workload", "w3", "--model", tiny_dir("qwen3"), "--num-requests", "4",
+               "--scale", "0.02", "--device", "cpu", "--dtype", "float32", "--max-model-len", "128",
+               "--kv-cache-memory-bytes", "2000000", "--quiet", "--json", str(out_json)])
+    assert rc == 0
+    res = json.loads(out_json.read_text())["result"]
+    assert res["workload"].startswith("W3-variant(n=4, scale=0.02")
+    assert res["output_tokens"] == res["requested_output_tokens"] == 4 * 5
+    assert res["prefix_cache_hit_rate"] > 0  # the shared system prompt is read from the cache
 
 
 def test_demo_end_to_end(tmp_path, capsys, monkeypatch):
