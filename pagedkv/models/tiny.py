@@ -48,6 +48,9 @@ MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v32")
 # Mamba-2 hybrids (their mixer options are transformers config keys: TinySpec.mamba_options)
 MAMBA_FAMILIES = ("bamba", "falcon_h1")
 FAMILY_ARCHITECTURES.update(bamba="BambaForCausalLM", falcon_h1="FalconH1ForCausalLM")
+# Qwen3-Next: Gated-DeltaNet layers beside gated attention, MoE (TinySpec.linear_options)
+FAMILY_ARCHITECTURES["qwen3_next"] = "Qwen3NextForCausalLM"
+MOE_FAMILIES = (*MOE_FAMILIES, "qwen3_next")
 # transformers config class per family where it is not "<Architecture minus ForCausalLM>Config"
 CONFIG_CLASSES = {"gemma3": "Gemma3TextConfig"}
 
@@ -127,6 +130,10 @@ class TinySpec:
     topk_group: int = 1
     n_shared_experts: int = 1
     routed_scaling_factor: float = 2.5
+    # qwen3_next: transformers config keys over the tiny hybrid (_QWEN3_NEXT_TINY: layers
+    # alternating linear / full attention, 2 key and 4 value heads of 16, conv width 4, RoPE on
+    # half of each head, a shared expert of 24), e.g. {"linear_conv_kernel_dim": 3}
+    linear_options: dict | None = field(default=None, hash=False)
     # bamba / falcon_h1: transformers config keys over the tiny mixers (_MAMBA_TINY: 4 heads
     # in 2 groups, state 16; Bamba's attention on layer 1, Falcon-H1's multipliers 1), e.g.
     # {"mamba_rms_norm": True, "key_multiplier": 0.7}
@@ -189,6 +196,8 @@ class TinySpec:
             raise ConfigError("tiny num_experts_per_tok must lie in [1, num_experts]")
         if self.mamba_options is not None and self.family not in MAMBA_FAMILIES:
             raise ConfigError(f"mamba_options: an option of {MAMBA_FAMILIES}")
+        if self.linear_options is not None and self.family != "qwen3_next":
+            raise ConfigError("linear_options: an option of qwen3_next")
         if not all(0 <= i < self.num_layers for i in self.mlp_only_layers):
             raise ConfigError(f"tiny mlp_only_layers must be layer indices < {self.num_layers}")
 
@@ -205,6 +214,8 @@ class TinySpec:
                 del d[f]
         if d["mamba_options"] is None:  # absent: older keys hold
             del d["mamba_options"]
+        if d["linear_options"] is None:  # absent: older keys hold
+            del d["linear_options"]
         d["format"] = FORMAT_VERSION
         blob = json.dumps(d, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
@@ -300,7 +311,23 @@ def hf_config_dict(spec: TinySpec) -> dict:
         d.update(_MAMBA_TINY)
         d.update({"attn_layer_indices": [1]} if spec.family == "bamba" else {"mamba_d_ssm": None})
         d.update(spec.mamba_options or {})
+    if spec.family == "qwen3_next":
+        d.update(_QWEN3_NEXT_TINY, attention_bias=spec.attention_bias,
+                 num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+                 moe_intermediate_size=spec.moe_intermediate_size,
+                 norm_topk_prob=spec.norm_topk_prob is not False,
+                 decoder_sparse_step=spec.decoder_sparse_step,
+                 mlp_only_layers=list(spec.mlp_only_layers),
+                 layer_types=[("linear_attention", "full_attention")[i % 2]
+                              for i in range(spec.num_layers)],
+                 rope_parameters=dict(d["rope_parameters"], partial_rotary_factor=0.5))
+        d.update(spec.linear_options or {})
     return d
+
+
+_QWEN3_NEXT_TINY = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                        linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                        shared_expert_intermediate_size=24)
 
 
 _MAMBA_TINY = dict(mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4,
@@ -421,6 +448,20 @@ def _spread_routing(model, tok) -> None:
             router.weight.copy_(w.to(router.weight.dtype))
 
 
+def _fill_gated_deltanet(model, spec: TinySpec) -> None:
+    """Qwen3-Next's mixers: ``A_log = log(U(0.02, 0.3))``, seeded (slow decays, so the
+    recurrent state carries many tokens and a lost or stale state shows in the outputs)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(spec.seed * 1000 + 991)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            mixer = getattr(layer, "linear_attn", None)
+            if mixer is not None:
+                a = torch.rand(mixer.A_log.shape, generator=gen) * 0.28 + 0.02
+                mixer.A_log.copy_(a.log())
+
+
 def _build(spec: TinySpec, out_dir: str) -> None:
     import torch
     import transformers
@@ -437,6 +478,8 @@ def _build(spec: TinySpec, out_dir: str) -> None:
         raise ConfigError(f"trained tokenizer has {tok.get_vocab_size()} tokens > vocab_size {spec.vocab_size}")
     if spec.family in DEEPSEEK_FAMILIES:
         _fill_correction_bias(model, spec)
+    if spec.family == "qwen3_next":
+        _fill_gated_deltanet(model, spec)
     if spec.family in MOE_FAMILIES:
         _spread_routing(model, tok)
     if spec.family in MAMBA_FAMILIES:

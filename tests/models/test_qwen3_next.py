@@ -23,6 +23,8 @@ from pagedkv.models.config import ModelArchConfig
 from pagedkv.models.gated_deltanet import GatedDeltaNet
 from pagedkv.worker.attn_builders import MambaMetadata
 
+from test_parity import NEW_TOKENS, Ref  # noqa: E402  (tests/models is on sys.path)
+
 transformers = pytest.importorskip("transformers")
 from transformers import Qwen3NextConfig  # noqa: E402
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_q3n  # noqa: E402
@@ -308,3 +310,240 @@ def test_sparse_block_with_the_gated_shared_expert_matches_transformers():
         ungated = ours(x.reshape(-1, 32))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert (ungated - want).abs().max() > 1e-2
+
+
+# ---- the whole model (tiny checkpoints saved by transformers) against transformers
+
+VARIANTS = {
+    "default": {},  # layers: linear, full; both sparse
+    # linear, full, linear: layer 2 dense; q/k/v/o biases
+    "3-layers-dense-bias": dict(num_layers=3, mlp_only_layers=(2,),
+                                linear_options={"attention_bias": True}),
+    # linear, full, linear, full: sparse every 2nd layer; stacked experts; conv width 3
+    "4-layers-stacked": dict(num_layers=4, decoder_sparse_step=2, save_original_format=False,
+                             linear_options={"linear_conv_kernel_dim": 3}),
+}
+
+
+class Driver:
+    """Runs a Qwen3-Next model step by step over its own caches (no engine): each request
+    gets shuffled attention blocks and a state slot; every step's rows come decodes first, the
+    attention layers get the backend's plan and the state layers a ``MambaMetadata``. Unused
+    blocks and slots are NaN."""
+
+    def __init__(self, model, *, block_size=16, num_blocks=64, num_slots=9, seed=0):
+        import random
+
+        self.model, self.block_size = model, block_size
+        specs = model.kv_cache_specs(block_size)
+        self.linear = ["linear_attn" in name for name in specs]
+        self.caches = model.allocate_kv_caches(num_blocks, block_size, fill=float("nan"))
+        free = list(range(1, num_blocks))
+        random.Random(seed).shuffle(free)
+        self.free, self.width = free, num_blocks - 1
+        self.free_slots = list(range(num_slots - 1, 0, -1))
+        self.reqs: dict = {}
+
+    def add(self, rid, tokens):
+        self.reqs[rid] = dict(tokens=list(tokens), done=0, blocks=[],
+                              slot=self.free_slots.pop())
+
+    @torch.no_grad()
+    def step(self, schedule, *, all_logits=False):
+        """``schedule`` = [(request id, new tokens)]; returns {rid: logits of its last (or
+        all) scheduled tokens}."""
+        rows = sorted(schedule, key=lambda r: not (r[1] == 1 and self.reqs[r[0]]["done"] > 0))
+        ids, pos, table, qlens, seqs = [], [], [], [], []
+        for rid, n in rows:
+            r = self.reqs[rid]
+            while len(r["blocks"]) * self.block_size < r["done"] + n:
+                r["blocks"].append(self.free.pop())
+            ids += r["tokens"][r["done"]:r["done"] + n]
+            pos += list(range(r["done"], r["done"] + n))
+            table.append(r["blocks"] + [0] * (self.width - len(r["blocks"])))
+            qlens.append(n)
+            seqs.append(r["done"] + n)
+        table = torch.tensor(table, dtype=torch.int32)
+        positions = torch.tensor(pos)
+        row = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(qlens))
+        slots = table[row, positions // self.block_size].long() * self.block_size \
+            + positions % self.block_size
+        meta = build_attention_metadata(qlens, seqs, table, slots)
+        plan = self.model.attn_backend.plan(meta, self.model.attention_layout())
+        state = mamba_metadata([(self.reqs[rid]["done"], n) for rid, n in rows],
+                               [self.reqs[rid]["slot"] for rid, _ in rows])
+        step = StepAttention(meta, [state if lin else plan for lin in self.linear])
+        hidden = self.model(torch.tensor(ids), positions, self.caches, step)
+        out, start = {}, 0
+        for rid, n in rows:
+            r = self.reqs[rid]
+            r["done"] += n
+            idx = list(range(start, start + n)) if all_logits else [start + n - 1]
+            out[rid] = self.model.compute_logits(hidden, idx)
+            start += n
+        return out
+
+    def generate(self, prompts, new_tokens, *, chunk=None, budget=1 << 30):
+        """Batched greedy decoding (prompt chunks of at most ``chunk`` tokens within ``budget``
+        tokens a step); returns the generated tokens per prompt and the steps' schedules."""
+        for i, p in enumerate(prompts):
+            self.add(i, p)
+        gen = {i: [] for i in range(len(prompts))}
+        log = []
+        while any(len(g) < new_tokens for g in gen.values()):
+            left, schedule = budget, []
+            for i in gen:
+                r = self.reqs[i]
+                n = min(len(r["tokens"]) - r["done"], chunk or 1 << 30, left)
+                if len(gen[i]) < new_tokens and n > 0:
+                    schedule.append((i, n))
+                    left -= n
+            log.append([(i, self.reqs[i]["done"], n) for i, n in schedule])
+            for i, lg in self.step(schedule).items():
+                r = self.reqs[i]
+                if r["done"] == len(r["tokens"]):
+                    tok = int(lg[0].argmax())
+                    gen[i].append(tok)
+                    r["tokens"].append(tok)
+        return [gen[i] for i in range(len(prompts))], log
+
+
+_REFS: dict = {}
+
+
+def use_twins(monkeypatch):
+    """The mixer's kernels as their torch twins (the kernels equal the twins: their own tests,
+    and the mixer tests above run the kernels through the interpreter), so that the whole-model
+    tests run in seconds."""
+    import pagedkv.models.gated_deltanet as gd
+    from pagedkv.kernels import causal_conv1d as cc
+    from pagedkv.kernels import gated_delta_rule as gdr
+
+    monkeypatch.setattr(gd, "causal_conv1d", cc.causal_conv1d_ref)
+    monkeypatch.setattr(gd, "chunk_gated_delta_rule", gdr.chunk_gated_delta_rule_ref)
+    monkeypatch.setattr(gd, "recurrent_gated_delta_rule", gdr.recurrent_gated_delta_rule_ref)
+
+
+@pytest.fixture
+def twins(monkeypatch):
+    use_twins(monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_dir):
+    def get(name):
+        if name not in _REFS:
+            _REFS[name] = Ref(tiny_dir("qwen3_next", **VARIANTS[name]))
+        return _REFS[name]
+
+    yield get
+    _REFS.clear()
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_prompt_logits_and_greedy_tokens_match_transformers(ref, twins, name):
+    """All prompts as one varlen prefill step: every token's logits equal transformers'; then
+    batched greedy decoding gives transformers' tokens, each decode step's logits equal
+    transformers' on the whole sequence."""
+    r = ref(name)
+    model = r.ck.model
+    la = r.ck.config.linear_attn
+    assert type(model).__name__ == "Qwen3NextForCausalLM"
+    assert [layer.linear for layer in model.layers] == list(map(la.is_linear, range(len(la.layer_types))))
+    assert [layer.sparse for layer in model.layers] == list(r.ck.config.moe.sparse_layers)
+    assert r.ck.config.num_parameters() == sum(t.numel() for t in r.hf.state_dict().values())
+    d = Driver(model)
+    for i, p in enumerate(r.prompts):
+        d.add(i, p)
+    got = d.step([(i, len(p)) for i, p in enumerate(r.prompts)], all_logits=True)
+    for i, p in enumerate(r.prompts):
+        torch.testing.assert_close(got[i], r.hf_logits(p), atol=1e-4, rtol=1e-4)
+    toks, _ = Driver(model, seed=1).generate(r.prompts, NEW_TOKENS)
+    assert toks == r.hf_generations
+    # a decode step's logits (the last generated token, not computed yet) against
+    # transformers' on the whole sequence
+    d2 = Driver(model, seed=2)
+    toks2, _ = d2.generate(r.prompts[:2], 4)
+    out = d2.step([(0, 1), (1, 1)])
+    for i in range(2):
+        want = r.hf_logits(r.prompts[i] + toks2[i])[-1]
+        torch.testing.assert_close(out[i][0], want, atol=1e-4, rtol=1e-4)
+
+
+def test_chunked_prefill_mixed_with_decodes(ref, twins):
+    """Prompt chunks of 5 tokens within 12 a step, decode rows beside them: transformers'
+    tokens; some step mixed decodes with a later chunk (state carried into a chunk)."""
+    r = ref("default")
+    toks, log = Driver(r.ck.model).generate(r.prompts, NEW_TOKENS, chunk=5, budget=12)
+    assert toks == r.hf_generations
+    lens = {i: len(p) for i, p in enumerate(r.prompts)}
+    assert any(any(done >= lens[i] for i, done, _ in s) and any(0 < done < lens[i] for i, done, _ in s)
+               for s in log)
+
+
+def test_bare_metadata_is_refused(ref):
+    r = ref("default")
+    meta = build_attention_metadata([3], [3], torch.ones(1, 4, dtype=torch.int32),
+                                    torch.arange(16, 19))
+    with pytest.raises(InvalidRequestError, match="MambaMetadata"):
+        r.ck.model(torch.tensor([5, 6, 7]), torch.arange(3), r.ck.model.allocate_kv_caches(4, 16),
+                   meta)
+
+
+def test_specs_and_caches(ref):
+    from pagedkv.core.spec import FullAttentionSpec, MambaSpec
+
+    model = ref("default").ck.model
+    specs = model.kv_cache_specs(32)
+    assert list(specs) == ["model.layers.0.linear_attn", "model.layers.1.self_attn"]
+    state, full = specs.values()
+    assert isinstance(full, FullAttentionSpec) and (full.num_kv_heads, full.head_size) == (2, 16)
+    assert isinstance(state, MambaSpec) and state.shapes == ((3, 2 * 32 + 64), (4, 16, 16))
+    assert state.dtypes == ("float32", "float32") and not state.prefix_cacheable
+    caches = model.allocate_kv_caches(5, 32)
+    assert [tuple(t.shape) for t in caches[0]] == [(5, 3, 128), (5, 4, 16, 16)]
+    assert tuple(caches[1].shape) == (2, 5, 32, 2, 16)
+    with pytest.raises(ConfigError, match="model dtype"):
+        model.allocate_kv_caches(5, 32, dtype=torch.float16)
+
+
+def test_loader_skips_the_mtp_module(tiny_dir, tmp_path):
+    import os
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from pagedkv.errors import CheckpointError
+    from pagedkv.models.loader import load_checkpoint
+
+    src = tiny_dir("qwen3_next")
+    dst = tmp_path / "with-mtp"
+    shutil.copytree(src, dst)
+    # no model.safetensors: every *.safetensors file of the directory is read
+    os.rename(dst / "model.safetensors", dst / "model-part1.safetensors")
+    save_file({"mtp.fc.weight": torch.zeros(4, 4), "mtp.layers.0.input_layernorm.weight":
+               torch.zeros(4)}, str(dst / "mtp.safetensors"))
+    base = load_checkpoint(src, dtype="float32").model
+    got = load_checkpoint(dst, dtype="float32").model
+    for (n, a), (_, b) in zip(base.named_parameters(), got.named_parameters()):
+        assert torch.equal(a, b), n
+    save_file({"model.layers.9.linear_attn.A_log": torch.zeros(4)}, str(dst / "extra.safetensors"))
+    with pytest.raises(CheckpointError, match="unexpected tensors: model.layers.9"):
+        load_checkpoint(dst, dtype="float32")
+    os.remove(dst / "extra.safetensors")
+    os.remove(dst / "model-part1.safetensors")
+    with pytest.raises(CheckpointError, match="missing tensors"):
+        load_checkpoint(dst, dtype="float32")
+
+
+def test_random_weights_generate(twins):
+    """``init_random_weights`` (benchmarks by shape): finite logits, (1 + w) factors 1."""
+    from pagedkv.models.gemma import GemmaRMSNorm
+    from pagedkv.models.qwen3_next import Qwen3NextForCausalLM
+
+    cfg = arch_config(hf_config())
+    model = Qwen3NextForCausalLM(cfg).init_random_weights(seed=3)
+    assert all(torch.equal(m.factor, torch.ones_like(m.factor)) for m in model.modules()
+               if isinstance(m, GemmaRMSNorm))
+    toks, _ = Driver(model).generate([[5, 6, 7, 8], [9]], 3)
+    assert all(len(t) == 3 for t in toks)
