@@ -263,6 +263,14 @@ class KVCacheGroupSpec:
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_names", tuple(self.layer_names))
 
+    def layer_spec(self, name: str) -> KVCacheSpec:
+        """The spec of the group's layer ``name``: its member spec in a
+        ``UniformTypeKVCacheSpecs`` group, else the group's spec."""
+        spec = self.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            return dict(spec.specs).get(name, spec)
+        return spec
+
 
 @dataclass(frozen=True)
 class KVCacheConfig:

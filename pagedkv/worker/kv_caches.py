@@ -57,7 +57,6 @@ from pagedkv.core.spec import (
     MambaSpec,
     MLAAttentionSpec,
     SlidingWindowMLASpec,
-    UniformTypeKVCacheSpecs,
 )
 from pagedkv.errors import ConfigError
 
@@ -71,10 +70,8 @@ def _layer_specs(kv_cache_config: KVCacheConfig | Sequence[KVCacheGroupSpec]
               else kv_cache_config)
     out: dict[str, AttentionSpec | MambaSpec] = {}
     for g in groups:
-        spec = g.kv_cache_spec
-        members = dict(spec.specs) if isinstance(spec, UniformTypeKVCacheSpecs) else {}
         for name in g.layer_names:
-            s = members.get(name, spec)
+            s = g.layer_spec(name)
             if not isinstance(s, (AttentionSpec, MambaSpec)):
                 raise ConfigError(
                     f"layer {name!r}: {type(s).__name__} layers have no tensor layout here "

@@ -277,9 +277,10 @@ class ModelRunner:
             self._logits_widen_kw = False
     # ----- setup ---------------------------------------------------------------------------
     def _check_kv_cache_config(self, kv: KVCacheConfig) -> None:
-        """Every cache layer of the model in exactly one group, each group's spec the one
-        the model declares for its layers (``model.kv_cache_specs``; a state layer's up to
-        the block size, mode and page the engine chose)."""
+        """Every cache layer of the model in exactly one group, each group's spec (a
+        ``UniformTypeKVCacheSpecs`` group's member spec) the one the model declares for its
+        layers (``model.kv_cache_specs``; a state layer's up to the block size, mode and page
+        the engine chose)."""
         groups = kv.kv_cache_groups
         if not groups:
             raise ConfigError("the KV-cache config has no group; the model's cache layers "
@@ -292,7 +293,7 @@ class ModelRunner:
         for gid, g in enumerate(groups):
             spec = g.kv_cache_spec
             want = self.model.kv_cache_specs(spec.block_size)
-            bad = [n for n in g.layer_names if not _same_layer_spec(want[n], spec)]
+            bad = [n for n in g.layer_names if not _same_layer_spec(want[n], g.layer_spec(n))]
             if bad:
                 raise ConfigError(
                     f"KV-cache group {gid} has {spec!r}, but the model's layer {bad[0]} needs "
