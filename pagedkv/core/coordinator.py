@@ -226,6 +226,11 @@ class KVCacheCoordinator:
         for manager in self.single_type_managers:
             manager.new_step_starts()
 
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Per group, in group order: the leading blocks every request holding blocks shares."""
+        return [m.get_num_common_prefix_blocks(running_request_id)
+                for m in self.single_type_managers]
+
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_cache_hit_length: int
     ) -> tuple[tuple[list[KVCacheBlock], ...], int]:

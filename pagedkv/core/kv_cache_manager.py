@@ -415,3 +415,12 @@ class KVCacheManager:
     def new_step_starts(self) -> None:
         """Call once at the start of every scheduler step."""
         self.coordinator.new_step_starts()
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Per KV-cache group, the number of leading blocks that every request holding blocks
+        shares (walked along ``running_request_id``'s list: a block counts while its
+        ``ref_cnt`` equals the number of holders; vLLM's rule, for cascade attention). Only
+        full-attention groups report shared blocks; the other types report 0. Requests that
+        hold blocks but are not scheduled count as holders, so the count can be 0 although
+        every scheduled request shares a prefix (vLLM documents the same edge case)."""
+        return self.coordinator.get_num_common_prefix_blocks(running_request_id)

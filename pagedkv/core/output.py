@@ -68,6 +68,11 @@ class SchedulerOutput:
     new_block_ids_to_zero: list[int] | None = None
     # Copy-on-write pairs (src, dst), applied after zeroing, before the forward pass.
     kv_cache_block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Per KV-cache group: the leading blocks every running request shares (the common prefix
+    # of their block tables, ``KVCacheManager.get_num_common_prefix_blocks``), for cascade
+    # attention. Empty when nothing runs (vLLM 0.33 always leaves it empty: it removed
+    # cascade attention; older vLLM filled it as here).
+    num_common_prefix_blocks: list[int] = field(default_factory=list)
 
     @classmethod
     def make_empty(cls) -> "SchedulerOutput":

@@ -513,6 +513,10 @@ class Scheduler:
         new_ids_to_zero = manager.take_new_block_ids()
         if new_ids_to_zero:
             output.new_block_ids_to_zero = new_ids_to_zero
+        if running:
+            # the blocks every request holding blocks shares, walked along any running one
+            output.num_common_prefix_blocks = manager.get_num_common_prefix_blocks(
+                running[0].request_id)
         self._step_preempted = len(preempted)
         self._prev_step_scheduled_req_ids = set(num_scheduled_tokens)
         # The output keeps its own reference to the old set.

@@ -291,3 +291,10 @@ class SingleTypeKVCacheManager:
 
     def new_step_starts(self) -> None:
         """Hook called once per scheduler step (Mamba clears its same-step cached set)."""
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
+        """Leading blocks of ``running_request_id``'s list that every request holding blocks
+        in this group shares (cascade attention's shared prefix). Default 0: a type whose
+        leading entries are not shared context (the sliding window's null blocks, chunked
+        local attention, state slots) never reports a shared prefix, as vLLM's managers."""
+        return 0

@@ -20,6 +20,24 @@ class FullAttentionManager(SingleTypeKVCacheManager):
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Full attention never skips a token: nothing to release."""
 
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
+        """vLLM's rule: walk the request's blocks from the first and count those whose
+        ``ref_cnt`` equals the number of requests holding blocks in this group (every holder
+        shares it; a shared block sits at the same position in every list, its hash being
+        chained); the first other block ends the count. Requests that hold blocks but are not
+        scheduled this step count as holders, so the result may be lower than what the
+        scheduled requests share (never higher)."""
+        blocks = self.req_to_blocks.get(running_request_id)
+        if not blocks:
+            return 0
+        holders = len(self.req_to_blocks)
+        n = 0
+        for block in blocks:
+            if block.ref_cnt != holders:
+                break
+            n += 1
+        return n
+
     @classmethod
     def find_longest_cache_hit(
         cls,
