@@ -1550,6 +1550,39 @@ SHAPES: dict[str, dict] = {
 }
 
 
+# DeepSeek-V3.2 shapes for decode benchmarks with random weights (bench_dsv32_decode.py), as
+# DeepseekV32Config's to_dict: "small": DeepSeek-V2-Lite's dimensions (27 layers, hidden 2048,
+# 16 heads, latents 512 + 64, 64 routed experts (6 per token) + 2 shared, YaRN x40) with V3.2's
+# attention: a query LoRA of 768 (V3.2's indexer reads it; V2-Lite has none) and V3.2's
+# indexer (64 heads x 128, top-k 2048); "tiny": a CPU-sized one (top-k 16).
+SHAPES["deepseek-v3.2-small"] = {
+    "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "dtype": "bfloat16",
+    "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944,
+    "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
+    "num_key_value_heads": 16, "n_shared_experts": 2, "n_routed_experts": 64,
+    "routed_scaling_factor": 1.0, "kv_lora_rank": 512, "q_lora_rank": 768,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 1,
+    "topk_group": 1, "num_experts_per_tok": 6, "first_k_dense_replace": 1,
+    "norm_topk_prob": False, "hidden_act": "silu", "max_position_embeddings": 163840,
+    "initializer_range": 0.02, "rms_norm_eps": 1e-06, "bos_token_id": 0, "eos_token_id": 1,
+    "tie_word_embeddings": False, "attention_bias": False,
+    "rope_parameters": {"rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                        "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
+                        "rope_theta": 10000},
+    "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64,
+}
+SHAPES["deepseek-v3.2-tiny"] = {
+    **SHAPES["deepseek-v3.2-small"], "dtype": "float32", "vocab_size": 512, "hidden_size": 64,
+    "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1,
+    "n_routed_experts": 8, "kv_lora_rank": 32, "q_lora_rank": 24, "qk_rope_head_dim": 8,
+    "v_head_dim": 12, "qk_nope_head_dim": 16, "n_group": 2, "num_experts_per_tok": 2,
+    "max_position_embeddings": 4096,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000},
+    "index_topk": 16, "index_head_dim": 16, "index_n_heads": 16,
+}
+
+
 def shape_config_dict(name: str) -> dict:
     """A copy of the ``config.json`` dict of a named shape."""
     key = name.strip().lower()
