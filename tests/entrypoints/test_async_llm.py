@@ -28,12 +28,16 @@ def test_slow_consumer_gets_the_newest_output(engines):
     allm = AsyncLLM(served.engine).start()
     loop_calls = []
 
-    async def consume(prompt, delay):
+    async def consume(prompt, lag_steps):
+        """Read the stream; after each read, fall ``lag_steps`` engine steps behind (counted
+        in steps, not seconds, so a loaded machine does not change what the test shows)."""
         seen = []
         async for out in allm.generate(prompt, p):
             seen.append(len(out.outputs[0].token_ids))
-            if delay:
-                await asyncio.sleep(delay)
+            target = served.engine.stats.steps + lag_steps
+            while (lag_steps and served.engine.stats.steps < target
+                   and served.engine.scheduler.has_unfinished_requests()):
+                await asyncio.sleep(0.002)
         return out, seen
 
     async def main():
@@ -45,8 +49,8 @@ def test_slow_consumer_gets_the_newest_output(engines):
             return inner(fn, *args, **kw)
 
         loop.call_soon_threadsafe = counting
-        return await asyncio.gather(consume(prompts[0], 0.15), consume(prompts[1], 0.0),
-                                    consume(prompts[2], 0.0))
+        return await asyncio.gather(consume(prompts[0], 3), consume(prompts[1], 0),
+                                    consume(prompts[2], 0))
 
     steps0 = served.engine.stats.steps
     try:

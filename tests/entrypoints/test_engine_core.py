@@ -7,9 +7,7 @@ a bad spec fails at start with the child's error."""
 import asyncio
 import os
 import random
-import shutil
 import signal
-import threading
 import time
 
 import pytest
@@ -22,24 +20,12 @@ from pagedkv import LLM, SamplingParams  # noqa: E402
 from pagedkv.entrypoints.engine_core import EngineSpec  # noqa: E402
 from pagedkv.entrypoints.openai_server import make_process_server  # noqa: E402
 from pagedkv.errors import PagedKVError  # noqa: E402
+from server_helpers import ThreadedServer  # noqa: E402
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
-)
 OPTIONS = dict(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256,
                kv_cache_memory_bytes=2 << 20, seed=0, sanitize=True)
 PROMPTS = ["Hello", "The block table maps a request row", "Chunked prefill splits a long prompt",
            "Prefix caching hashes full blocks so that"]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_dir, tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("proc") / "tiny-chat")
-    shutil.copytree(tiny_dir("llama"), d)
-    with open(os.path.join(d, "chat_template.jinja"), "w") as f:
-        f.write(CHAT_TEMPLATE)
-    return d
 
 
 def _spec(model_dir, **options):
@@ -47,19 +33,10 @@ def _spec(model_dir, **options):
                       attention_backend="torch_ref", options={**OPTIONS, **options})
 
 
-class ProcServer:
+class ProcServer(ThreadedServer):
     def __init__(self, spec, **kw):
         self.app, self.client, self.serving = make_process_server(spec, model_name="tiny", **kw)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        for _ in range(1000):
-            if self.server.started:
-                break
-            time.sleep(0.01)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
+        super().__init__(self.app)
 
     def stats(self) -> dict:
         loop = self.server_loop()
@@ -76,10 +53,6 @@ class ProcServer:
                 return True
             time.sleep(0.05)
         return False
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")

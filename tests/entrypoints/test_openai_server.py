@@ -7,12 +7,10 @@ import asyncio
 import json
 import os
 import random
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -23,11 +21,8 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from pagedkv import LLM, SamplingParams  # noqa: E402
 from pagedkv.entrypoints.openai_server import make_server  # noqa: E402
+from server_helpers import ThreadedServer  # noqa: E402
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
-)
 ENGINE = dict(device="cpu", dtype="float32", attention_backend="torch_ref", max_num_seqs=8,
               max_num_batched_tokens=256, max_model_len=256, kv_cache_memory_bytes=2 << 20,
               seed=0)
@@ -35,33 +30,11 @@ PROMPTS = ["Hello", "The block table maps a request row", "Chunked prefill split
            "Prefix caching hashes full blocks so that", "A slot is a block id times"]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_dir, tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("served") / "tiny-chat")
-    shutil.copytree(tiny_dir("llama"), d)
-    with open(os.path.join(d, "chat_template.jinja"), "w") as f:
-        f.write(CHAT_TEMPLATE)
-    return d
-
-
-class LiveServer:
+class LiveServer(ThreadedServer):
     def __init__(self, llm, **kw):
         self.llm = llm
         self.app, self.async_llm, self.serving = make_server(llm, model_name="tiny", **kw)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        for _ in range(500):
-            if self.server.started:
-                break
-            time.sleep(0.01)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
+        super().__init__(self.app, start_timeout=5.0)
 
 
 @pytest.fixture(scope="module")
