@@ -174,6 +174,12 @@ FAMILIES["FalconH1ForCausalLM"] = _Family(
     name="falcon_h1", max_position_embeddings=8192, bos_token_id=1, eos_token_id=2,
     head_dim=None, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias",
     qk_norm=False, sliding=None, mamba="falcon_h1")
+# Jamba: Mamba-1 mixer layers, attention (no RoPE) every attn_layer_period-th layer, softmax
+# top-k experts every expert_layer_period-th layer (MambaConfig variant "jamba", MoeConfig)
+FAMILIES["JambaForCausalLM"] = _Family(
+    name="jamba", max_position_embeddings=262144, bos_token_id=1, eos_token_id=2,
+    head_dim=None, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False, sliding=None,
+    moe="jamba", mamba="jamba")
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(FAMILIES)
 
@@ -329,9 +335,22 @@ class MambaConfig:
     attention input and output and its keys (before RoPE), the mixer input and output, the five
     parts of ``in_proj``'s output (``ssm_multipliers``) and the MLP's gate and output
     (``mlp_multipliers``). RoPE covers the first ``rotary_dim`` dimensions of each attention
-    head (Bamba: half the head, as transformers hard-codes it)."""
+    head (Bamba: half the head, as transformers hard-codes it).
 
-    variant: str  # "bamba" | "falcon_h1"
+    Jamba (``variant == "jamba"``, :attr:`mamba1`) has Mamba-1 mixers, as transformers'
+    ``JambaMambaMixer``: ``in_proj`` gives ``[x | z]`` (``intermediate_size`` each); the conv1d
+    (SiLU) over ``x`` alone (``conv_dim = intermediate_size``); ``x_proj(x) = [dt (dt_rank) |
+    B (d_state) | C (d_state)]``, each RMS-normed (``dt_layernorm``, ``b_layernorm``,
+    ``c_layernorm``, the model's ``rms_norm_eps``), ``dt = dt_proj.weight @ dt`` with
+    ``dt_proj.bias`` as the bias of the softplus; the selective scan with ``A = -exp(A_log)``
+    per channel and state entry (``[intermediate_size, d_state]``), ``y * silu(z)``, no norm
+    (``gated_norm`` false), no clamp; ``out_proj``; ``mamba_proj_bias`` on both projections,
+    attention without RoPE (``rotary_dim`` 0). In the Mamba-2 vocabulary each channel is a head
+    of ``head_dim`` 1 and ``B``/``C`` one group (``num_heads = intermediate_size``,
+    ``n_groups = 1``). Per-request states: conv ``(d_conv - 1, intermediate_size)``, SSM
+    ``(intermediate_size, d_state)`` (the ``selective_scan`` kernel's layout)."""
+
+    variant: str  # "bamba" | "falcon_h1" | "jamba" (Mamba-1, see ``mamba1``)
     layer_types: tuple[str, ...]
     num_heads: int
     head_dim: int
@@ -355,14 +374,24 @@ class MambaConfig:
     ssm_out_multiplier: float = 1.0
     ssm_multipliers: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0, 1.0)  # z, x, B, C, dt
     mlp_multipliers: tuple[float, float] = (1.0, 1.0)  # gate, down
+    dt_rank: int = 0  # Mamba-1 (Jamba): the rank of the dt projection (x_proj -> dt_proj)
+
+    @property
+    def mamba1(self) -> bool:
+        """Mamba-1 mixers (Jamba), see the class docstring; else Mamba-2."""
+        return self.variant == "jamba"
 
     @property
     def conv_dim(self) -> int:
-        """Channels of the short convolution: ``[x | B | C]``."""
+        """Channels of the short convolution: ``[x | B | C]`` (Mamba-1: ``x``)."""
+        if self.mamba1:
+            return self.intermediate_size
         return self.intermediate_size + 2 * self.n_groups * self.d_state
 
     @property
     def in_proj_size(self) -> int:
+        if self.mamba1:  # [x | z]
+            return 2 * self.intermediate_size
         return self.intermediate_size + self.conv_dim + self.num_heads
 
     @property
@@ -370,7 +399,9 @@ class MambaConfig:
         return (self.d_conv - 1, self.conv_dim)
 
     @property
-    def ssm_state_shape(self) -> tuple[int, int, int]:
+    def ssm_state_shape(self) -> tuple[int, ...]:
+        if self.mamba1:
+            return (self.intermediate_size, self.d_state)
         return (self.num_heads, self.head_dim, self.d_state)
 
     def has_mixer(self, layer: int) -> bool:
@@ -381,6 +412,12 @@ class MambaConfig:
 
     def mixer_parameters(self, hidden_size: int) -> int:
         p, c, inter = self.in_proj_size, self.conv_dim, self.intermediate_size
+        if self.mamba1:  # + x_proj, dt_proj (+ bias), A_log, D, the dt / B / C norms
+            r, n = self.dt_rank, self.d_state
+            return (hidden_size * p + (p if self.in_proj_bias else 0) + c * self.d_conv
+                    + (c if self.conv_bias else 0) + inter * (r + 2 * n) + r * inter + inter
+                    + inter * n + inter + r + 2 * n + inter * hidden_size
+                    + (hidden_size if self.out_proj_bias else 0))
         return (hidden_size * p + (p if self.in_proj_bias else 0) + c * self.d_conv
                 + (c if self.conv_bias else 0) + 3 * self.num_heads
                 + (inter if self.gated_norm else 0) + inter * hidden_size
@@ -748,7 +785,7 @@ class ModelArchConfig:
             act = d.get("hidden_act", "silu")
             if act != "silu":
                 raise ConfigError(f"{source}: hidden_act {act!r} is not supported; these families use 'silu'")
-        eps = d.get("rms_norm_eps", 1e-5 if fam.mamba else 1e-6)
+        eps = d.get("rms_norm_eps", 1e-5 if fam.mamba in ("bamba", "falcon_h1") else 1e-6)
         if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps <= 0:
             raise ConfigError(f"{source}: rms_norm_eps must be a positive number, got {eps!r}")
 
@@ -1075,7 +1112,10 @@ def _parse_mamba(d: dict, fam: _Family, hidden: int, layers: int, head_dim: int,
     ``{"__float__": "Infinity"}`` as ``save_pretrained`` writes it). Bamba: attention on
     ``attn_layer_indices`` (default none), RoPE on half of each head whatever
     ``partial_rotary_factor`` says (transformers sets 0.5). Falcon-H1: every layer hybrid,
-    ``mamba_rms_norm`` false, ``mamba_norm_before_gate`` true, the multipliers 1."""
+    ``mamba_rms_norm`` false, ``mamba_norm_before_gate`` true, the multipliers 1. Jamba:
+    :func:`_parse_mamba1`."""
+    if fam.mamba == "jamba":
+        return _parse_rope(d, max_pos), _parse_mamba1(d, hidden, layers, source)
     falcon = fam.mamba == "falcon_h1"
 
     def size(key: str, default: int) -> int:
@@ -1181,6 +1221,55 @@ def _parse_mamba(d: dict, fam: _Family, hidden: int, layers: int, head_dim: int,
         norm_before_gate=flag("mamba_norm_before_gate", True) if falcon else False, **muls)
 
 
+def _layer_period(d: dict, what: str, defaults: tuple[int, int], layers: int,
+                  source: str) -> tuple[bool, ...]:
+    """Jamba's layer rule: layer ``i`` is chosen iff ``i % {what}_layer_period ==
+    {what}_layer_offset`` (``offset < period``, as ``JambaConfig`` validates)."""
+    period, offset = (d.get(f"{what}_layer_{k}") for k in ("period", "offset"))
+    period = _pos_int(defaults[0] if period is None else period, f"{what}_layer_period", source)
+    offset = defaults[1] if offset is None else offset
+    if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < period:
+        raise ConfigError(f"{source}: {what}_layer_offset must be an integer in [0, "
+                          f"{what}_layer_period = {period}), got {offset!r}")
+    return tuple(i % period == offset for i in range(layers))
+
+
+def _parse_mamba1(d: dict, hidden: int, layers: int, source: str) -> MambaConfig:
+    """Jamba's ``MambaConfig`` (Mamba-1 mixers, see ``MambaConfig``) with ``JambaConfig``'s
+    defaults: attention on the layers ``i % attn_layer_period (8) == attn_layer_offset (4)``,
+    ``mamba_d_state`` 16, ``mamba_d_conv`` 4, mixer width ``mamba_expand`` (2) x hidden,
+    ``mamba_dt_rank`` "auto" (``ceil(hidden / 16)``), ``mamba_conv_bias`` true,
+    ``mamba_proj_bias`` false (``in_proj`` and ``out_proj``)."""
+    def size(key: str, default: int) -> int:
+        v = d.get(key)
+        return _pos_int(default if v is None else v, key, source)
+
+    attn = _layer_period(d, "attn", (8, 4), layers, source)
+    inter = size("mamba_expand", 2) * hidden
+    d_state, d_conv = size("mamba_d_state", 16), size("mamba_d_conv", 4)
+    rank = d.get("mamba_dt_rank", "auto")
+    rank = math.ceil(hidden / 16) if rank in (None, "auto") else _pos_int(rank, "mamba_dt_rank",
+                                                                           source)
+    if not 2 <= d_conv <= 4:
+        raise ConfigError(f"{source}: mamba_d_conv must be 2, 3 or 4 (the causal conv1d "
+                          f"kernel's widths), got {d_conv}")
+    if d_state > 256:
+        raise ConfigError(f"{source}: mamba_d_state {d_state} is larger than the selective "
+                          f"scan kernel supports (256)")
+    flags = {}
+    for key, default in (("mamba_conv_bias", True), ("mamba_proj_bias", False)):
+        v = d.get(key, default)
+        if not isinstance(v, bool):
+            raise ConfigError(f"{source}: {key} must be true or false, got {v!r}")
+        flags[key] = v
+    return MambaConfig(
+        variant="jamba", layer_types=tuple("attention" if a else "mamba" for a in attn),
+        num_heads=inter, head_dim=1, n_groups=1, d_state=d_state, d_conv=d_conv,
+        intermediate_size=inter, conv_bias=flags["mamba_conv_bias"],
+        in_proj_bias=flags["mamba_proj_bias"], out_proj_bias=flags["mamba_proj_bias"],
+        rotary_dim=0, gated_norm=False, dt_rank=rank)
+
+
 def _parse_moe(d: dict, fam: _Family, layers: int, source: str) -> MoeConfig:
     """The experts of an MoE family, with transformers' defaults and layer rule.
 
@@ -1195,7 +1284,10 @@ def _parse_moe(d: dict, fam: _Family, layers: int, source: str) -> MoeConfig:
     is sparse iff ``i >= first_k_dense_replace`` (3). Qwen3-Next: Qwen3-MoE's rule and names
     with ``Qwen3NextConfig``'s defaults (512 experts, 10 per token, ``moe_intermediate_size``
     512, ``norm_topk_prob`` true) and a shared expert of ``shared_expert_intermediate_size``
-    (512) scaled by its sigmoid gate."""
+    (512) scaled by its sigmoid gate. Jamba: ``num_experts`` (16), ``num_experts_per_tok``
+    (2), experts of ``intermediate_size``, weights not renormalized, in the model dtype; layer
+    ``i`` is sparse iff ``num_experts > 1`` and ``i % expert_layer_period (2) ==
+    expert_layer_offset (1)``."""
     def count(key: str, default: int, *, zero: bool = False) -> int:
         v = d.get(key)
         v = default if v is None else v
@@ -1209,6 +1301,12 @@ def _parse_moe(d: dict, fam: _Family, layers: int, source: str) -> MoeConfig:
         experts = count("num_local_experts", 8)
         inter = count("intermediate_size", 14336)
         norm, weights_dtype, sparse = True, "float32", (True,) * layers
+    elif fam.moe == "jamba":
+        experts = count("num_experts" if "num_experts" in d else "num_local_experts", 16)
+        inter = count("intermediate_size", 14336)
+        norm, weights_dtype = False, "model"
+        sparse = tuple(s and experts > 1 for s in _layer_period(d, "expert", (2, 1), layers,
+                                                                  source))
     elif fam.moe == "deepseek_v3":
         experts = count("n_routed_experts" if "n_routed_experts" in d else "num_local_experts", 256)
         inter = count("moe_intermediate_size", 2048)
@@ -1261,7 +1359,7 @@ def _parse_moe(d: dict, fam: _Family, layers: int, source: str) -> MoeConfig:
                               f"[0, {layers}), got {only!r}")
         sparse = tuple(i not in only and experts > 0 and (i + 1) % step == 0
                        for i in range(layers))
-    top_k = count("num_experts_per_tok", {"mixtral": 2, "qwen3_next": 10}.get(fam.moe, 8))
+    top_k = count("num_experts_per_tok", {"mixtral": 2, "jamba": 2, "qwen3_next": 10}.get(fam.moe, 8))
     if any(sparse) and top_k > experts:
         raise ConfigError(f"{source}: num_experts_per_tok ({top_k}) must not exceed the number "
                           f"of experts ({experts})")

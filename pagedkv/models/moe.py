@@ -32,6 +32,9 @@ layout (``save_pretrained(save_original_format=False)``: ``mlp.experts.gate_up_p
 experts as Qwen3-MoE does, plus ``mlp.gate.e_score_correction_bias`` and
 ``mlp.shared_experts.{gate,up,down}_proj.weight`` (both layouts); Qwen3-Next as Qwen3-MoE,
 plus ``mlp.shared_expert.{gate,up,down}_proj.weight`` and ``mlp.shared_expert_gate.weight``.
+Jamba routes as Qwen3-MoE without renormalizing; its block is ``feed_forward`` (both layouts),
+its router ``feed_forward.router.weight``, its experts ``feed_forward.experts.{e}.{gate,up,
+down}_proj.weight`` / ``feed_forward.experts.gate_up_proj`` and ``down_proj``.
 """
 
 from __future__ import annotations
@@ -51,7 +54,11 @@ _PER_EXPERT_NAMES = {
     "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
     "deepseek_v3": ("mlp", "gate_proj", "up_proj", "down_proj"),
     "qwen3_next": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "jamba": ("feed_forward", "gate_proj", "up_proj", "down_proj"),
 }
+# Jamba names its block feed_forward in both layouts and its router "router"
+_FUSED_BLOCK_NAMES = {"jamba": "feed_forward"}  # default "mlp"
+_ROUTER_NAMES = {"jamba": "router"}  # default "gate"
 # the shared expert(s)' module name, by family
 _SHARED_NAMES = {"deepseek_v3": "shared_experts", "qwen3_next": "shared_expert"}
 
@@ -149,9 +156,10 @@ class SparseMoeBlock(nn.Module):
     def hf_entries(self, prefix: str, layout: str) -> dict:
         """This block's Hugging Face tensors (``prefix`` = ``model.layers.{i}.``) in ``layout``
         (``per_expert`` or ``fused``, see the module docstring) -> (tensor, rows)."""
+        router = _ROUTER_NAMES.get(self.family, "gate") + ".weight"
         if layout == "fused":
-            p = prefix + "mlp."
-            m = {p + "gate.weight": (self.gate.weight, None),
+            p = prefix + _FUSED_BLOCK_NAMES.get(self.family, "mlp") + "."
+            m = {p + router: (self.gate.weight, None),
                  p + "experts.gate_up_proj": (self.w13, None),
                  p + "experts.down_proj": (self.w2, None)}
             return self._shared_entries(p, m)
@@ -160,7 +168,7 @@ class SparseMoeBlock(nn.Module):
         module, gate, up, down = _PER_EXPERT_NAMES[self.family]
         p = f"{prefix}{module}."
         i = self.intermediate_size
-        m = {p + "gate.weight": (self.gate.weight, None)}
+        m = {p + router: (self.gate.weight, None)}
         for e in range(self.num_experts):
             w13 = self.w13.data[e]
             m[f"{p}experts.{e}.{gate}.weight"] = (w13, (0, i))

@@ -10,6 +10,7 @@ from pagedkv.models.deepseek_v3 import DeepseekV3ForCausalLM
 from pagedkv.models.deepseek_v32 import DeepseekV32ForCausalLM
 from pagedkv.models.falcon_h1 import FalconH1ForCausalLM
 from pagedkv.models.gemma import GemmaForCausalLM
+from pagedkv.models.jamba import JambaForCausalLM
 from pagedkv.models.moe_decoder import MoeForCausalLM
 from pagedkv.models.qwen3_next import Qwen3NextForCausalLM
 
@@ -23,6 +24,8 @@ def _model_class(arch: str) -> type[DecoderForCausalLM]:
         return BambaForCausalLM
     if FAMILIES[arch].mamba == "falcon_h1":
         return FalconH1ForCausalLM
+    if FAMILIES[arch].mamba == "jamba":
+        return JambaForCausalLM
     if FAMILIES[arch].mla:
         return DeepseekV3ForCausalLM
     if FAMILIES[arch].linear_attn:
