@@ -10,7 +10,13 @@ import os
 import sys
 
 import pytest
-from engine_helpers import TEXTS, log_scheduled_steps, make_llm, pool_is_idle
+from engine_helpers import (
+    TEXTS,
+    log_scheduled_steps,
+    make_llm,
+    pool_is_idle,
+    teacher_forced_agreement,
+)
 
 from pagedkv import SamplingParams
 from pagedkv.core.spec import FullAttentionSpec, MambaCacheMode, MambaSpec
@@ -99,3 +105,44 @@ def test_prefix_hit_after_unaligned_chunks(jamba, hf_ref):
     check(llm, ref, [LONG])
     check(llm, ref, [LONG + " And more after the shared part.", LONG[:70]])
     assert llm.get_kv_stats()["prefix_cache_hits"] > 0
+
+
+# ---- on a CUDA GPU
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_engine_with_cuda_graphs_matches_transformers(jamba, hf_ref):
+    """fp32 on the GPU: the Triton attention backend, causal_conv1d and the selective scan
+    kernels natively (decode rows through selective_scan_update), the fused-MoE kernel,
+    decode CUDA graphs (padded rows skipped by state index -1); greedy tokens equal
+    transformers' on the CPU."""
+    llm = make_llm(jamba, device="cuda", attention_backend="triton", max_num_seqs=8,
+                   max_num_batched_tokens=64)
+    check(llm, hf_ref(jamba), TEXTS + TEXTS[:3], 16)
+    assert llm.get_kv_stats()["cuda_graph_steps"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [{}, dict(num_hidden_layers=2, attn_layer_period=2,
+                                              attn_layer_offset=1, expert_layer_period=1,
+                                              expert_layer_offset=0)])
+def test_gpu_bf16_teacher_forced_top1(tiny_cache, variant):
+    """bf16 on the GPU (Triton attention, native kernels, CUDA graphs) against transformers
+    in bf16 on the GPU fed our own tokens: the fraction of our greedy tokens that are
+    transformers' top-1 (printed; at least 0.9), every token within a logit margin of 1.0 of
+    its top-1 (MoE routing near-ties flip under one bf16 rounding)."""
+    import torch
+    import transformers
+
+    path = build_tiny_jamba(tiny_cache, dtype="bfloat16", **variant)
+    llm = make_llm(path, device="cuda", dtype="bfloat16", attention_backend="triton",
+                   max_num_seqs=8, max_num_batched_tokens=64)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16).to("cuda").eval()
+    prompts = [list(range(3, 3 + n)) for n in (5, 40, 100)]
+    outs = llm.generate(prompts, greedy(24), use_tqdm=False)
+    assert llm.get_kv_stats()["cuda_graph_steps"] > 0
+    exact, total, worst = teacher_forced_agreement(hf, prompts, outs)
+    print(f"jamba {variant or 'default'} bf16 teacher-forced top-1 agreement {exact}/{total} = "
+          f"{exact / total:.3f}, largest margin {worst:.3f}")
+    assert exact / total >= 0.9 and worst < 1.0
