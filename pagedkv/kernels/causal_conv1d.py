@@ -166,10 +166,13 @@ def causal_conv1d(x, conv_state, weight, bias, query_start_loc, state_indices,
     if n == 0 or d == 0:
         return out
     grid = (n, triton.cdiv(d, _BLOCK_D))
+    # the kernel reads the per-sequence vectors densely (a column of MambaMetadata's
+    # [rows, 1 + spec_blocks] state indices is strided): no-ops for contiguous ones
     _causal_conv1d_kernel[grid](
         x, x.stride(0), conv_state, conv_state.stride(0), conv_state.stride(1), weight,
         weight.stride(0), bias if bias is not None else weight, out, out.stride(0),
-        query_start_loc, state_indices, has_initial_state.to(torch.int8), d,
+        query_start_loc.contiguous(), state_indices.contiguous(),
+        has_initial_state.to(torch.int8).contiguous(), d,
         W=w, HAS_BIAS=bias is not None, SILU=activation == "silu", BLOCK_D=_BLOCK_D)
     return out
 

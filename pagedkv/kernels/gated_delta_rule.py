@@ -21,7 +21,9 @@ Layout: ``state [S, HV, K, V]``, ``q``/``k [T, HK, K]``, ``v [T, HV, V]``,
 ``g``/``beta [T, HV]``, ``state_indices [N]``; the chunked form adds ``query_start_loc [N+1]``
 (int32) and ``has_initial_state [N]`` (bool: continue from the slot, else zeros; a sequence
 without tokens writes its start state back), the recurrent form takes one token per sequence
-(``T = N``) and always continues from the slot.
+(``T = N``) and always continues from the slot. The per-sequence vectors (``state_indices``,
+``query_start_loc``, ``has_initial_state``) may be strided views (a column of
+``MambaMetadata.state_indices``).
 
 :func:`recurrent_gated_delta_rule`: grid ``(N, HV, ceil(V / BLOCK_V))``, one ``K x BLOCK_V``
 state tile per program (K up to 256 in one tile).
@@ -339,7 +341,8 @@ def recurrent_gated_delta_rule(state, q, k, v, g, beta, state_indices, *, scale=
     _gdr_recurrent_kernel[grid](
         state, state.stride(0), state.stride(1), state.stride(2), q, q.stride(0), q.stride(1),
         k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), g, g.stride(0), beta,
-        beta.stride(0), out, out.stride(0), out.stride(1), state_indices, kd, vd, per, sc,
+        beta.stride(0), out, out.stride(0), out.stride(1), state_indices.contiguous(), kd, vd,
+        per, sc,
         L2NORM=use_qk_l2norm, BLOCK_K=max(16, next_pow2(kd)), BLOCK_V=block_v)
     return out
 
@@ -368,8 +371,9 @@ def chunk_gated_delta_rule(state, q, k, v, g, beta, query_start_loc, state_indic
     _gdr_chunk_kernel[grid](
         state, state.stride(0), state.stride(1), state.stride(2), q, q.stride(0), q.stride(1),
         k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), g, g.stride(0), beta,
-        beta.stride(0), out, out.stride(0), out.stride(1), query_start_loc, state_indices,
-        has_initial_state.to(torch.int8), kd, vd, per, sc,
+        beta.stride(0), out, out.stride(0), out.stride(1), query_start_loc.contiguous(),
+        state_indices.contiguous(), has_initial_state.to(torch.int8).contiguous(), kd, vd,
+        per, sc,
         L2NORM=use_qk_l2norm, PREC="ieee" if v.dtype == torch.float32 else "tf32",
         CHUNK=chunk_size, BLOCK_K=max(16, next_pow2(kd)), BLOCK_V=block_v,
         num_warps=4 if kd <= 64 else 8)

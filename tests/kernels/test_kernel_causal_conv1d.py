@@ -118,3 +118,20 @@ def test_bad_arguments_are_typed_errors():
         causal_conv1d(x, **{**ok, "query_start_loc": torch.tensor([0, 1, 3], dtype=torch.int32)})
     with pytest.raises(ConfigError, match="activation"):
         causal_conv1d(x, **ok, activation="gelu")
+
+
+def test_strided_per_sequence_vectors(kernel_device):
+    """A column of ``MambaMetadata.state_indices`` (``[rows, 1 + spec_blocks]``) and strided
+    ``query_start_loc`` / ``has_initial_state`` views: the kernel follows them as the twin
+    does (it used to read them densely: the second row took the first row's spare column)."""
+    x, state, weight, bias, qsl, idx, init = _case(kernel_device, torch.float32, [3, 4, 2], 4,
+                                                   40, 11, init=torch.tensor([True, False, True]))
+    wide = torch.stack([idx, idx.flip(0) + 100], dim=1)  # spare columns: garbage slots
+    qsl2 = torch.stack([qsl, qsl * 0 - 7], dim=1)[:, 0]
+    init2 = torch.stack([init, ~init], dim=1)[:, 0]
+    assert wide[:, 0].stride(0) == 2 and qsl2.stride(0) == 2 and init2.stride(0) == 2
+    s1, s2 = state.clone(), state.clone()
+    out1 = causal_conv1d(x, s1, weight, bias, qsl2, wide[:, 0], init2, "silu")
+    out2 = causal_conv1d_ref(x, s2, weight, bias, qsl, idx, init, "silu")
+    torch.testing.assert_close(out1, out2, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s1, s2, atol=1e-5, rtol=1e-5)

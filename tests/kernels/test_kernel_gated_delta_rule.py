@@ -376,3 +376,26 @@ def test_gpu_recurrent_qwen3_next_shape_bf16():
     _rel_close(o1[ok], o2[ok], 1e-2, "o")
     _rel_close(s1, s2, 1e-5, "state")
     _check_untouched(state, s1, o1, torch.arange(n + 1, dtype=torch.int32), idx)
+
+
+def test_strided_per_sequence_vectors(kernel_device):
+    """Both kernels follow strided ``state_indices`` (a column of ``MambaMetadata``'s
+    ``[rows, 1 + spec_blocks]`` indices), ``query_start_loc`` and ``has_initial_state`` as the
+    twins do (they used to read them densely: the second row took the first row's spare
+    column)."""
+    state, q, k, v, g, beta, qsl, idx, init = _case(kernel_device, torch.float32, [5, 1, 3],
+                                                    1, 2, 16, 16, 13, init=[True, False, True])
+    wide = torch.stack([idx, idx.flip(0) + 100], dim=1)
+    qsl2 = torch.stack([qsl, qsl * 0 - 7], dim=1)[:, 0]
+    init2 = torch.stack([init, ~init], dim=1)[:, 0]
+    s1, s2 = state.clone(), state.clone()
+    o1 = chunk_gated_delta_rule(s1, q, k, v, g, beta, qsl2, wide[:, 0], init2, chunk_size=16)
+    o2 = chunk_gated_delta_rule_ref(s2, q, k, v, g, beta, qsl, idx, init, chunk_size=16)
+    _rel_close(o1, o2, 1e-4, "chunk outputs")
+    _rel_close(s1, s2, 1e-4, "chunk states")
+    n = idx.shape[0]
+    s1, s2 = state.clone(), state.clone()
+    o1 = recurrent_gated_delta_rule(s1, q[:n], k[:n], v[:n], g[:n], beta[:n], wide[:, 0])
+    o2 = recurrent_gated_delta_rule_ref(s2, q[:n], k[:n], v[:n], g[:n], beta[:n], idx)
+    _rel_close(o1, o2, 1e-4, "decode outputs")
+    _rel_close(s1, s2, 1e-4, "decode states")
