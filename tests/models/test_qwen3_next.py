@@ -547,3 +547,52 @@ def test_random_weights_generate(twins):
                if isinstance(m, GemmaRMSNorm))
     toks, _ = Driver(model).generate([[5, 6, 7, 8], [9]], 3)
     assert all(len(t) == 3 for t in toks)
+
+
+# ---- on a CUDA GPU
+
+
+@pytest.mark.gpu
+def test_gpu_mixer_bf16_at_the_80b_head_shape():
+    """The mixer at Qwen3-Next-80B's head shape (16 key / 32 value heads of 128, conv width 4;
+    hidden 256 to stay small) in bf16 on the GPU, the kernels native: three prompts (300, 1 and
+    77 tokens, one step) then 3 decode steps each; against transformers' mixer in float32 on
+    each whole sequence, our error is within twice transformers' own bf16 error (plus 1e-2)."""
+    dims = dict(hidden_size=256, linear_num_key_heads=16, linear_num_value_heads=32,
+                linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4)
+    hf, ours = mixer_pair(seed=4, **dims)
+    with torch.no_grad():  # weights of a trained scale: keep the projections' outputs O(1)
+        for p in list(hf.parameters()) + list(ours.parameters()):
+            if p.dim() == 2:
+                p.mul_(256 ** -0.5 / 0.3)
+    hf, ours = hf.cuda(), ours.cuda().to(torch.bfloat16)
+    lens = [300, 1, 77]
+    xs = [torch.randn(n + 3, 256, device="cuda") for n in lens]
+    states = tuple(s.cuda() for s in poisoned_states(ours, 5))
+    states = (states[0].to(torch.bfloat16), states[1])
+    slots = [3, 0, 4]
+
+    def meta(rows):
+        m = mamba_metadata(rows, slots)
+        for f in ("query_start_loc", "seq_lens", "state_indices", "has_initial_state"):
+            setattr(m, f, getattr(m, f).cuda())
+        return m
+
+    with torch.no_grad():
+        y = ours(torch.cat([x[:n] for x, n in zip(xs, lens)]).bfloat16(), states,
+                 meta([(0, n) for n in lens]))
+        got = [[y[a:b]] for a, b in zip([0, 300, 301], [300, 301, 378])]
+        for t in range(3):
+            y = ours(torch.stack([x[n + t] for x, n in zip(xs, lens)]).bfloat16(), states,
+                     meta([(n + t, 1) for n in lens]))
+            for i in range(3):
+                got[i].append(y[i:i + 1])
+        hf16 = hf_q3n.Qwen3NextGatedDeltaNet(hf_config(**dims), 0).cuda().to(torch.bfloat16)
+        hf16.load_state_dict(hf.state_dict())
+        for i, x in enumerate(xs):
+            want = hf(x[None])[0]
+            err = lambda a: float((a.float() - want).abs().max() / want.abs().max())  # noqa: E731
+            ours_err, hf_err = err(torch.cat(got[i])), err(hf16(x[None].bfloat16())[0])
+            print(f"sequence {i} ({len(x)} tokens): ours {ours_err:.4f}, transformers bf16 "
+                  f"{hf_err:.4f}")
+            assert ours_err <= 2 * hf_err + 1e-2
