@@ -65,6 +65,11 @@ class _Family:
     # Mamba-2 mixers beside (Bamba) or in parallel with (Falcon-H1) attention: "bamba" or
     # "falcon_h1" (see _parse_mamba)
     mamba: str | None = None
+    # attention sinks: a learned logit per query head in every attention layer's softmax
+    # (GPT-OSS)
+    attn_sinks: bool = False
+    # the sliding window of a "gemma" / "qwen_moe" family when config.json has none
+    default_window: int = 4096
 
 
 FAMILIES: dict[str, _Family] = {
@@ -138,6 +143,15 @@ FAMILIES["MixtralForCausalLM"] = _Family(
     name="mixtral", max_position_embeddings=4096 * 32, bos_token_id=1, eos_token_id=2,
     head_dim=None, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
     sliding="mistral", moe="mixtral")
+# GPT-OSS: sliding-window and full attention alternating (layer_types, default window 128),
+# attention sinks, biases on q/k/v/o (attention_bias), YaRN RoPE; every layer MoE: a router
+# with a bias, the top-k logits then a softmax over them, experts with biases, gate/up rows
+# interleaved, the clamped SwiGLU (MoeConfig)
+FAMILIES["GptOssForCausalLM"] = _Family(
+    name="gpt_oss", max_position_embeddings=131072, bos_token_id=None, eos_token_id=None,
+    head_dim=64, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False,
+    qk_norm=False, sliding="gemma", sliding_pattern=2, moe="gpt_oss", attn_sinks=True,
+    default_window=128)
 
 # DeepSeek-V3: multi-head latent attention (MlaConfig), first_k_dense_replace dense layers,
 # then sigmoid-scored group-limited routing with shared experts; attention_bias on q_a_proj,
@@ -218,6 +232,15 @@ class MoeConfig:
     # Qwen3-Next: the shared expert's output is scaled by ``sigmoid(x W_g^T)`` (``W_g [1, H]``,
     # ``shared_expert_gate``) before it is added
     shared_expert_gate: bool = False
+    # GPT-OSS (``scoring == "topk_softmax"``): the router has a bias (``router_bias``), takes
+    # the top-k logits and softmaxes over those k, in the model dtype; the experts have biases
+    # (``expert_bias``) and the clamped SwiGLU (``activation == "swiglu_clamp"``:
+    # ``(clamp(up, -limit, limit) + 1) * g sigmoid(alpha g)``, ``g = min(gate, limit)``)
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: str = "silu"  # "silu" | "swiglu_clamp"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     @property
     def num_sparse_layers(self) -> int:
@@ -622,6 +645,8 @@ class ModelArchConfig:
     linear_attn: LinearAttnConfig | None = None
     # Bamba / Falcon-H1 only: the Mamba-2 mixers and the family's multipliers
     mamba: MambaConfig | None = None
+    # GPT-OSS: every attention layer has sinks (``self_attn.sinks [num_attention_heads]``)
+    attn_sinks: bool = False
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived sizes
@@ -701,6 +726,11 @@ class ModelArchConfig:
             sparse += 3 * h * m.shared_intermediate_size + (m.num_experts if m.score_correction_bias else 0)
             sparse += h if m.shared_expert_gate else 0
             total += m.num_sparse_layers * sparse
+        if self.moe is not None and self.moe.expert_bias:  # GPT-OSS: router and expert biases
+            m = self.moe
+            total += m.num_sparse_layers * m.num_experts * (1 + 2 * m.intermediate_size + h)
+        if self.attn_sinks:
+            total += self.num_hidden_layers * self.num_attention_heads
         if self.linear_attn is not None:  # Qwen3-Next: gated q_proj; mixers instead of attention
             la = self.linear_attn
             linear = sum(map(la.is_linear, range(self.num_hidden_layers)))
@@ -878,6 +908,7 @@ class ModelArchConfig:
             moe=moe,
             linear_attn=linear_attn,
             mamba=mamba,
+            attn_sinks=fam.attn_sinks,
             raw=dict(d),
             **gemma_fields,
         )
@@ -955,7 +986,8 @@ def _layer_windows(d: dict, fam: _Family, layers: int, source: str) -> tuple[int
     with ``use_sliding_window`` (default window 4096); Qwen2/Qwen3: only with
     ``use_sliding_window``, on the layers ``layer_types`` marks ``sliding_attention`` (or,
     without ``layer_types``, layers ``>= max_window_layers``)."""
-    window = d.get("sliding_window", 4096 if fam.sliding in ("gemma", "qwen_moe") else None)
+    window = d.get("sliding_window",
+                   fam.default_window if fam.sliding in ("gemma", "qwen_moe") else None)
     if fam.sliding is None or window is None:
         return (None,) * layers
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
@@ -1297,7 +1329,23 @@ def _parse_moe(d: dict, fam: _Family, layers: int, source: str) -> MoeConfig:
         return v
 
     deepseek = {}
-    if fam.moe == "mixtral":
+    if fam.moe == "gpt_oss":
+        # GptOssConfig's defaults: 128 experts of intermediate_size, 4 per token (read by the
+        # rule below), every layer sparse, the weights in the model dtype
+        if d.get("num_experts_per_tok") is None:
+            d = {**d, "num_experts_per_tok": 4}
+        experts = count("num_local_experts", 128)
+        inter = count("intermediate_size", 2880)
+        norm, weights_dtype, sparse = False, "model", (True,) * layers
+        swiglu = {}
+        for key, default in (("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)):
+            v = d.get(key, default)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise ConfigError(f"{source}: {key} must be a positive number, got {v!r}")
+            swiglu[key] = float(v)
+        deepseek = dict(scoring="topk_softmax", router_bias=True, expert_bias=True,
+                        activation="swiglu_clamp", **swiglu)
+    elif fam.moe == "mixtral":
         experts = count("num_local_experts", 8)
         inter = count("intermediate_size", 14336)
         norm, weights_dtype, sparse = True, "float32", (True,) * layers

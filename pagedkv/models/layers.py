@@ -26,6 +26,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(dtype)
 
 
+def rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / rms(x)`` wholly in float32, rounded once to ``x``'s dtype (GPT-OSS, whose
+    norms transformers keeps in float32: the weight multiplies before the rounding)."""
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.to(torch.float32) * xf).to(x.dtype)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dimension: on CUDA one
     Triton kernel (``pagedkv.kernels.activation``, a custom op that compiled regions keep as one
@@ -148,4 +156,5 @@ class GatedMLP(nn.Module):
         return m
 
 
-__all__ = ["GatedMLP", "Linear", "MergedLinear", "QKVProjection", "RMSNorm", "rms_norm", "silu_and_mul"]
+__all__ = ["rms_norm_fp32",
+           "GatedMLP", "Linear", "MergedLinear", "QKVProjection", "RMSNorm", "rms_norm", "silu_and_mul"]

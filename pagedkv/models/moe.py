@@ -23,6 +23,14 @@ one GEMM) and ``w2 [E, H, I]``. On CUDA the Triton fused-MoE kernel runs them
 (``pagedkv.kernels.fused_moe.fused_moe``), elsewhere the torch reference (tokens sorted by
 expert, one GEMM per expert with tokens).
 
+GPT-OSS routes with ``route_topk_softmax`` (router with a bias: the top-k logits, then a
+softmax over those k, in the model dtype); its experts have biases (``w13_bias [E, 2I]`` in
+w13's row order, ``w2_bias [E, H]``), gate and up rows interleaved in ``w13`` (row ``2i`` gate
+unit ``i``, ``2i + 1`` its up unit: transformers' ``gate_up_proj [E, H, 2I]`` is then
+``w13.transpose(1, 2)``, loaded in place) and the clamped SwiGLU (``GatedActivation``), all
+run by the same fused-MoE kernels and twin. Its checkpoints hold transformers' module layout
+only: ``mlp.router.{weight,bias}``, ``mlp.experts.{gate_up_proj,down_proj}[_bias]``.
+
 Checkpoint layouts (``hf_entries``): ``per_expert``, what ``save_pretrained`` writes and the
 hub holds (Qwen3-MoE ``mlp.experts.{e}.{gate,up,down}_proj.weight``, Mixtral
 ``block_sparse_moe.experts.{e}.{w1,w3,w2}.weight`` with w1 = gate, w3 = up, w2 = down; router
@@ -43,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedkv.kernels.fused_moe import fused_moe_ref
+from pagedkv.kernels.fused_moe import GatedActivation, fused_moe_ref
 from pagedkv.models.config import MoeConfig
 from pagedkv.models.layers import GatedMLP, Linear
 
@@ -74,6 +82,15 @@ def route_topk(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
     return weights.to(weights_dtype), ids
 
 
+def route_topk_softmax(router_logits: torch.Tensor,
+                       top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPT-OSS's routing: ``(topk_weights [T, k], topk_ids [T, k] int64)``: the ``top_k``
+    largest logits ``[T, E]``, then a softmax over those k, in the logits' dtype (as
+    ``GptOssTopKRouter``)."""
+    values, ids = torch.topk(router_logits, top_k, dim=-1)
+    return torch.softmax(values, dim=-1, dtype=values.dtype), ids
+
+
 def route_grouped_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor | None,
                           top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
                           routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,6 +113,23 @@ def route_grouped_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Te
     return weights * routed_scaling_factor, ids
 
 
+# families whose checkpoints hold transformers' module layout only (no per-expert names)
+_MODULE_LAYOUT_ONLY = ("gpt_oss",)
+
+
+def _gpt_oss_entries(block: "SparseMoeBlock", prefix: str) -> dict:
+    """GPT-OSS's tensors of one block: the router's weight and bias, the experts' stacked
+    ``gate_up_proj [E, H, 2I]`` (a transposed view of the interleaved ``w13``, filled in
+    place), ``down_proj [E, I, H]`` (of ``w2``) and their biases."""
+    p = prefix + "mlp."
+    m = block.gate.hf_entries(p + "router")
+    m[p + "experts.gate_up_proj"] = (block.w13.data.transpose(1, 2), None)
+    m[p + "experts.gate_up_proj_bias"] = (block.w13_bias, None)
+    m[p + "experts.down_proj"] = (block.w2.data.transpose(1, 2), None)
+    m[p + "experts.down_proj_bias"] = (block.w2_bias, None)
+    return m
+
+
 class SparseMoeBlock(nn.Module):
     """Router (``gate``: ``[E, H]``, no bias) + experts ``w13 [E, 2I, H]``, ``w2 [E, H, I]``;
     DeepSeek-V3 (``moe.scoring == "sigmoid"``): a float32 router with
@@ -104,7 +138,7 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, hidden_size: int, moe: MoeConfig, family: str, *, dtype=None, device=None):
         super().__init__()
-        if family not in _PER_EXPERT_NAMES:
+        if family not in _PER_EXPERT_NAMES and family not in _MODULE_LAYOUT_ONLY:
             raise ValueError(f"no MoE checkpoint naming for family {family!r}")
         self.family = family
         self.num_experts = moe.num_experts
@@ -116,12 +150,20 @@ class SparseMoeBlock(nn.Module):
         e, i, h = moe.num_experts, moe.intermediate_size, hidden_size
         sigmoid = moe.scoring == "sigmoid"
         # DeepSeek-V3's router stays float32 (transformers keeps gate.weight in float32)
-        self.gate = Linear(h, e, bias=False, dtype=torch.float32 if sigmoid else dtype, device=device)
+        self.gate = Linear(h, e, bias=moe.router_bias, dtype=torch.float32 if sigmoid else dtype,
+                           device=device)
         self.e_score_correction_bias = nn.Parameter(
             torch.empty(e, dtype=torch.float32, device=device), requires_grad=False) \
             if moe.score_correction_bias else None
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype, device=device), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, h, i, dtype=dtype, device=device), requires_grad=False)
+        # GPT-OSS: expert biases, gate/up rows interleaved, the clamped SwiGLU
+        bias = lambda *shape: nn.Parameter(  # noqa: E731
+            torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+        self.w13_bias = bias(e, 2 * i) if moe.expert_bias else None
+        self.w2_bias = bias(e, h) if moe.expert_bias else None
+        self.activation = GatedActivation(moe.activation, moe.swiglu_alpha, moe.swiglu_limit)
+        self.gate_up_interleaved = family in _MODULE_LAYOUT_ONLY
         self.shared_experts = GatedMLP(h, moe.shared_intermediate_size, bias=False, dtype=dtype,
                                        device=device) if moe.shared_intermediate_size else None
         self.shared_expert_gate = Linear(h, 1, bias=False, dtype=dtype, device=device) \
@@ -135,6 +177,8 @@ class SparseMoeBlock(nn.Module):
             return route_grouped_sigmoid(logits, self.e_score_correction_bias, self.top_k,
                                          m.n_group, m.topk_group, self.norm_topk_prob,
                                          m.routed_scaling_factor)
+        if m.scoring == "topk_softmax":
+            return route_topk_softmax(self.gate(x), self.top_k)
         wdtype = x.dtype if self.weights_in_model_dtype else torch.float32
         return route_topk(self.gate(x), self.top_k, self.norm_topk_prob, wdtype)
 
@@ -143,9 +187,9 @@ class SparseMoeBlock(nn.Module):
         if x.device.type == "cuda":
             from pagedkv.kernels.fused_moe import fused_moe
 
-            out = fused_moe(x, self.w13, self.w2, weights, ids)
+            out = fused_moe(x, self.w13, self.w2, weights, ids, **self.expert_options())
         else:
-            out = fused_moe_ref(x, self.w13, self.w2, weights, ids)
+            out = fused_moe_ref(x, self.w13, self.w2, weights, ids, **self.expert_options())
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
             if self.shared_expert_gate is not None:
@@ -153,9 +197,19 @@ class SparseMoeBlock(nn.Module):
             out = out + shared
         return out
 
+    def expert_options(self) -> dict:
+        """The experts' options of ``fused_moe`` / ``fused_moe_ref`` (biases, activation,
+        gate/up row order); none for the plain SiLU experts (the calls stay as they were)."""
+        if self.w13_bias is None and not self.gate_up_interleaved and self.activation.name == "silu":
+            return {}
+        return dict(b13=self.w13_bias, b2=self.w2_bias, activation=self.activation,
+                    gate_up_interleaved=self.gate_up_interleaved)
+
     def hf_entries(self, prefix: str, layout: str) -> dict:
         """This block's Hugging Face tensors (``prefix`` = ``model.layers.{i}.``) in ``layout``
         (``per_expert`` or ``fused``, see the module docstring) -> (tensor, rows)."""
+        if self.family in _MODULE_LAYOUT_ONLY:  # one layout whatever ``layout`` says
+            return _gpt_oss_entries(self, prefix)
         router = _ROUTER_NAMES.get(self.family, "gate") + ".weight"
         if layout == "fused":
             p = prefix + _FUSED_BLOCK_NAMES.get(self.family, "mlp") + "."
@@ -189,4 +243,5 @@ class SparseMoeBlock(nn.Module):
         return m
 
 
-__all__ = ["LAYOUTS", "SparseMoeBlock", "route_grouped_sigmoid", "route_topk"]
+__all__ = ["LAYOUTS", "SparseMoeBlock", "route_grouped_sigmoid", "route_topk",
+           "route_topk_softmax"]

@@ -10,6 +10,7 @@ from pagedkv.models.deepseek_v3 import DeepseekV3ForCausalLM
 from pagedkv.models.deepseek_v32 import DeepseekV32ForCausalLM
 from pagedkv.models.falcon_h1 import FalconH1ForCausalLM
 from pagedkv.models.gemma import GemmaForCausalLM
+from pagedkv.models.gpt_oss import GptOssForCausalLM
 from pagedkv.models.jamba import JambaForCausalLM
 from pagedkv.models.moe_decoder import MoeForCausalLM
 from pagedkv.models.qwen3_next import Qwen3NextForCausalLM
@@ -30,6 +31,8 @@ def _model_class(arch: str) -> type[DecoderForCausalLM]:
         return DeepseekV3ForCausalLM
     if FAMILIES[arch].linear_attn:
         return Qwen3NextForCausalLM
+    if FAMILIES[arch].attn_sinks:  # GPT-OSS: sinks, MoE with biases
+        return GptOssForCausalLM
     if FAMILIES[arch].moe:
         return MoeForCausalLM
     return DecoderForCausalLM

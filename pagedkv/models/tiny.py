@@ -51,6 +51,9 @@ FAMILY_ARCHITECTURES.update(bamba="BambaForCausalLM", falcon_h1="FalconH1ForCaus
 # Qwen3-Next: Gated-DeltaNet layers beside gated attention, MoE (TinySpec.linear_options)
 FAMILY_ARCHITECTURES["qwen3_next"] = "Qwen3NextForCausalLM"
 MOE_FAMILIES = (*MOE_FAMILIES, "qwen3_next")
+# GPT-OSS: sliding / full attention alternating, attention sinks, MoE with biases everywhere
+FAMILY_ARCHITECTURES["gpt_oss"] = "GptOssForCausalLM"
+MOE_FAMILIES = (*MOE_FAMILIES, "gpt_oss")
 # transformers config class per family where it is not "<Architecture minus ForCausalLM>Config"
 CONFIG_CLASSES = {"gemma3": "Gemma3TextConfig"}
 
@@ -307,6 +310,20 @@ def hf_config_dict(spec: TinySpec) -> dict:
                 "full_attention": dict(rope, rope_theta=float(spec.rope_theta) * 100),
                 "sliding_attention": {"rope_type": "default", "rope_theta": float(spec.rope_theta)},
             }
+    if spec.family == "gpt_oss":
+        # q/k/v/o biases; layers alternate sliding (window 16 unless set) / full; experts of
+        # intermediate_size; YaRN RoPE (4x over max_position_embeddings / 4) unless
+        # rope_scaling is set; a SwiGLU limit of 1 (7 in the real models) so that the clamp
+        # acts on the tiny model's activations
+        d.update(sliding_window=spec.sliding_window or 16, attention_bias=True,
+                 num_local_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+                 swiglu_limit=1.0, layer_types=[("sliding_attention", "full_attention")[i % 2]
+                                                for i in range(spec.num_layers)])
+        if not spec.rope_scaling:
+            d["rope_parameters"] = dict(
+                rope_type="yarn", rope_theta=float(spec.rope_theta), factor=4.0,
+                original_max_position_embeddings=spec.max_position_embeddings // 4,
+                beta_fast=32.0, beta_slow=1.0, truncate=False)
     if spec.family in MAMBA_FAMILIES:
         d.update(_MAMBA_TINY)
         d.update({"attn_layer_indices": [1]} if spec.family == "bamba" else {"mamba_d_ssm": None})
@@ -425,7 +442,7 @@ def _spread_routing(model, tok) -> None:
 
     ids = [torch.tensor([tok.encode(line).ids]) for line in CORPUS.splitlines() if line]
     for layer in model.model.layers:
-        router = getattr(layer.mlp, "gate", None)
+        router = getattr(layer.mlp, "gate", None) or getattr(layer.mlp, "router", None)
         if router is None or not hasattr(layer.mlp, "experts"):
             continue  # a dense layer
         inputs = []
