@@ -1728,6 +1728,28 @@ SHAPES["deepseek-v3.2-tiny"] = {
     "index_topk": 16, "index_head_dim": 16, "index_n_heads": 16,
 }
 
+# Bamba-9B's dimensions (ibm-ai-platform/Bamba-9B's config.json: 32 layers, attention on 9, 18
+# and 27, 128 Mamba-2 heads of 64 with a 128-wide state in one group), for decode throughput
+# runs with random weights; bamba-tiny: the same layout at CPU size (the bench's --tiny)
+SHAPES["bamba-9b"] = {
+    "architectures": ["BambaForCausalLM"], "model_type": "bamba", "dtype": "bfloat16",
+    "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "attn_layer_indices": [9, 18, 27], "mamba_n_heads": 128, "mamba_d_head": 64,
+    "mamba_n_groups": 1, "mamba_d_state": 128, "mamba_d_conv": 4, "mamba_expand": 2,
+    "mamba_chunk_size": 256, "mamba_conv_bias": True, "mamba_proj_bias": False,
+    "hidden_act": "silu", "rms_norm_eps": 1e-5, "max_position_embeddings": 262144,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+    "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0,
+}
+SHAPES["bamba-tiny"] = {
+    **SHAPES["bamba-9b"], "dtype": "float32", "vocab_size": 256, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "attn_layer_indices": [1], "mamba_n_heads": 4, "mamba_d_head": 32,
+    "mamba_d_state": 16, "mamba_chunk_size": 16, "max_position_embeddings": 4096,
+}
+
 
 def shape_config_dict(name: str) -> dict:
     """A copy of the ``config.json`` dict of a named shape."""
