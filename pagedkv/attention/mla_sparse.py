@@ -55,15 +55,17 @@ _TOPK_CHUNK_ELEMENTS = 1 << 26
 class DSAPlan(AttentionPlan):
     """One step's DSA plan for the layers of one KV-cache group: the metadata, whether the
     kernels run, and per token (``token_rows(T)``, computed once per row count): its request
-    row (int32, -1 past the last request's tokens) and its position (int32)."""
+    row (int32, -1 past the last request's tokens) and its position (int32);
+    ``workspace``: the sparse attention kernel's split partials, shared by its layers."""
 
-    __slots__ = ("kernels", "max_seq_len", "_rows")
+    __slots__ = ("kernels", "max_seq_len", "workspace", "_rows")
 
     def __init__(self, metadata: AttentionMetadataLike, layout: AttentionLayout | None,
                  kernels: bool):
         super().__init__(metadata, layout)
         self.kernels = kernels
         self.max_seq_len = int(metadata.max_seq_len)
+        self.workspace: dict = {}
         self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def token_rows(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,7 +192,8 @@ class DSABackend(AttentionBackend):
             q_lat = torch.cat([ql, q[..., nope:]], dim=-1)
         o_lat = torch.empty((t, q.shape[1], rank), dtype=q_lat.dtype, device=q.device)
         attend = sparse_mla_attention if plan.kernels else sparse_mla_attention_ref
-        attend(q_lat, kv_cache, slots, lens, scale, o_lat, kv_lora_rank=rank)
+        attend(q_lat, kv_cache, slots, lens, scale, o_lat, kv_lora_rank=rank,
+               workspace=plan.workspace)
         out = torch.einsum("thl,hvl->thv", o_lat, weights.w_uv.to(o_lat.dtype))
         return out.to(q.dtype)
 

@@ -14,13 +14,19 @@ This is the attention of DeepSeek sparse attention (``mla_sparse.py``): the inde
 positions of a token, translated to slots (``kernels.sparse_index``), are its whole context,
 so prefill and decode tokens are served alike, one token per program row.
 
-Kernel (``_sparse_mla_kernel``), grid ``(T, cdiv(H, BLOCK_H))``: ``BLOCK_H`` query heads per
-program share every latent tile (one latent "KV head", as ``mla_triton_decode``): tiles of
+Kernel (``_sparse_mla_kernel``), grid ``(T, cdiv(H, BLOCK_H), num_splits)``: ``BLOCK_H`` query
+heads per program share every latent tile (one latent "KV head", as ``mla_triton_decode``): tiles of
 ``TILE_K`` selected rows, each row's slot loaded from ``slots`` and split into block and
 offset (any block size), then the MLA decode kernel's latent tile (``_latent_tile``: scores
 ``q_c c^T + q_r k_pe^T``, the two parts padded to powers of two separately, online softmax in
 base 2 with fp32 accumulation; a tile without a valid row changes nothing), ``q`` cast to the cache dtype for the products (exact fp32 products for fp32
-caches). No split over K: a token reads at most ``index_topk`` rows (2048 at V3.2's size).
+caches). Split-K as the paged decode kernels: each token is a one-query "request" of
+``lens[t]`` rows, split by the decode split policy (``choose_split`` over ``T x head tiles``
+programs, the ranges of ``_split_range``); a token whose rows fit one range writes its output
+directly, the others write partials in the decode layout that ``triton_decode``'s reduce
+kernel merges (``query_start_loc = 0 .. T``, ``seq_lens = lens``). A decode step of a small
+batch thus spreads each token's ``index_topk`` rows (2048 at V3.2's size) over several
+programs.
 
 ``sparse_mla_attention_ref`` is the plain torch twin (same signature, float32, tokens in
 chunks).
@@ -28,14 +34,21 @@ chunks).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
 import triton.language as tl
 
-from pagedkv.attention._triton_common import ATTN_DTYPES, LOG2E, dot_precision, interpreted
+from pagedkv.attention._triton_common import ATTN_DTYPES, LOG2E, dot_precision, interpreted, num_sms
 from pagedkv.attention.mla_triton_decode import _latent_tile
+from pagedkv.attention.triton_decode import (
+    MAX_SPLITS,
+    DecodeConfig,
+    _decode_reduce_kernel,
+    _split_range,
+    choose_split,
+)
 from pagedkv.errors import ConfigError
 from pagedkv.kernels._common import INDEX_DTYPES, cdiv, check_same_device, check_tensor, next_pow2, use_triton
 
@@ -43,14 +56,16 @@ from pagedkv.kernels._common import INDEX_DTYPES, cdiv, check_same_device, check
 @dataclass(frozen=True)
 class SparseMLAConfig:
     """Launch parameters: ``block_h`` query heads per program and ``tile_k`` selected rows per
-    iteration (powers of two >= 16), Triton's ``num_warps`` / ``num_stages``. A first choice
-    (not tuned): at V3.2's size a ``tile_k x 576`` latent tile and a ``block_h x 512`` fp32
-    accumulator, as the MLA decode kernel."""
+    iteration (powers of two >= 16), Triton's ``num_warps`` / ``num_stages``; ``split``: the
+    split-K policy (``DecodeConfig``'s split fields; its tile and warp fields unused). A first
+    choice (not tuned): at V3.2's size a ``tile_k x 576`` latent tile and a ``block_h x 512``
+    fp32 accumulator, as the MLA decode kernel."""
 
     block_h: int = 16
     tile_k: int = 32
     num_warps: int = 4
     num_stages: int = 2
+    split: DecodeConfig = field(default_factory=DecodeConfig)
 
     def __post_init__(self):
         for name in ("block_h", "tile_k"):
@@ -61,7 +76,9 @@ class SparseMLAConfig:
             raise ConfigError("SparseMLAConfig: num_warps and num_stages must be positive")
 
 
-INTERPRET_SPARSE_MLA_CONFIG = SparseMLAConfig(block_h=16, tile_k=16, num_warps=1, num_stages=1)
+INTERPRET_SPARSE_MLA_CONFIG = SparseMLAConfig(
+    block_h=16, tile_k=16, num_warps=1, num_stages=1,
+    split=DecodeConfig(tile_n=16, num_warps=1, num_stages=1, min_split_tokens=16))
 
 
 @triton.jit
@@ -80,12 +97,13 @@ def _sparse_mla_tile(acc, l_i, m_i, q_c, q_r, kt, n, slot_row, c_ptr, c_sb, c_st
                         ROPE, DOT_PREC)
 
 
-@triton.jit(do_not_specialize=["num_k"])
+@triton.jit(do_not_specialize=["num_k", "num_splits", "min_split_tiles"])
 def _sparse_mla_kernel(
     q_ptr, q_s0, q_s1,
     c_ptr, c_sb, c_st,
-    slots_ptr, slots_s0, lens_ptr, num_k,
+    slots_ptr, slots_s0, lens_ptr, num_k, num_splits, min_split_tiles,
     out_ptr, o_s0, o_s1,
+    m_ptr, l_ptr, acc_ptr,
     scale_log2,
     NUM_HEADS: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -100,6 +118,7 @@ def _sparse_mla_kernel(
 ):
     t = tl.program_id(0)
     ht = tl.program_id(1)
+    s = tl.program_id(2)
     t64 = t.to(tl.int64)
     head = ht * BLOCK_H + tl.arange(0, BLOCK_H)
     head64 = head.to(tl.int64)
@@ -108,6 +127,9 @@ def _sparse_mla_kernel(
     h_ok = head < NUM_HEADS
     out_mask = h_ok[:, None] & (dl < RANK)[None, :]
     n = tl.minimum(tl.load(lens_ptr + t), num_k)
+    t0, t1, per, n_tiles = _split_range(n, 0, s, num_splits, min_split_tiles, TILE_K)
+    if (t0 >= t1) & (s > 0):
+        return  # split 0 of a token without rows writes its zeros
     q_base = q_ptr + t64 * q_s0 + head64[:, None] * q_s1
     q_c = tl.load(q_base + dl[None, :], mask=out_mask, other=0.0).to(c_ptr.dtype.element_ty)
     q_r = tl.load(q_base + RANK + dr[None, :], mask=h_ok[:, None] & (dr < ROPE)[None, :],
@@ -116,22 +138,27 @@ def _sparse_mla_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, L_PAD], tl.float32)
     slot_row = slots_ptr + t64 * slots_s0
-    n_tiles = tl.cdiv(n, TILE_K)
     if RANGE_LOOP:  # compiled: a for-range loop, software-pipelined by Triton
-        for kt in range(0, n_tiles):
+        for kt in range(t0, t1):
             acc, l_i, m_i = _sparse_mla_tile(acc, l_i, m_i, q_c, q_r, kt, n, slot_row, c_ptr,
                                              c_sb, c_st, dl, dr, scale_log2, RANK, ROPE,
                                              BLOCK_SIZE, TILE_K, DOT_PREC)
     else:  # the interpreter cannot iterate range() over runtime scalars
-        kt = 0
-        while kt < n_tiles:
+        kt = t0
+        while kt < t1:
             acc, l_i, m_i = _sparse_mla_tile(acc, l_i, m_i, q_c, q_r, kt, n, slot_row, c_ptr,
                                              c_sb, c_st, dl, dr, scale_log2, RANK, ROPE,
                                              BLOCK_SIZE, TILE_K, DOT_PREC)
             kt += 1
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + t64 * o_s0 + head64[:, None] * o_s1 + dl[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=out_mask)
+    if per >= n_tiles:  # the token's rows fit one range: the final output directly
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + t64 * o_s0 + head64[:, None] * o_s1 + dl[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:  # the partials layout of triton_decode's reduce kernel
+        part = (t64 * NUM_HEADS + head64) * num_splits + s
+        tl.store(m_ptr + part, m_i, mask=h_ok)
+        tl.store(l_ptr + part, l_i, mask=h_ok)
+        tl.store(acc_ptr + part[:, None] * L_PAD + dl[None, :], acc, mask=out_mask)
 
 
 def _check(fn, q, kv_cache, slots, lens, out, rank):
@@ -166,7 +193,9 @@ def sparse_mla_attention(
     *,
     kv_lora_rank: int,
     config: SparseMLAConfig | None = None,
+    num_splits: int | None = None,
     check: bool = True,
+    workspace: dict | None = None,
 ) -> torch.Tensor:
     """Latent attention of every query token over its selected rows (module docstring).
 
@@ -175,12 +204,18 @@ def sparse_mla_attention(
             kv_cache: ``[num_blocks, block_size, L + R]`` (bf16 / fp16 / fp32).
         slots: int32/int64 ``[>= T, K]``; lens: int32 ``[>= T]`` (on ``q``'s device).
         scale: softmax scale; kv_lora_rank: ``L``; config: launch parameters (default per
-            device); check: validate the arguments.
+            device); num_splits: force the split count (1 .. 64); check: validate the
+            arguments; workspace: keeps the split partials between the calls of one step.
     Returns ``out``. Without CUDA and without the Triton interpreter: the torch twin.
     """
     fn = "sparse_mla_attention"
     if check:
         _check(fn, q, kv_cache, slots, lens, out, kv_lora_rank)
+        if num_splits is not None and (isinstance(num_splits, bool)
+                                       or not isinstance(num_splits, int)
+                                       or not 1 <= num_splits <= MAX_SPLITS):
+            raise ConfigError(f"{fn}: num_splits must be an int in [1, {MAX_SPLITS}], got "
+                              f"{num_splits!r}")
     t, num_heads = q.shape[0], q.shape[1]
     if t == 0:
         return out
@@ -193,18 +228,52 @@ def sparse_mla_attention(
     rank = kv_lora_rank
     rope = kv_cache.shape[2] - rank
     block_h = min(cfg.block_h, max(16, next_pow2(num_heads)))
-    _sparse_mla_kernel[(t, cdiv(num_heads, block_h))](
+    head_tiles = cdiv(num_heads, block_h)
+    num_k = slots.shape[1]
+    auto_splits, min_split_tokens = choose_split(t, head_tiles, num_k, num_sms(q.device),
+                                                 cfg.split)
+    if num_splits is None:
+        num_splits = auto_splits
+    l_pad = max(16, next_pow2(rank))
+    min_split_tiles = max(1, cdiv(min_split_tokens, cfg.tile_k))
+    if num_splits > 1:
+        parts = t * num_heads * num_splits
+        bufs = None if workspace is None else workspace.get("sparse_mla_partials")
+        if bufs is None or bufs[0].shape[0] < parts or bufs[2].shape[1] != l_pad \
+                or bufs[0].device != q.device:
+            bufs = (torch.empty(parts, dtype=torch.float32, device=q.device),
+                    torch.empty(parts, dtype=torch.float32, device=q.device),
+                    torch.empty(parts, l_pad, dtype=torch.float32, device=q.device))
+            if workspace is not None:
+                workspace["sparse_mla_partials"] = bufs
+        m_buf, l_buf, acc_buf = bufs
+    else:
+        m_buf = l_buf = acc_buf = out  # never touched: every token fits its one split
+    _sparse_mla_kernel[(t, head_tiles, num_splits)](
         q, q.stride(0), q.stride(1),
         kv_cache, kv_cache.stride(0), kv_cache.stride(1),
-        slots, slots.stride(0), lens, slots.shape[1],
+        slots, slots.stride(0), lens, num_k, num_splits, min_split_tiles,
         out, out.stride(0), out.stride(1),
+        m_buf, l_buf, acc_buf,
         float(scale) * LOG2E,
         NUM_HEADS=num_heads, BLOCK_H=block_h, RANK=rank, ROPE=rope,
-        L_PAD=max(16, next_pow2(rank)), R_PAD=max(16, next_pow2(rope)),
+        L_PAD=l_pad, R_PAD=max(16, next_pow2(rope)),
         BLOCK_SIZE=kv_cache.shape[1], TILE_K=cfg.tile_k, DOT_PREC=dot_precision(kv_cache.dtype),
         RANGE_LOOP=not interpreted(_sparse_mla_kernel),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if num_splits > 1:
+        # each token is a one-query request of lens[t] rows (min(lens, K) as the kernel reads)
+        qsl = torch.arange(t + 1, dtype=torch.int32, device=q.device)
+        n = torch.clamp(lens[:t], max=num_k)
+        _decode_reduce_kernel[(t, num_heads)](
+            qsl, n, t, num_splits, min_split_tiles, 0,
+            out, out.stride(0), out.stride(1),
+            m_buf, l_buf, acc_buf, q,  # no attention sinks (q is never read as one)
+            NUM_HEADS=num_heads, HEAD_DIM=rank, D_PAD=l_pad, TILE_N=cfg.tile_k, SPLIT_CHUNK=8,
+            HAS_SINKS=False,
+            num_warps=4 if l_pad >= 128 else 1,
+        )
     return out
 
 
@@ -222,7 +291,9 @@ def sparse_mla_attention_ref(
     *,
     kv_lora_rank: int,
     config: SparseMLAConfig | None = None,
+    num_splits: int | None = None,
     check: bool = True,
+    workspace: dict | None = None,
 ) -> torch.Tensor:
     """Plain torch twin of :func:`sparse_mla_attention` (float32; the launch hints are
     ignored): gathers each token's rows ``kv_cache[slot // B, slot % B]`` (never a copy of the

@@ -96,15 +96,24 @@ def test_sparse_attention_kernel_matches_twin(kernel_device, dtype, heads, rank,
     assert (lens.cpu() == 0).any() and not torch.isnan(outs[0]).any()
 
 
-def test_sparse_attention_tiles_and_launch_config(kernel_device):
-    """A K spanning several tiles (forced small tiles) and head blocks."""
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 8])
+def test_sparse_attention_tiles_splits_and_launch_config(kernel_device, num_splits):
+    """A K spanning several tiles (forced small tiles), head blocks, split-K (chosen and
+    forced: tokens of 0, 1, K, K - 3, 5 and 2 rows; ranges merged by the decode reduce
+    kernel); the partials workspace is kept and reused."""
     q, cache, slots, lens = _sparse_inputs(6, 40, 32, 8, 70, 16, torch.float32, kernel_device,
                                            seed=3, num_blocks=12)
-    out = torch.full((6, 40, 32), NAN, device=kernel_device)
-    sparse_mla_attention(q, cache, slots, lens, 0.2, out, kv_lora_rank=32,
-                         config=SparseMLAConfig(block_h=16, tile_k=16, num_warps=1, num_stages=1))
-    torch.testing.assert_close(out.double().cpu(), _sparse_loop(q, cache, slots, lens, 0.2, 32),
-                               atol=1e-5, rtol=1e-5)
+    want = _sparse_loop(q, cache, slots, lens, 0.2, 32)
+    ws: dict = {}
+    for _ in range(2):
+        out = torch.full((6, 40, 32), NAN, device=kernel_device)
+        sparse_mla_attention(q, cache, slots, lens, 0.2, out, kv_lora_rank=32,
+                             config=SparseMLAConfig(block_h=16, tile_k=16, num_warps=1,
+                                                    num_stages=1),
+                             num_splits=num_splits, workspace=ws)
+        torch.testing.assert_close(out.double().cpu(), want, atol=1e-5, rtol=1e-5)
+    # 6 tokens x 3 head tiles are few programs: the policy splits them (None) too
+    assert ("sparse_mla_partials" in ws) == (num_splits != 1)
 
 
 def test_sparse_attention_errors():
@@ -120,6 +129,8 @@ def test_sparse_attention_errors():
         sparse_mla_attention_ref(q, cache, slots, lens.long(), 1.0, out, kv_lora_rank=32)
     with pytest.raises(ConfigError, match="power of two"):
         SparseMLAConfig(tile_k=24)
+    with pytest.raises(ConfigError, match="num_splits"):
+        sparse_mla_attention(q, cache, slots, lens, 1.0, out, kv_lora_rank=32, num_splits=65)
 
 
 # ---- indexer scores
