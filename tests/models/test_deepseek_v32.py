@@ -260,7 +260,7 @@ def test_fp32_kernels_on_gpu_match_transformers(ref, tiny_dir):
     with torch.no_grad():
         for p in r.prompts:
             torch.testing.assert_close(h.prompt_logits(p).cpu(), r.hf(torch.tensor([p])).logits[0],
-                                       atol=2e-4, rtol=2e-4)
+                                       atol=1e-3, rtol=1e-3)
     assert PagedHarness(model, block_size=16, num_blocks=64).greedy_generate(
         r.prompts, NEW_TOKENS, chunk_size=8) == r.generations
 
