@@ -118,8 +118,9 @@ class Mamba2Mixer(nn.Module):
         x, B, C = x.view(t, nh, mc.head_dim), B.view(t, ng, ds), C.view(t, ng, ds)
 
         A = -torch.exp(self.A_log.float())
-        y = torch.empty(t, nh, mc.head_dim, dtype=x.dtype, device=x.device)
-        y[meta.num_actual_tokens:] = 0  # padding tokens: no kernel writes them
+        # zeros: the rows no kernel writes (padding tokens, rows of padded requests, also in a
+        # captured graph) give out_proj(0)
+        y = torch.zeros(t, nh, mc.head_dim, dtype=x.dtype, device=x.device)
         if nd:
             selective_state_update(ssm_state, x[:nd], dt[:nd], self.dt_bias, A, B[:nd], C[:nd],
                                    self.D, slots[:nd], dt_softplus=True, out=y[:nd])
