@@ -44,6 +44,13 @@ class AttentionMetadataLike(Protocol):
     max_seq_len: int
     block_table_tensor: torch.Tensor  # int32 [num_reqs, width], device
     slot_mapping: torch.Tensor  # int64 [>= num_actual_tokens], device
+    # cascade attention (see AttentionBackend.use_cascade): the leading positions every request
+    # of the step shares in the same blocks, none of its queries before them (0: none); the
+    # same value on the device (int32 [1]; None: a backend makes it when it needs it); a CUDA
+    # graph's baked decision (None: the backend decides from common_prefix_len)
+    common_prefix_len: int
+    common_prefix_len_device: torch.Tensor | None
+    use_cascade: bool | None
 
 
 @dataclass(frozen=True)
@@ -119,9 +126,16 @@ class AttentionBackend(ABC):
       then fuses q/k norms, RoPE and the KV write into one kernel);
     * ``reorder_batch_threshold``: rows with at most this many scheduled tokens are decodes that
       the batch should put first (None: no reordering);
-    * ``metadata_builder``: the builder of the page-index format ``forward`` reads;
+    * ``metadata_builder``: the builder of the page-index format ``forward`` reads
+      (``metadata_builder_for(spec)``: per KV-cache spec, default this one);
     * ``graph_variants`` / ``graph_variant``: host decisions a decode graph bakes in besides its
-      size (default: none, one graph per size).
+      size (default: none, one graph per size); ``graph_capture_fields``: the metadata fields a
+      capture of a variant sets;
+    * ``supports_cascade`` / ``use_cascade``: cascade (shared-prefix) attention: where the
+      step's requests share their first ``metadata.common_prefix_len`` positions in the same
+      blocks (the scheduler's ``num_common_prefix_blocks``, capped by the runner so that every
+      query sits after them), the backend may read those blocks once for the whole batch and
+      merge with each request's own blocks; ``use_cascade`` is its host decision for a step.
     """
 
     name: str = "abstract"
@@ -131,6 +145,16 @@ class AttentionBackend(ABC):
     # the metadata builder class of the page-index format ``forward`` reads
     # (``pagedkv.worker.attn_builders``); None: the step's common metadata per KV-cache group
     metadata_builder: type | None = None
+    # ``forward`` serves a plan with ``metadata.common_prefix_len`` through cascade attention
+    # where ``use_cascade`` says so (the runner then fills the metadata's prefix fields)
+    supports_cascade: bool = False
+
+    def metadata_builder_for(self, spec: Any) -> type | None:
+        """The metadata builder class of the KV-cache groups with ``spec`` (None: the step's
+        common metadata). Default: ``metadata_builder`` for every spec; a backend serving
+        channels of different index formats (DeepSeek-V4's compressed and sliding-window
+        latent groups) picks per spec."""
+        return self.metadata_builder
 
     def plan(self, metadata: AttentionMetadataLike, layout: AttentionLayout) -> AttentionPlan:
         """This step's plan for the layers of ``layout`` (default: the metadata as it is)."""
@@ -173,10 +197,24 @@ class AttentionBackend(ABC):
         ``decode_balanced``. Default: ``(None,)``."""
         return (None,)
 
-    def graph_variant(self, num_reqs: int, num_kv_heads: int, seq_lens, device: torch.device):
+    def graph_variant(self, num_reqs: int, num_kv_heads: int, seq_lens, device: torch.device,
+                      cascade: bool = False):
         """The value of :meth:`graph_variants` a decode step of ``num_reqs`` (padded) requests
-        replays, from its actual requests' host lengths ``seq_lens``."""
+        replays, from its actual requests' host lengths ``seq_lens``; ``cascade``: every
+        attention group of the step would take cascade attention (:meth:`use_cascade`)."""
         return None
+
+    def graph_capture_fields(self, variant) -> dict:
+        """The metadata fields a capture of graph variant ``variant`` sets (the decisions the
+        graph bakes in). Default: ``decode_balanced=variant``."""
+        return {"decode_balanced": variant}
+
+    def use_cascade(self, num_reqs: int, common_prefix_len: int,
+                    layout: AttentionLayout) -> bool:
+        """Whether a step of ``num_reqs`` requests sharing their first ``common_prefix_len``
+        positions takes cascade attention on the layers of ``layout`` (a host decision, made
+        once per step and group). Default: never."""
+        return False
 
 
 __all__ = ["AttentionBackend", "AttentionLayout", "AttentionMetadataLike", "AttentionPlan",

@@ -27,6 +27,11 @@ class SimpleAttentionMetadata:
     max_seq_len: int
     block_table_tensor: torch.Tensor  # int32 [num_reqs, width], device
     slot_mapping: torch.Tensor  # int64 [>= num_actual_tokens], device
+    # cascade attention (AttentionMetadataLike): the shared leading positions, on the device,
+    # and a baked decision (None: the backend decides)
+    common_prefix_len: int = 0
+    common_prefix_len_device: torch.Tensor | None = None
+    use_cascade: bool | None = None
 
 
 def build_attention_metadata(
@@ -36,10 +41,13 @@ def build_attention_metadata(
     slot_mapping: torch.Tensor,
     *,
     device: str | torch.device | None = None,
+    common_prefix_len: int = 0,
 ) -> SimpleAttentionMetadata:
     """Metadata for requests with ``query_lens[r]`` new tokens and ``seq_lens[r]`` tokens in
     total (context + new). ``block_table``: int ``[num_reqs, width]``; ``slot_mapping``: int64
-    ``[>= sum(query_lens)]`` (entries past the real tokens must be ``-1``)."""
+    ``[>= sum(query_lens)]`` (entries past the real tokens must be ``-1``).
+    ``common_prefix_len``: positions every request shares in the same blocks, at most every
+    request's context (``seq_len - query_len``; cascade attention, see ``AttentionBackend``)."""
     query_lens = [int(x) for x in query_lens]
     seq_lens = [int(x) for x in seq_lens]
     if len(query_lens) != len(seq_lens):
@@ -50,6 +58,12 @@ def build_attention_metadata(
         if q < 0 or s < q:
             raise InvalidRequestError(f"request {r}: need 0 <= query_len <= seq_len, got {q} and {s}")
     n = len(query_lens)
+    if isinstance(common_prefix_len, bool) or not isinstance(common_prefix_len, int) \
+            or common_prefix_len < 0 \
+            or any(s - q < common_prefix_len for q, s in zip(query_lens, seq_lens)):
+        raise InvalidRequestError(
+            f"common_prefix_len must be an int in [0, min context length], got "
+            f"{common_prefix_len!r}")
     device = torch.device(device) if device is not None else block_table.device
     qsl = torch.zeros(n + 1, dtype=torch.int32)
     if n:
@@ -75,6 +89,7 @@ def build_attention_metadata(
         max_seq_len=max(seq_lens, default=0),
         block_table_tensor=block_table[:n].to(device=device, dtype=torch.int32),
         slot_mapping=slot_mapping.to(device=device, dtype=torch.int64),
+        common_prefix_len=common_prefix_len,
     )
 
 

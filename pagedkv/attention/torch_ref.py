@@ -27,6 +27,8 @@ def paged_attention_ref(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    causal: bool = True,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q [T, H, D]`` over each request's paged context (read only).
 
@@ -37,6 +39,13 @@ def paged_attention_ref(
     ``sinks [H]`` (GPT-OSS's attention sinks): per query head one more logit in the softmax,
     as is (not scaled or capped), whose probability is dropped: ``exp(sink)`` joins the
     denominator only. Rows past ``metadata.num_actual_tokens`` are zero.
+
+    ``causal=False``: every query row of a request sees all of its ``seq_len`` keys (then
+    ``seq_len`` may be below the query count; no sliding window). Cascade attention's shared
+    prefix is such a request: the whole batch's queries against the prefix blocks.
+    ``lse``: a float32 ``[T, H]`` tensor that receives, for every served row, the natural-log
+    log-sum-exp of the row's (scaled, capped, masked) scores, the sink included: the log of the
+    softmax denominator the output was normalized by. Other rows are left as they are.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
@@ -44,6 +53,10 @@ def paged_attention_ref(
         raise InvariantError("attention-gqa", "query heads are not a multiple of KV heads",
                              num_heads=num_heads, num_kv_heads=num_kv_heads)
     group = num_heads // num_kv_heads
+    if not causal and sliding_window:
+        raise InvariantError("attention-noncausal-window",
+                             "non-causal attention takes no sliding window",
+                             sliding_window=sliding_window)
     n = int(metadata.num_reqs)
     qsl = _as_list(metadata.query_start_loc_cpu)[: n + 1]
     seq_lens = _as_list(metadata.seq_lens_cpu)[:n]
@@ -57,7 +70,7 @@ def paged_attention_ref(
         q_len, seq_len = end - start, seq_lens[r]
         if q_len == 0:
             continue
-        if q_len < 0 or seq_len < q_len:
+        if q_len < 0 or (causal and seq_len < q_len):
             raise InvariantError("attention-lengths", "need 0 <= query_len <= seq_len",
                                  request=r, query_len=q_len, seq_len=seq_len)
         num_blocks = -(-seq_len // block_size)
@@ -77,7 +90,10 @@ def paged_attention_ref(
             scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         k_pos = torch.arange(first, seq_len, device=q.device)
-        visible = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # [q_len, keys]
+        if causal:
+            visible = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # [q_len, keys]
+        else:
+            visible = torch.ones(q_len, k_pos.shape[0], dtype=torch.bool, device=q.device)
         if sliding_window:
             visible &= k_pos.unsqueeze(0) > q_pos.unsqueeze(1) - sliding_window
         # keys of the first block before the window hold finite values but are not attended:
@@ -90,6 +106,9 @@ def paged_attention_ref(
             probs = torch.softmax(scores, dim=-1)[..., :-1]
         else:
             probs = torch.softmax(scores, dim=-1)
+        if lse is not None:
+            row_lse = torch.logsumexp(scores, dim=-1)  # [Hkv, G, q_len]
+            lse[start:end] = row_lse.permute(2, 0, 1).reshape(q_len, num_heads).to(lse.dtype)
         o = torch.einsum("hgqk,khd->qhgd", probs, v.to(torch.float32))
         out[start:end] = o.reshape(q_len, num_heads, head_dim).to(q.dtype)
     return out

@@ -23,11 +23,34 @@ where the batch size is one the balanced-lengths rule of ``DecodeConfig`` can ch
 metadata's ``decode_balanced`` says it, as a CUDA graph's does), and its launches depend on host
 values only (CUDA-graph safe); a mixed batch takes one ``numpy.diff`` of ``query_start_loc_cpu``.
 
+Cascade (shared-prefix) attention (``CascadeConfig``): where the step's requests share their
+first ``P = metadata.common_prefix_len`` positions in the same blocks (the scheduler's
+``num_common_prefix_blocks``, capped by the runner below every query) and
+:meth:`TritonAttentionBackend.use_cascade` says it pays, a plan serves its layers in three
+launches instead of reading the shared blocks once per request:
+  1. prefix: every query row of the batch against the ``P`` shared positions, non-causal (each
+     query sits after them), as one request of ``paged_prefill_attention(causal=False)``
+     whose table row is request 0's (its first blocks are everyone's): one pass over the
+     shared K/V for the whole batch; float32 output and log-sum-exp;
+  2. suffix: each request over its own positions ``[P, seq_len)``: the usual decode /
+     prefill kernels on the table shifted by ``P // block_size`` columns and the lengths
+     reduced by ``P`` (both made on the device from the device copy of ``P``); float32
+     output and log-sum-exp;
+  3. ``merge_attention_states`` into the output by the two log-sum-exps (rows past
+     ``query_start_loc[num_reqs]`` zeroed).
+The launches read ``P`` on the device only (their grids do not depend on it), so one CUDA
+graph per batch size serves every prefix length: the graph variant ``CASCADE`` (for sizes of
+at least ``min_reqs`` requests) is captured with ``use_cascade=True`` and replayed when the
+runner finds every attention group of the step taking cascade. A layer with attention sinks
+takes the plain path on a cascade plan (the plan stays valid for it).
+
 Without CUDA and without the Triton interpreter (compiled Triton cannot run on CPU tensors) the
 backend falls back to ``paged_attention_ref``, like the index layer's launchers do.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -39,6 +62,7 @@ from pagedkv.attention.backend import (
     AttentionMetadataLike,
     AttentionPlan,
 )
+from pagedkv.attention.merge_states import merge_attention_states
 from pagedkv.attention.torch_ref import paged_attention_ref
 from pagedkv.attention.triton_decode import (
     DecodeConfig,
@@ -65,6 +89,33 @@ FRESH_PREFILL_CHOICES = ("auto", "triton", "varlen")
 # K/V heads repeated to 16 as that torch requires (it has no enable_gqa), 500 us (275) for its
 # kernel alone. The Triton kernel wins as the backend can call them.
 AUTO_FRESH_PREFILL = "triton"
+# The graph variant of cascade steps (see the module docstring).
+CASCADE = "cascade"
+# Copy bandwidth of the H200 (PERF.md): turns the shared-prefix bytes cascade saves into time.
+_COPY_BYTES_PER_US = 4.27e6
+
+
+@dataclass(frozen=True)
+class CascadeConfig:
+    """When a step takes cascade attention (:meth:`TritonAttentionBackend.use_cascade`): at
+    least ``min_prefix_tokens`` shared positions, at least ``min_reqs`` requests (vLLM's
+    thresholds, 256 and 8, as that project chose them, untuned), and at least
+    ``min_saved_us`` of shared K/V reads saved: ``(num_reqs - 1) x P x Hkv x D x 2`` elements
+    at the copy bandwidth of the H200 (4.27 TB/s), against the prefix and merge launches that
+    cascade adds (a few microseconds each). Never on layers with a sliding window or a logit
+    soft cap."""
+
+    min_prefix_tokens: int = 256
+    min_reqs: int = 8
+    min_saved_us: float = 10.0
+
+    def __post_init__(self):
+        for name in ("min_prefix_tokens", "min_reqs"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"CascadeConfig.{name} must be an int >= 1, got {v!r}")
+        if not isinstance(self.min_saved_us, (int, float)) or self.min_saved_us < 0:
+            raise ConfigError(f"CascadeConfig.min_saved_us must be >= 0, got {self.min_saved_us!r}")
 
 
 def _host_ints(x, n: int) -> np.ndarray:
@@ -84,20 +135,26 @@ class TritonAttentionBackend(AttentionBackend):
             kernel), ``"varlen"`` (torch's varlen flash attention where available, else the
             Triton kernel) or ``"auto"`` (the faster one on the H200: ``AUTO_FRESH_PREFILL``).
         decode_config / prefill_config: launch parameters (default per device).
+        cascade: when to take cascade attention (:class:`CascadeConfig`); None: never.
     """
 
     name = "triton"
     # Grids and buffers depend only on host ints fixed in the plan: safe to replay in a CUDA graph.
     supports_cuda_graphs = True
+    supports_cascade = True
 
     def __init__(self, *, fresh_prefill: str = "auto", decode_config: DecodeConfig | None = None,
-                 prefill_config: PrefillConfig | None = None):
+                 prefill_config: PrefillConfig | None = None,
+                 cascade: CascadeConfig | None = CascadeConfig()):
         if fresh_prefill not in FRESH_PREFILL_CHOICES:
             raise ConfigError(f"unknown fresh_prefill {fresh_prefill!r}; use one of "
                               f"{', '.join(FRESH_PREFILL_CHOICES)}")
+        if cascade is not None and not isinstance(cascade, CascadeConfig):
+            raise ConfigError(f"cascade must be a CascadeConfig or None, got {cascade!r}")
         self.fresh_prefill = AUTO_FRESH_PREFILL if fresh_prefill == "auto" else fresh_prefill
         self.decode_config = decode_config
         self.prefill_config = prefill_config
+        self.cascade = cascade
 
     @property
     def fused_kv_write(self) -> bool:
@@ -113,18 +170,53 @@ class TritonAttentionBackend(AttentionBackend):
     def graph_variants(self, num_reqs: int, num_kv_heads: int, device: torch.device) -> tuple:
         """The host decisions that a decode CUDA graph of ``num_reqs`` requests bakes in
         besides its size, one graph per value: whether the lengths are balanced, where that
-        changes the decode launch (``(False, True)``), else ``(False,)``. The graph's metadata
-        carries the value as ``decode_balanced``."""
+        changes the decode launch (``(False, True)``), else ``(False,)``; plus ``CASCADE``
+        where cascade attention is on and ``num_reqs >= min_reqs``. The graph's metadata
+        carries the value as :meth:`graph_capture_fields` says."""
         if one_range_if_balanced(num_reqs, num_kv_heads, num_sms(device), self._decode_cfg(device)):
-            return (False, True)
-        return (False,)
+            plain = (False, True)
+        else:
+            plain = (False,)
+        if self.cascade is not None and num_reqs >= self.cascade.min_reqs:
+            return plain + (CASCADE,)
+        return plain
 
-    def graph_variant(self, num_reqs: int, num_kv_heads: int, seq_lens, device: torch.device):
+    def graph_variant(self, num_reqs: int, num_kv_heads: int, seq_lens, device: torch.device,
+                      cascade: bool = False):
         """The value of :meth:`graph_variants` that a decode step replays: ``num_reqs`` the
-        graph's (padded) size, ``seq_lens`` the host lengths of the step's actual requests."""
+        graph's (padded) size, ``seq_lens`` the host lengths of the step's actual requests,
+        ``cascade`` whether every attention group takes cascade attention (``CASCADE`` where
+        the size has that graph)."""
+        if cascade and self.cascade is not None and num_reqs >= self.cascade.min_reqs:
+            return CASCADE
         cfg = self._decode_cfg(device)
         return (one_range_if_balanced(num_reqs, num_kv_heads, num_sms(device), cfg)
                 and lengths_balanced(seq_lens, cfg))
+
+    def graph_capture_fields(self, variant) -> dict:
+        """``CASCADE``: ``use_cascade`` (the suffix decode launch unbalanced); else
+        ``decode_balanced=variant`` and no cascade."""
+        if variant == CASCADE:
+            return {"decode_balanced": False, "use_cascade": True}
+        return {"decode_balanced": variant, "use_cascade": False}
+
+    def cascade_capable(self, layout: AttentionLayout) -> bool:
+        """Cascade attention is on and ``layout``'s layers allow it (no sliding window, no
+        logit soft cap)."""
+        return (self.cascade is not None and layout.sliding_window is None
+                and layout.logits_soft_cap is None)
+
+    def use_cascade(self, num_reqs: int, common_prefix_len: int,
+                    layout: AttentionLayout) -> bool:
+        """The host decision of a step (:class:`CascadeConfig`'s thresholds)."""
+        if common_prefix_len <= 0 or not self.cascade_capable(layout):
+            return False
+        cfg = self.cascade
+        if common_prefix_len < cfg.min_prefix_tokens or num_reqs < cfg.min_reqs:
+            return False
+        saved = ((num_reqs - 1) * common_prefix_len * layout.num_kv_heads * layout.head_dim * 2
+                 * layout.dtype.itemsize)
+        return saved >= cfg.min_saved_us * _COPY_BYTES_PER_US
 
     def plan(self, metadata: AttentionMetadataLike, layout: AttentionLayout) -> "TritonPlan":
         """This step's plan for the layers of one KV-cache group (see :class:`TritonPlan`)."""
@@ -160,6 +252,8 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         if n == 0:
             return out.zero_()
+        if plan.cascade and sinks is None:
+            return self._forward_cascade(q, kv_cache, plan, scale, out, check)
         qsl = metadata.query_start_loc
         seq_lens = metadata.seq_lens
         table = metadata.block_table_tensor
@@ -190,6 +284,34 @@ class TritonAttentionBackend(AttentionBackend):
                                 sliding_window=window, logits_soft_cap=cap, sinks=sinks)
         return out
 
+    def _forward_cascade(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: "TritonPlan",
+                         scale: float, out: torch.Tensor, check: bool) -> torch.Tensor:
+        """Cascade attention of one layer (module docstring): prefix, suffix, merge."""
+        c = plan.cascade_parts(q, kv_cache)
+        metadata = plan.metadata
+        n = plan.n
+        qsl = metadata.query_start_loc
+        # 1. every query row against the shared prefix, one request, non-causal (a decode
+        # graph's rows: all of them; its host end is the capture's)
+        rows = q.shape[0] if plan.decode_only else plan.end
+        paged_prefill_attention(q, kv_cache, c.prefix_table, c.prefix_qsl, c.prefix_len, 1, scale,
+                                c.prefix_out, num_tokens=rows, config=self.prefill_config,
+                                check=check, causal=False, lse=c.prefix_lse)
+        # 2. each request over its own positions after the prefix
+        if plan.decode_only or plan.has_decode:
+            paged_decode_attention(q, kv_cache, c.suffix_table, qsl, c.suffix_seq_lens, n, scale,
+                                   c.suffix_out, max_seq_len=max(1, plan.max_seq_len - plan.prefix),
+                                   config=self.decode_config, check=check,
+                                   workspace=plan.workspace, lse=c.suffix_lse)
+        if not plan.decode_only:
+            paged_prefill_attention(q, kv_cache, c.suffix_table, qsl, c.suffix_seq_lens, n, scale,
+                                    c.suffix_out, num_tokens=plan.end,
+                                    skip_decode=plan.has_decode, config=self.prefill_config,
+                                    check=check, lse=c.suffix_lse)
+        # 3. merged by the log-sum-exps; rows no request owns are zeroed
+        return merge_attention_states(out, c.prefix_out, c.prefix_lse, c.suffix_out,
+                                      c.suffix_lse, q.shape[0], end=c.end, check=check)
+
 
 class TritonPlan(AttentionPlan):
     """What :meth:`TritonAttentionBackend.forward` derives from one step's metadata, once for
@@ -201,7 +323,8 @@ class TritonPlan(AttentionPlan):
     so the first ``forward`` checks the capture state against the plan's."""
 
     __slots__ = ("slots", "triton", "workspace", "n", "decode_only", "varlen", "has_decode",
-                 "balanced", "end", "max_q", "max_seq_len", "capturing", "checked")
+                 "balanced", "end", "max_q", "max_seq_len", "capturing", "checked", "cascade",
+                 "prefix", "_cascade_parts")
 
     def __init__(self, backend: TritonAttentionBackend, metadata, layout: AttentionLayout):
         super().__init__(metadata, layout)
@@ -215,11 +338,28 @@ class TritonPlan(AttentionPlan):
         n = self.n = int(metadata.num_reqs)
         self.decode_only = self.varlen = self.has_decode = self.balanced = False
         self.end = self.max_q = self.max_seq_len = 0
+        self.cascade = False
+        self.prefix = 0
+        self._cascade_parts = None
         if not self.triton or n == 0:
             return
+        # cascade attention: a graph's baked decision, else the backend's for this step
+        self.prefix = int(metadata.common_prefix_len)
+        want = metadata.use_cascade
+        if want is None:
+            want = backend.use_cascade(n, self.prefix, layout)
+        self.cascade = bool(want) and backend.cascade_capable(layout)
         self.end = int(_host_ints(metadata.query_start_loc_cpu, n + 1)[n])
         self.max_q = int(metadata.max_query_len)
         self.max_seq_len = int(metadata.max_seq_len)
+        if self.cascade and self.prefix > 0:
+            # every query must sit after the shared prefix (the runner caps it so)
+            q_lens = np.diff(_host_ints(metadata.query_start_loc_cpu, n + 1))
+            ctx = (_host_ints(metadata.seq_lens_cpu, n) - q_lens)[q_lens > 0]
+            if ctx.size and int(ctx.min()) < self.prefix:
+                raise InvariantError("cascade-prefix", "common_prefix_len exceeds a request's "
+                                     "context: a query would precede the shared prefix",
+                                     common_prefix_len=self.prefix, min_context=int(ctx.min()))
         if self.max_q <= 1:
             self.decode_only = True
             # balanced lengths: the graph's baked value, else (eager) from the host lengths
@@ -244,6 +384,13 @@ class TritonPlan(AttentionPlan):
                        and np.array_equal(seq_h, q_lens))
         self.has_decode = bool((q_lens == 1).any())
 
+    def cascade_parts(self, q: torch.Tensor, kv_cache: torch.Tensor) -> "_CascadeParts":
+        """The step's cascade tensors (made at the first layer, shared by the others)."""
+        parts = self._cascade_parts
+        if parts is None:
+            parts = self._cascade_parts = _CascadeParts(self, q, kv_cache)
+        return parts
+
     def check(self, q: torch.Tensor, kv_cache: torch.Tensor) -> None:
         """The first layer's tensors against the plan (later layers of the group have the same
         shapes), and the CUDA-graph capture state against the plan's."""
@@ -265,4 +412,46 @@ class TritonPlan(AttentionPlan):
         self.checked = True
 
 
-__all__ = ["AUTO_FRESH_PREFILL", "FRESH_PREFILL_CHOICES", "TritonAttentionBackend", "TritonPlan"]
+class _CascadeParts:
+    """One cascade step's device tensors, made on the device from the plan's metadata (no
+    host value of the prefix length is read, so a CUDA graph replays them for any prefix):
+    the prefix as one request (``prefix_qsl = [0, query_start_loc[num_reqs]]``, length the
+    device copy of ``P``, table row 0: every request's first blocks are the shared ones), the
+    suffix table (each row shifted left by ``P // block_size`` columns; the clamped tail
+    columns are never read, they lie past the reduced lengths) and lengths (``seq_lens - P``,
+    0 for padding requests), and the float32 partial outputs and log-sum-exps."""
+
+    __slots__ = ("end", "prefix_qsl", "prefix_len", "prefix_table", "suffix_table",
+                 "suffix_seq_lens", "prefix_out", "prefix_lse", "suffix_out", "suffix_lse")
+
+    def __init__(self, plan: TritonPlan, q: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        metadata = plan.metadata
+        n = plan.n
+        dev = q.device
+        p = metadata.common_prefix_len_device
+        if p is None:
+            if plan.capturing:
+                raise InvariantError("cascade-capture", "a CUDA graph's cascade plan needs the "
+                                     "persistent device copy common_prefix_len_device")
+            p = torch.full((1,), plan.prefix, dtype=torch.int32, device=dev)
+        qsl = metadata.query_start_loc
+        self.end = qsl[n:n + 1]
+        self.prefix_qsl = torch.cat((qsl[:1], self.end))
+        self.prefix_len = p[:1]
+        table = metadata.block_table_tensor
+        self.prefix_table = table[:1]
+        width = table.shape[1]
+        shift = p[:1].to(torch.int64) // kv_cache.shape[2]
+        cols = (torch.arange(width, device=dev) + shift).clamp_(max=width - 1)
+        self.suffix_table = table[:n].gather(1, cols.expand(n, width))
+        self.suffix_seq_lens = (metadata.seq_lens[:n] - p[:1]).clamp_(min=0)
+        rows, heads, dim = q.shape
+        f32 = torch.float32
+        self.prefix_out = torch.empty(rows, heads, dim, dtype=f32, device=dev)
+        self.suffix_out = torch.empty(rows, heads, dim, dtype=f32, device=dev)
+        self.prefix_lse = torch.empty(rows, heads, dtype=f32, device=dev)
+        self.suffix_lse = torch.empty(rows, heads, dtype=f32, device=dev)
+
+
+__all__ = ["AUTO_FRESH_PREFILL", "CASCADE", "FRESH_PREFILL_CHOICES", "CascadeConfig",
+           "TritonAttentionBackend", "TritonPlan"]

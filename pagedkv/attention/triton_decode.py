@@ -31,6 +31,10 @@ Attention sinks (``sinks [H]``, GPT-OSS): each query head's learned logit joins 
 denominator as ``exp(sink)`` once, where a request's output is normalized (the split kernel's
 direct write or the reduce kernel; ``_sink_denominator``, which the prefill kernel shares).
 
+Log-sum-exp output (``lse``, cascade attention): each served row's natural-log log-sum-exp
+of its scores, ``ln 2 (m + log2 l)`` from the same running max and denominator the output is
+normalized by (``_lse``), written where the output is (the direct write or the reduce kernel).
+
 CUDA graphs: the grid depends on host ints only (``num_reqs``, heads, the split count); lengths
 are read on the device; ``num_reqs``, the split count and the split minimum are runtime
 arguments, not specialized (one compiled variant of each kernel for every split choice: a
@@ -237,6 +241,14 @@ def _sink_denominator(l_i, m_i, sinks_ptr, head, mask, HAS_SINKS: tl.constexpr):
 
 
 @triton.jit
+def _lse(m_i, l_i):
+    """The natural-log log-sum-exp of a row's scores from its base-2 running max ``m_i`` and
+    denominator ``l_i`` (``ln 2 (m + log2 l)``): the log of what the output was divided by
+    (cascade attention merges partial outputs with it)."""
+    return (m_i + tl.log2(l_i)) * 0.6931471805599453
+
+
+@triton.jit
 def _decode_tile(acc, l_i, m_i, q, t, seq_len, lo, k_ptr, v_ptr, bt_row, bt_width, c_sb, c_st,
                  head_off, d, scale_log2, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -286,6 +298,9 @@ def _decode_kernel(
     TILE_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
     RANGE_LOOP: tl.constexpr,
+    lse_ptr=None,
+    lse_s0=0,
+    WRITE_LSE: tl.constexpr = False,
 ):
     r = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -336,6 +351,8 @@ def _decode_kernel(
         # this request fits in one split: write the final output directly
         l_i = _sink_denominator(l_i, m_i, sinks_ptr, head, g < GROUP, HAS_SINKS)
         tl.store(out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=gd_mask)
+        if WRITE_LSE:
+            tl.store(lse_ptr + q_row.to(tl.int64) * lse_s0 + head, _lse(m_i, l_i), mask=g < GROUP)
     else:
         part = (r.to(tl.int64) * NUM_HEADS + head) * num_splits + s
         tl.store(m_ptr + part, m_i, mask=g < GROUP)
@@ -355,6 +372,9 @@ def _decode_reduce_kernel(
     TILE_N: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    lse_ptr=None,
+    lse_s0=0,
+    WRITE_LSE: tl.constexpr = False,
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -393,6 +413,8 @@ def _decode_reduce_kernel(
     l_run = _sink_denominator(l_run, m_run, sinks_ptr, h, h < NUM_HEADS, HAS_SINKS)
     tl.store(out_ptr + q_row.to(tl.int64) * o_s0 + h.to(tl.int64) * o_s1 + d,
              (acc / l_run).to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    if WRITE_LSE:
+        tl.store(lse_ptr + q_row.to(tl.int64) * lse_s0 + h, _lse(m_run, l_run))
 
 
 def paged_decode_attention(
@@ -415,6 +437,7 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each single-token request's query row over its paged context.
 
@@ -445,6 +468,9 @@ def paged_decode_attention(
         sinks: ``[H]`` attention sinks (GPT-OSS): per query head a logit (natural units, not
             scaled, not soft-capped) that joins the softmax's denominator only, as
             ``exp(sink)``; any float dtype, on ``q``'s device.
+        lse: float32 ``[T, H]`` (:func:`check_lse`): receives each served row's natural-log
+            log-sum-exp of its scores (sinks included), the log of its softmax denominator;
+            other rows are left as they are (cascade attention merges with it).
     Returns ``out``.
     """
     fn = "paged_decode_attention"
@@ -464,11 +490,12 @@ def paged_decode_attention(
     softcap = _check_softcap(fn, logits_soft_cap)
     if check:
         check_sinks(fn, sinks, q)
+        check_lse(fn, lse, q)
     if not use_triton(_decode_kernel, q):
         return paged_decode_attention_ref(q, kv_cache, block_table, query_start_loc, seq_lens,
                                           num_reqs, scale, out, zero_padded_rows=zero_padded_rows,
                                           sliding_window=sliding_window,
-                                          logits_soft_cap=logits_soft_cap, sinks=sinks)
+                                          logits_soft_cap=logits_soft_cap, sinks=sinks, lse=lse)
     cfg = config or default_decode_config(q.device)
     span = max_seq_len if not window or max_seq_len is None else min(max_seq_len, window)
     auto_splits, min_split_tokens = choose_split(num_reqs, shape.num_kv_heads, span,
@@ -507,6 +534,7 @@ def paged_decode_attention(
         HEAD_DIM=shape.head_dim, D_PAD=d_pad, BLOCK_SIZE=shape.block_size,
         TILE_N=cfg.tile_n,
         DOT_PREC=dot_precision(kv_cache.dtype), RANGE_LOOP=not interpreted(_decode_kernel),
+        lse_ptr=lse, lse_s0=0 if lse is None else lse.stride(0), WRITE_LSE=lse is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
@@ -517,6 +545,7 @@ def paged_decode_attention(
             q if sinks is None else sinks,
             NUM_HEADS=shape.num_heads, HEAD_DIM=shape.head_dim, D_PAD=d_pad,
             TILE_N=cfg.tile_n, SPLIT_CHUNK=8, HAS_SINKS=sinks is not None,
+            lse_ptr=lse, lse_s0=0 if lse is None else lse.stride(0), WRITE_LSE=lse is not None,
             num_warps=4 if d_pad >= 128 else 1,
         )
     return out
@@ -541,6 +570,7 @@ def paged_decode_attention_ref(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain torch twin of :func:`paged_decode_attention` (``paged_attention_ref`` on the
     single-token requests; reads lengths back to the host). The launch hints are ignored."""
@@ -565,9 +595,13 @@ def paged_decode_attention_ref(
         seq_lens_cpu=lens[decode], block_table_tensor=block_table[decode],
     )
     idx = torch.tensor(rows, dtype=torch.int64, device=q.device)
+    sub_lse = None if lse is None else torch.empty(len(rows), q.shape[1], dtype=torch.float32,
+                                                   device=q.device)
     res = paged_attention_ref(q[idx], kv_cache, meta, scale, sliding_window=sliding_window,
-                              logits_soft_cap=logits_soft_cap, sinks=sinks)
+                              logits_soft_cap=logits_soft_cap, sinks=sinks, lse=sub_lse)
     out[idx] = res.to(out.dtype)
+    if lse is not None:
+        lse[idx] = sub_lse
     return out
 
 
@@ -593,6 +627,20 @@ def check_sinks(fn: str, sinks, q: torch.Tensor) -> None:
         raise ConfigError(f"{fn}: sinks must be contiguous")
 
 
+def check_lse(fn: str, lse, q: torch.Tensor) -> None:
+    """``lse``: None or a float32 tensor ``[T, H]`` (``q``'s rows and heads) on ``q``'s device,
+    contiguous over heads."""
+    if lse is None:
+        return
+    if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 \
+            or tuple(lse.shape) != tuple(q.shape[:2]) or lse.device != q.device \
+            or lse.stride(1) != 1:
+        raise ConfigError(f"{fn}: lse must be a float32 tensor [num_tokens={q.shape[0]}, "
+                          f"num_heads={q.shape[1]}] on {q.device}, contiguous over heads; got "
+                          f"{getattr(lse, 'dtype', type(lse).__name__)} "
+                          f"{tuple(getattr(lse, 'shape', ()))} on {getattr(lse, 'device', '-')}")
+
+
 def _check_softcap(fn: str, cap) -> float:
     """The kernels' soft-cap argument: c > 0, or 0.0 for none."""
     if cap is None:
@@ -607,6 +655,7 @@ __all__ = [
     "INTERPRET_DECODE_CONFIG",
     "MAX_SPLITS",
     "choose_num_splits",
+    "check_lse",
     "check_sinks",
     "choose_split",
     "default_decode_config",

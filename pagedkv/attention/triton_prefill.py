@@ -18,6 +18,10 @@ visible to all rows of the query tile run without masks; only the tiles on the c
 and the sequence end are masked. Positions past ``seq_lens[r]`` and block-table columns past
 the table width are never read (rule 4: they map to the null block, masked).
 ``skip_decode`` leaves single-token requests' rows untouched (the decode kernel serves them).
+Non-causal mode (``causal=False``, cascade attention's shared prefix): every row of a request
+sees all ``seq_len`` keys (only the tile at the sequence end is masked), so the whole batch's
+query rows can attend to the shared prefix blocks as one request in one pass over them; with
+``lse`` each row's natural-log log-sum-exp is written too (``triton_decode._lse``).
 
 ``varlen_prefill_attention``: torch's ``torch.nn.attention.varlen.varlen_attn`` (flash
 attention over packed sequences, CUDA only) on the contiguous new-token K/V, for batches whose
@@ -47,8 +51,10 @@ from pagedkv.attention.torch_ref import paged_attention_ref
 from pagedkv.attention.triton_decode import (
     _check_softcap,
     _check_window,
+    _lse,
     _sink_denominator,
     _soft_cap,
+    check_lse,
     check_sinks,
 )
 from pagedkv.errors import ConfigError
@@ -97,11 +103,12 @@ def _attend_tile(
     DOT_PREC: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    CAUSAL: tl.constexpr,
 ):
     """One key tile ``[start, start + BLOCK_N)`` of the online softmax. ``MASKED``: apply the
-    causal mask and the sequence end (otherwise every key is visible to every row). With
-    ``HAS_WINDOW`` (always masked) keys before ``kv_lo`` (the tile's first key in any row's
-    window) are not read, and row ``i`` sees keys ``> q_pos[i] - window``."""
+    causal mask (``CAUSAL``) and the sequence end (otherwise every key is visible to every
+    row). With ``HAS_WINDOW`` (always masked) keys before ``kv_lo`` (the tile's first key in
+    any row's window) are not read, and row ``i`` sees keys ``> q_pos[i] - window``."""
     n = start + tl.arange(0, BLOCK_N)
     col = n // BLOCK_SIZE
     if MASKED:
@@ -125,7 +132,10 @@ def _attend_tile(
         v = tl.load(v_ptr + tok[:, None] + d[None, :], mask=(d < HEAD_DIM)[None, :], other=0.0)
     qk = _soft_cap(tl.dot(q, kt, input_precision=DOT_PREC) * scale_log2, SOFTCAP)
     if MASKED:
-        seen = (n[None, :] <= q_pos[:, None]) & valid[None, :]
+        if CAUSAL:
+            seen = (n[None, :] <= q_pos[:, None]) & valid[None, :]
+        else:
+            seen = valid[None, :]  # every row sees every key of the sequence
         if HAS_WINDOW:
             seen = seen & (n[None, :] > q_pos[:, None] - window)
         qk = tl.where(seen, qk, float("-inf"))
@@ -163,6 +173,10 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
     RANGE_LOOP: tl.constexpr,
+    lse_ptr=None,
+    lse_s0=0,
+    CAUSAL: tl.constexpr = True,
+    WRITE_LSE: tl.constexpr = False,
 ):
     p = tl.program_id(0)
     h = tl.program_id(1)
@@ -201,7 +215,10 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     bt_row = bt_ptr + r.to(tl.int64) * bt_s0
     head_off = (h // GROUP).to(tl.int64) * c_sh
-    end = tl.minimum(seq_len, ctx + (j + 1) * BLOCK_M)
+    if CAUSAL:
+        end = tl.minimum(seq_len, ctx + (j + 1) * BLOCK_M)
+    else:
+        end = seq_len  # non-causal: every row sees every key
     if HAS_WINDOW:
         # the tile's rows see keys in (q_pos - window, q_pos]: from the first row's window
         # start on, all masked (earlier blocks may be the null block and are never read)
@@ -212,36 +229,45 @@ def _prefill_kernel(
         # keys [0, full_end) are visible to every row of the tile; [full_end, end) need the mask
         kv_lo = 0
         first = 0
-        full_end = (ctx + j * BLOCK_M + 1) // BLOCK_N * BLOCK_N
+        if CAUSAL:
+            full_end = (ctx + j * BLOCK_M + 1) // BLOCK_N * BLOCK_N
+        else:
+            full_end = seq_len // BLOCK_N * BLOCK_N
     if RANGE_LOOP:  # compiled: for-range loops, software-pipelined by Triton
         for start in range(first, full_end, BLOCK_N):
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row,
                                          bt_width, c_sb, c_st, head_off, start, seq_len, kv_lo,
                                          window, d, scale_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
-                                         D_PAD, False, DOT_PREC, HAS_WINDOW, SOFTCAP)
+                                         D_PAD, False, DOT_PREC, HAS_WINDOW, SOFTCAP,
+                                         CAUSAL)
         for start in range(full_end, end, BLOCK_N):
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row,
                                          bt_width, c_sb, c_st, head_off, start, seq_len, kv_lo,
                                          window, d, scale_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
-                                         D_PAD, True, DOT_PREC, HAS_WINDOW, SOFTCAP)
+                                         D_PAD, True, DOT_PREC, HAS_WINDOW, SOFTCAP,
+                                         CAUSAL)
     else:  # the interpreter cannot iterate range() over runtime scalars
         start = first + full_end * 0
         while start < full_end:
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row,
                                          bt_width, c_sb, c_st, head_off, start, seq_len, kv_lo,
                                          window, d, scale_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
-                                         D_PAD, False, DOT_PREC, HAS_WINDOW, SOFTCAP)
+                                         D_PAD, False, DOT_PREC, HAS_WINDOW, SOFTCAP,
+                                         CAUSAL)
             start += BLOCK_N
         while start < end:
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row,
                                          bt_width, c_sb, c_st, head_off, start, seq_len, kv_lo,
                                          window, d, scale_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
-                                         D_PAD, True, DOT_PREC, HAS_WINDOW, SOFTCAP)
+                                         D_PAD, True, DOT_PREC, HAS_WINDOW, SOFTCAP,
+                                         CAUSAL)
             start += BLOCK_N
     l_i = _sink_denominator(l_i, m_i, sinks_ptr, h, h >= 0, HAS_SINKS)
     o = acc / l_i[:, None]
     tl.store(out_ptr + rows[:, None] * o_s0 + h * o_s1 + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=md_mask)
+    if WRITE_LSE:
+        tl.store(lse_ptr + rows * lse_s0 + h, _lse(m_i, l_i), mask=m_ok)
 
 
 def paged_prefill_attention(
@@ -261,6 +287,8 @@ def paged_prefill_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    causal: bool = True,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of every request's query rows over its paged context.
 
@@ -278,6 +306,13 @@ def paged_prefill_attention(
             tile's first window are not read). logits_soft_cap: c: scores -> ``c tanh(s / c)``.
         sinks: ``[H]`` attention sinks (GPT-OSS), as ``paged_decode_attention`` takes them:
             ``exp(sink)`` joins each row's softmax denominator.
+        causal: False: every query row of a request sees all its ``seq_len`` keys (no mask
+            but the sequence end; ``seq_len`` may be below the query count; no sliding
+            window). Cascade attention runs the shared prefix so: the whole batch's query rows
+            as one request whose ``seq_len`` is the prefix and whose table row holds the
+            prefix blocks.
+        lse: float32 ``[T, H]``: receives each served row's natural-log log-sum-exp (as
+            ``paged_decode_attention`` writes it).
     Returns ``out``.
     """
     fn = "paged_prefill_attention"
@@ -292,15 +327,21 @@ def paged_prefill_attention(
         raise ConfigError(f"{fn}: num_tokens must be a host int >= 0, got {num_tokens!r}")
     window = _check_window(fn, sliding_window)
     softcap = _check_softcap(fn, logits_soft_cap)
+    if not isinstance(causal, bool):
+        raise ConfigError(f"{fn}: causal must be a bool, got {causal!r}")
+    if not causal and window:
+        raise ConfigError(f"{fn}: non-causal attention takes no sliding window")
     if check:
         check_sinks(fn, sinks, q)
+        check_lse(fn, lse, q)
     if num_reqs == 0 or num_tokens == 0:
         return out
     if not use_triton(_prefill_kernel, q):
         return paged_prefill_attention_ref(q, kv_cache, block_table, query_start_loc, seq_lens,
                                            num_reqs, scale, out, skip_decode=skip_decode,
                                            sliding_window=sliding_window,
-                                           logits_soft_cap=logits_soft_cap, sinks=sinks)
+                                           logits_soft_cap=logits_soft_cap, sinks=sinks,
+                                           causal=causal, lse=lse)
     cfg = config or default_prefill_config(q.device)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     grid = (num_tokens // cfg.block_m + num_reqs, shape.num_heads)
@@ -317,6 +358,8 @@ def paged_prefill_attention(
         D_PAD=max(16, next_pow2(shape.head_dim)), BLOCK_SIZE=shape.block_size,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         DOT_PREC=dot_precision(kv_cache.dtype), RANGE_LOOP=not interpreted(_prefill_kernel),
+        lse_ptr=lse, lse_s0=0 if lse is None else lse.stride(0), CAUSAL=causal,
+        WRITE_LSE=lse is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
@@ -338,6 +381,8 @@ def paged_prefill_attention_ref(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    causal: bool = True,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain torch twin of :func:`paged_prefill_attention` (``paged_attention_ref`` per request;
     reads lengths back to the host). The launch hints are ignored."""
@@ -356,8 +401,13 @@ def paged_prefill_attention_ref(
     sub_qsl[1:] = torch.cumsum(torch.tensor([qsl[r + 1] - qsl[r] for r in keep]), 0)
     meta = SimpleNamespace(query_start_loc_cpu=sub_qsl, num_reqs=len(keep),
                            seq_lens_cpu=lens[keep], block_table_tensor=block_table[keep])
+    sub_lse = None if lse is None else torch.empty(rows.shape[0], q.shape[1],
+                                                   dtype=torch.float32, device=q.device)
     out[rows] = paged_attention_ref(q[rows], kv_cache, meta, scale, sliding_window=sliding_window,
-                                    logits_soft_cap=logits_soft_cap, sinks=sinks).to(out.dtype)
+                                    logits_soft_cap=logits_soft_cap, sinks=sinks, causal=causal,
+                                    lse=sub_lse).to(out.dtype)
+    if lse is not None:
+        lse[rows] = sub_lse
     return out
 
 

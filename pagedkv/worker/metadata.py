@@ -59,6 +59,13 @@ class CommonAttentionMetadata:
     # decode steps: whether the lengths are balanced (a CUDA graph's baked value, see
     # cuda_graphs.py); None: a backend that cares derives it from seq_lens_cpu
     decode_balanced: bool | None = None
+    # cascade attention, per KV-cache group (AttentionMetadataLike): the leading positions
+    # every request of the step shares in the same blocks, capped below every query
+    # (cascade_prefix_lens); the same value in the group's persistent device scalar (a graph
+    # reads it at replay); a CUDA graph's baked decision (None: the backend decides)
+    common_prefix_len: int = 0
+    common_prefix_len_device: torch.Tensor | None = None
+    use_cascade: bool | None = None
 
     def __post_init__(self) -> None:
         if self.num_actual_reqs < 0:

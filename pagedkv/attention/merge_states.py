@@ -1,0 +1,162 @@
+"""Merging two partial attention results by their log-sum-exps (cascade attention).
+
+Attention of a query over keys ``A u B`` (disjoint) from its results over ``A`` and over ``B``
+alone: with ``o_A``, ``o_B`` the normalized outputs and ``lse_A``, ``lse_B`` the natural-log
+log-sum-exps of the scores (the logs of the two softmax denominators),
+``m = max(lse_A, lse_B)``, ``w_A = exp(lse_A - m)``, ``w_B = exp(lse_B - m)``:
+
+    o = (w_A o_A + w_B o_B) / (w_A + w_B)
+
+exact up to rounding, as the two denominators add. Cascade attention takes ``A`` = the
+shared prefix (every query of the batch against the prefix blocks, one read of them) and
+``B`` = each request's own blocks after it (``pagedkv.attention.triton_backend``).
+
+``merge_attention_states`` (Triton), grid ``(num_rows, cdiv(H, BLOCK_H))``: one program per
+row and tile of heads, fp32 arithmetic, the result cast to ``out``'s dtype. A part whose
+weight is 0 (``lse = -inf``: no key) contributes nothing, even where its output holds NaN.
+``end`` (optional, an int32 device scalar such as ``query_start_loc[num_reqs]``): rows in
+``[end, num_rows)`` are zeroed instead (CUDA-graph padding rows: no host value is read, so the
+launch can be captured). ``merge_attention_states_ref`` is the plain torch twin.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedkv.attention._triton_common import ATTN_DTYPES
+from pagedkv.errors import ConfigError
+from pagedkv.kernels._common import check_same_device, check_tensor, next_pow2, use_triton
+
+
+@triton.jit
+def _merge_kernel(
+    out_ptr, o_s0, o_s1,
+    a_ptr, a_s0, a_s1, a_lse_ptr, a_lse_s0,
+    b_ptr, b_s0, b_s1, b_lse_ptr, b_lse_s0,
+    end_ptr,
+    HAS_END: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, D_PAD)
+    h_ok = h < NUM_HEADS
+    mask = h_ok[:, None] & (d < HEAD_DIM)[None, :]
+    out_rows = out_ptr + t * o_s0 + h[:, None] * o_s1 + d[None, :]
+    if HAS_END:
+        if t >= tl.load(end_ptr):
+            tl.store(out_rows, tl.zeros([BLOCK_H, D_PAD], tl.float32).to(out_ptr.dtype.element_ty),
+                     mask=mask)
+            return
+    lse_a = tl.load(a_lse_ptr + t * a_lse_s0 + h, mask=h_ok, other=float("-inf"))
+    lse_b = tl.load(b_lse_ptr + t * b_lse_s0 + h, mask=h_ok, other=float("-inf"))
+    m = tl.maximum(lse_a, lse_b)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w_a = tl.exp(lse_a - m)
+    w_b = tl.exp(lse_b - m)
+    o_a = tl.load(a_ptr + t * a_s0 + h[:, None] * a_s1 + d[None, :], mask=mask, other=0.0)
+    o_b = tl.load(b_ptr + t * b_s0 + h[:, None] * b_s1 + d[None, :], mask=mask, other=0.0)
+    # a part of weight 0 adds nothing, NaN in its output included
+    num = tl.where(w_a[:, None] > 0, o_a.to(tl.float32) * w_a[:, None], 0.0) \
+        + tl.where(w_b[:, None] > 0, o_b.to(tl.float32) * w_b[:, None], 0.0)
+    den = w_a + w_b
+    o = tl.where(den[:, None] > 0, num / tl.where(den > 0, den, 1.0)[:, None], 0.0)
+    tl.store(out_rows, o.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check(fn: str, out, out_a, lse_a, out_b, lse_b, num_rows, end) -> None:
+    for name, t in (("out", out), ("out_a", out_a), ("out_b", out_b)):
+        check_tensor(fn, name, t, dtypes=ATTN_DTYPES, ndim=3, contiguous_last=True)
+    for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
+        check_tensor(fn, name, t, dtypes=(torch.float32,), ndim=2, contiguous_last=True)
+    rows, heads, _ = out.shape
+    if tuple(out_a.shape) != tuple(out.shape) or tuple(out_b.shape) != tuple(out.shape):
+        raise ConfigError(f"{fn}: out_a {tuple(out_a.shape)} and out_b {tuple(out_b.shape)} "
+                          f"must have out's shape {tuple(out.shape)}")
+    if tuple(lse_a.shape) != (rows, heads) or tuple(lse_b.shape) != (rows, heads):
+        raise ConfigError(f"{fn}: lse_a {tuple(lse_a.shape)} and lse_b {tuple(lse_b.shape)} "
+                          f"must be [num_rows={rows}, num_heads={heads}]")
+    if isinstance(num_rows, bool) or not isinstance(num_rows, int) or not 0 <= num_rows <= rows:
+        raise ConfigError(f"{fn}: num_rows must be a host int in [0, {rows}], got {num_rows!r}")
+    tensors = dict(out=out, out_a=out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b)
+    if end is not None:
+        check_tensor(fn, "end", end, dtypes=(torch.int32,), ndim=1)
+        if end.numel() < 1:
+            raise ConfigError(f"{fn}: end must hold one int32 value")
+        tensors["end"] = end
+    check_same_device(fn, **tensors)
+
+
+def merge_attention_states(
+    out: torch.Tensor,
+    out_a: torch.Tensor,
+    lse_a: torch.Tensor,
+    out_b: torch.Tensor,
+    lse_b: torch.Tensor,
+    num_rows: int,
+    end: torch.Tensor | None = None,
+    *,
+    check: bool = True,
+) -> torch.Tensor:
+    """Rows ``[0, num_rows)`` of ``out [T, H, D]`` = the merge of ``(out_a, lse_a)`` and
+    ``(out_b, lse_b)`` (see the module docstring); ``out`` may be ``out_a`` or ``out_b``
+    itself. ``lse_*``: float32 ``[T, H]``, natural log. ``end``: int32 device scalar (first
+    element read): rows ``>= end`` are zeroed. Rows ``>= num_rows`` are left as they are.
+    Returns ``out``."""
+    fn = "merge_attention_states"
+    if check:
+        _check(fn, out, out_a, lse_a, out_b, lse_b, num_rows, end)
+    if num_rows == 0:
+        return out
+    if not use_triton(_merge_kernel, out):
+        return merge_attention_states_ref(out, out_a, lse_a, out_b, lse_b, num_rows, end,
+                                          check=False)
+    num_heads, head_dim = out.shape[1], out.shape[2]
+    block_h = min(16, next_pow2(num_heads))
+    d_pad = max(16, next_pow2(head_dim))
+    _merge_kernel[(num_rows, triton.cdiv(num_heads, block_h))](
+        out, out.stride(0), out.stride(1),
+        out_a, out_a.stride(0), out_a.stride(1), lse_a, lse_a.stride(0),
+        out_b, out_b.stride(0), out_b.stride(1), lse_b, lse_b.stride(0),
+        lse_a if end is None else end,  # never read without end
+        HAS_END=end is not None, NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
+        BLOCK_H=block_h, num_warps=4 if block_h * d_pad >= 1024 else 1,
+    )
+    return out
+
+
+def merge_attention_states_ref(
+    out: torch.Tensor,
+    out_a: torch.Tensor,
+    lse_a: torch.Tensor,
+    out_b: torch.Tensor,
+    lse_b: torch.Tensor,
+    num_rows: int,
+    end: torch.Tensor | None = None,
+    *,
+    check: bool = True,
+) -> torch.Tensor:
+    """Plain torch twin of :func:`merge_attention_states` (reads ``end`` back to the host)."""
+    if check:
+        _check("merge_attention_states_ref", out, out_a, lse_a, out_b, lse_b, num_rows, end)
+    stop = num_rows if end is None else max(0, min(num_rows, int(end[0])))
+    la, lb = lse_a[:stop].float(), lse_b[:stop].float()
+    m = torch.maximum(la, lb)
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    wa, wb = torch.exp(la - m)[..., None], torch.exp(lb - m)[..., None]
+    zero = torch.zeros((), dtype=torch.float32, device=out.device)
+    num = torch.where(wa > 0, out_a[:stop].float() * wa, zero) \
+        + torch.where(wb > 0, out_b[:stop].float() * wb, zero)
+    den = wa + wb
+    merged = torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), zero)
+    out[:stop] = merged.to(out.dtype)
+    out[stop:num_rows] = 0
+    return out
+
+
+__all__ = ["merge_attention_states", "merge_attention_states_ref"]
