@@ -52,7 +52,7 @@ from pagedkv.core.planning import generate_scheduler_kv_cache_config, resolve_kv
 from pagedkv.core.request import Request, RequestStatus, StopParams
 from pagedkv.core.stop import check_stop  # noqa: F401 - re-exported: tests import it from here
 from pagedkv.core.request_queue import make_request_queue
-from pagedkv.core.spec import KVCacheConfig
+from pagedkv.core.spec import KVCacheConfig, MambaCacheMode, MambaSpec
 from pagedkv.errors import ConfigError, InvalidRequestError, ModelOutputError
 
 _RUNNING = RequestStatus.RUNNING
@@ -157,6 +157,16 @@ class Scheduler:
         self._long_prefill_threshold = scheduler_config.long_prefill_token_threshold
         self._num_lookahead_tokens = scheduler_config.num_lookahead_tokens
         self._reserve_full_isl = scheduler_config.scheduler_reserve_full_isl
+        # Mamba "align" (prefix caching with a state group): prefill chunks end at block
+        # boundaries so each block's state checkpoint is the state at its end
+        # (_mamba_aligned_chunk); 0 when no state group caches its states
+        self._mamba_align_block = next(
+            (g.kv_cache_spec.block_size for g in groups
+             if isinstance(g.kv_cache_spec, MambaSpec)
+             and g.kv_cache_spec.mamba_cache_mode == MambaCacheMode.ALIGN), 0)
+        # a step smaller than a block: chunks inside a block run on the block's own state
+        # until they reach its end (see _mamba_aligned_chunk)
+        self._mamba_small_budget = 0 < scheduler_config.token_budget < self._mamba_align_block
 
         self.requests: dict[str, Request] = {}
         self.waiting = make_request_queue(scheduler_config.policy)
@@ -170,6 +180,34 @@ class Scheduler:
         self.num_preemptions = 0
         self._step_preempted = 0
         self.step_counter = 0
+
+    def _mamba_aligned_chunk(self, request: Request, computed: int, n: int) -> int:
+        """vLLM's Mamba-align split of a prefill chunk (prompt, or the replay of a resumed
+        request), so that every cached state block holds the state at its end: a chunk ending
+        before the last block boundary of the known tokens is cut to whole blocks (0: the
+        request waits for a step with room for a block); one crossing that boundary ends on
+        it; the tail after it runs as it is. Decode steps are left alone.
+
+        When a whole step holds less than a block (``max_num_batched_tokens`` below the
+        block size, which vLLM would never schedule), a chunk smaller than a block runs
+        instead, and the next ones end no later than that block's end: the block's state is
+        updated in place until it reaches the boundary, so it is still the state at its end
+        when the block is cached."""
+        num_tokens = len(request._all_token_ids)
+        if computed >= max(request.num_prompt_tokens, num_tokens - 1):
+            return n
+        B = self._mamba_align_block
+        last = num_tokens - num_tokens % B
+        end = computed + n
+        into = computed % B
+        if end < last:
+            if into:  # only after a chunk smaller than a block: finish that block first
+                return min(n, B - into)
+            whole = n // B * B
+            return whole if whole or not self._mamba_small_budget else n
+        if computed < last < end:
+            return (min(last, computed - into + B) if into else last) - computed
+        return n
 
     # ----- requests ------------------------------------------------------------------------
     def make_request(
@@ -366,6 +404,8 @@ class Scheduler:
                 n = token_budget
             if n > max_len_1 - computed:
                 n = max_len_1 - computed
+            if self._mamba_align_block and n > 0:
+                n = self._mamba_aligned_chunk(request, computed, n)
             if n <= 0:
                 req_index += 1
                 continue
@@ -439,6 +479,10 @@ class Scheduler:
                     break
                 if n > token_budget:
                     n = token_budget
+                if self._mamba_align_block:
+                    n = self._mamba_aligned_chunk(request, num_computed, n)
+                    if n == 0:
+                        break
                 new_blocks = allocate_slots(
                     request,
                     n,

@@ -95,12 +95,11 @@ def test_prefix_hit_resumes_from_the_state_checkpoint(jamba, hf_ref):
     assert llm.get_kv_stats()["prefix_cache_hits"] >= 2 * block
 
 
-@pytest.mark.xfail(strict=True, reason="the scheduler does not align prefill chunks to block "
-                   "boundaries in Mamba align mode (docs/vllm-kv-semantics.md sec. 7.2, "
-                   "'Mamba-align chunk alignment'): a block cached after a chunk that ended "
-                   "inside it keeps the state of that chunk's end, and a hit resumes from it")
-def test_prefix_hit_after_unaligned_chunks(jamba, hf_ref):
-    llm = make_llm(jamba, max_num_batched_tokens=20, max_num_seqs=4)
+def test_prefix_hit_after_chunks_on_a_budget_that_is_not_a_block_multiple(jamba, hf_ref):
+    """Align mode on a 40-token budget (blocks of 32): the scheduler cuts prefill chunks to
+    block boundaries (vLLM's Mamba-align split), so the cached blocks' states are the states at
+    their ends and the hit resumes correctly (without the split, tokens differ)."""
+    llm = make_llm(jamba, max_num_batched_tokens=40, max_num_seqs=4)
     ref = hf_ref(jamba)
     check(llm, ref, [LONG])
     check(llm, ref, [LONG + " And more after the shared part.", LONG[:70]])

@@ -88,11 +88,6 @@ def test_prefix_hit_in_align_mode(tiny_dir, hf_ref, twins):
     assert llm.get_kv_stats()["prefix_cache_hits"] == block
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "scheduler: no Mamba-align chunk alignment (docs/vllm-kv-semantics.md 7.2, vLLM's "
-    "_mamba_block_aligned_split): a prefill chunk ending inside a block leaves that block's "
-    "state short of the block end, the block is cached when its tokens are full, and a later "
-    "hit resumes from the wrong state"))
 def test_chunked_prefill_and_prefix_hits_in_align_mode(tiny_dir, hf_ref, twins):
     """Four prompts on a 16-token budget (chunks of several requests share steps, decodes
     beside chunks), two of them sharing a long prefix; then the longer one again: a hit past a

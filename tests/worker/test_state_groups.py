@@ -280,3 +280,41 @@ def test_sanitizer_state_index_rule():
     with pytest.raises(InvariantError) as e:
         _check_state_indices(runner.input_batch, mgr, 1, n, seq + 16)
     assert e.value.rule == "state-index"
+
+
+@pytest.mark.parametrize("budget", [20, 44, 100])
+def test_align_mode_chunks_end_on_block_boundaries(budget):
+    """vLLM's Mamba-align split: with prefix caching a prefill chunk that ends before the
+    prompt's last block boundary ends on a boundary, so a cached block's state is the state at
+    its end; a second identical prompt then resumes from a correct checkpoint."""
+    model = ToyStateModel()
+    sched, runner = _engine(model, prefix=True, max_num_batched_tokens=budget)
+    prompt = np.random.default_rng(11).integers(0, V, 74).tolist()
+    ends = []
+    real = runner.execute_model
+
+    def spy(so):
+        ends.extend(sched.requests[r].num_computed_tokens for r in so.num_scheduled_tokens
+                    if r in sched.requests)
+        return real(so)
+
+    runner.execute_model = spy
+    got, st = _run(sched, runner, {"a": prompt, "b": list(prompt)}, max_tokens=6, stagger=1)
+    assert got["a"] == got["b"] == model.reference(prompt, 6)
+    assert st["hits"] > 0
+    # chunk ends during a's prefill: multiples of 16 up to 64, then 74 (the tail)
+    prefill_ends = sorted({e for e in ends if e <= 74})
+    assert all(e % 16 == 0 for e in prefill_ends if e < 64), prefill_ends
+
+
+@pytest.mark.parametrize("budget", [8, 14])
+def test_align_mode_with_a_step_smaller_than_a_block(budget):
+    """A budget below the block size: chunks inside a block update its state in place until
+    the block's end, never crossing it, so cached blocks still hold their end states."""
+    model = ToyStateModel()
+    sched, runner = _engine(model, prefix=True, max_num_batched_tokens=budget)
+    prompt = np.random.default_rng(12).integers(0, V, 50).tolist()
+    got, st = _run(sched, runner, {"a": prompt, "b": prompt + [3, 4, 5]}, max_tokens=5, stagger=1)
+    assert got["a"] == model.reference(prompt, 5)
+    assert got["b"] == model.reference(prompt + [3, 4, 5], 5)
+    assert st["hits"] > 0
