@@ -337,7 +337,7 @@ def test_backend_errors_and_mapping():
     assert mapped.kernels == "ref" and mapped.writer == "ref"
     assert dsa_backend_for(TorchRefMLABackend()).kernels == "ref"
     assert dsa_backend_for(TritonAttentionBackend()).kernels == "auto"
-    with pytest.raises(ConfigError, match="sparse attention variant"):
+    with pytest.raises(ConfigError, match="has no DeepSeek sparse attention"):
         dsa_backend_for(object())
 
 
