@@ -70,6 +70,9 @@ class _Family:
     attn_sinks: bool = False
     # the sliding window of a "gemma" / "qwen_moe" family when config.json has none
     default_window: int = 4096
+    # Cohere2: the parallel block with LayerNorm, RoPE (interleaved pairs) on the sliding
+    # layers only, logits scaled (CohereConfig)
+    cohere: bool = False
 
 
 FAMILIES: dict[str, _Family] = {
@@ -152,6 +155,14 @@ FAMILIES["GptOssForCausalLM"] = _Family(
     head_dim=64, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False,
     qk_norm=False, sliding="gemma", sliding_pattern=2, moe="gpt_oss", attn_sinks=True,
     default_window=128)
+# Cohere2 (Command R7B / A): three sliding-window layers to one full-attention layer
+# (layer_types or sliding_window_pattern 4), RoPE only on the sliding ones, in interleaved
+# pairs; each layer h + attn(LN(h)) + mlp(LN(h)) on one weight-only LayerNorm; logits times
+# logit_scale; embeddings tied by default (CohereConfig)
+FAMILIES["Cohere2ForCausalLM"] = _Family(
+    name="cohere2", max_position_embeddings=8192, bos_token_id=5, eos_token_id=255001,
+    head_dim=None, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False,
+    qk_norm=False, sliding="gemma", sliding_pattern=4, cohere=True)
 
 # DeepSeek-V3: multi-head latent attention (MlaConfig), first_k_dense_replace dense layers,
 # then sigmoid-scored group-limited routing with shared experts; attention_bias on q_a_proj,
@@ -645,6 +656,8 @@ class ModelArchConfig:
     linear_attn: LinearAttnConfig | None = None
     # Bamba / Falcon-H1 only: the Mamba-2 mixers and the family's multipliers
     mamba: MambaConfig | None = None
+    # Cohere2 only: its LayerNorm's eps and the logit scale
+    cohere: "CohereConfig | None" = None
     # GPT-OSS: every attention layer has sinks (``self_attn.sinks [num_attention_heads]``)
     attn_sinks: bool = False
     raw: dict = field(default_factory=dict, compare=False, repr=False)
@@ -731,6 +744,8 @@ class ModelArchConfig:
             total += m.num_sparse_layers * m.num_experts * (1 + 2 * m.intermediate_size + h)
         if self.attn_sinks:
             total += self.num_hidden_layers * self.num_attention_heads
+        if self.cohere is not None:  # one norm per layer (attention and MLP share it)
+            total -= self.num_hidden_layers * h
         if self.linear_attn is not None:  # Qwen3-Next: gated q_proj; mixers instead of attention
             la = self.linear_attn
             linear = sum(map(la.is_linear, range(self.num_hidden_layers)))
@@ -909,6 +924,7 @@ class ModelArchConfig:
             linear_attn=linear_attn,
             mamba=mamba,
             attn_sinks=fam.attn_sinks,
+            cohere=_parse_cohere(d, source) if fam.cohere else None,
             raw=dict(d),
             **gemma_fields,
         )
@@ -1300,6 +1316,26 @@ def _parse_mamba1(d: dict, hidden: int, layers: int, source: str) -> MambaConfig
         intermediate_size=inter, conv_bias=flags["mamba_conv_bias"],
         in_proj_bias=flags["mamba_proj_bias"], out_proj_bias=flags["mamba_proj_bias"],
         rotary_dim=0, gated_norm=False, dt_rank=rank)
+
+
+@dataclass(frozen=True)
+class CohereConfig:
+    """What Cohere2 adds to the decoder: ``layer_norm_eps`` of its weight-only LayerNorms
+    (``rms_norm_eps`` does not apply) and ``logit_scale`` (logits times it)."""
+
+    layer_norm_eps: float
+    logit_scale: float
+
+
+def _parse_cohere(d: dict, source: str) -> CohereConfig:
+    """Cohere2's keys, with ``Cohere2Config``'s defaults (eps 1e-5, logit scale 0.0625)."""
+    vals = {}
+    for key, default in (("layer_norm_eps", 1e-5), ("logit_scale", 0.0625)):
+        v = d.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise ConfigError(f"{source}: {key} must be a positive number, got {v!r}")
+        vals[key] = float(v)
+    return CohereConfig(**vals)
 
 
 def _parse_moe(d: dict, fam: _Family, layers: int, source: str) -> MoeConfig:

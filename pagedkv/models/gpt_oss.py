@@ -17,20 +17,18 @@ computes it:
   bias, top-k then softmax (``route_topk_softmax``), experts with biases, gate/up rows
   interleaved, the clamped SwiGLU; the same fused-MoE kernels (CUDA) and twin (elsewhere).
 
-One plain-tensor layer path (no compiled regions, no fused KV-write kernel).
+Eager layers (``EagerDecoderForCausalLM``: no compiled regions, no fused KV-write kernel).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.attention.backend import AttentionBackend
 from pagedkv.models.config import ModelArchConfig
-from pagedkv.models.decoder import Attention, DecoderForCausalLM, attention_hf_entries
+from pagedkv.models.decoder import Attention, attention_hf_entries
+from pagedkv.models.eager_decoder import EagerDecoderForCausalLM
 from pagedkv.models.layers import RMSNorm, rms_norm_fp32
 from pagedkv.models.moe import SparseMoeBlock
 from pagedkv.models.rotary import apply_rotary
@@ -88,9 +86,10 @@ class GptOssLayer(nn.Module):
         return m
 
 
-class GptOssForCausalLM(DecoderForCausalLM):
+class GptOssForCausalLM(EagerDecoderForCausalLM):
     """GPT-OSS over a paged KV cache (see the module docstring); the engine-facing interface of
-    :class:`DecoderForCausalLM` (KV specs and plans per layer window, logits, random init)."""
+    :class:`EagerDecoderForCausalLM` (KV specs and plans per layer window, logits, weights,
+    random init); the layers pass their sinks with each attention call."""
 
     def __init__(self, config: ModelArchConfig, *, backend: AttentionBackend | None = None,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
@@ -99,40 +98,9 @@ class GptOssForCausalLM(DecoderForCausalLM):
         super().__init__(config, backend=backend, dtype=dtype, device=device)
         self.norm = GptOssRMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype,
                                   device=device)
-        self.fuse_kv_write = False  # the layers pass their sinks with each attention call
 
     def make_layer(self, config: ModelArchConfig, layer_idx: int, *, dtype, device) -> GptOssLayer:
         return GptOssLayer(config, layer_idx, dtype=dtype, device=device)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: Sequence[torch.Tensor], attn) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` after the final norm (see ``DecoderForCausalLM``)."""
-        self.check_inputs(input_ids, positions, kv_caches)
-        attn = self.step_attention(attn)
-        cos, sin = self._rope(positions, None)
-        hidden = F.embedding(input_ids, self.embed_tokens)
-        for layer, kv_cache, plan in zip(self.layers, kv_caches, attn.plans):
-            hidden = layer(hidden, cos, sin, kv_cache, plan, self.attn_backend)
-        return self.norm(hidden)
-
-    def compile_regions(self, **kwargs) -> bool:
-        """No compiled regions for GPT-OSS yet: the layers stay eager."""
-        return False
-
-    @property
-    def compiled(self) -> bool:
-        return False
-
-    def hf_weight_map(self, layout: str | None = None) -> dict:
-        """The tensors of a GPT-OSS checkpoint as transformers' ``save_pretrained`` writes them
-        (one layout)."""
-        m = {"model.embed_tokens.weight": (self.embed_tokens, None),
-             "model.norm.weight": (self.norm.weight, None)}
-        if self.lm_head is not None:
-            m["lm_head.weight"] = (self.lm_head, None)
-        for i, layer in enumerate(self.layers):
-            m.update(layer.hf_entries(f"model.layers.{i}."))
-        return m
 
 
 __all__ = ["GptOssAttention", "GptOssForCausalLM", "GptOssLayer", "GptOssRMSNorm"]

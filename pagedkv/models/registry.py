@@ -9,6 +9,7 @@ from pagedkv.models.bamba import BambaForCausalLM
 from pagedkv.models.deepseek_v3 import DeepseekV3ForCausalLM
 from pagedkv.models.deepseek_v32 import DeepseekV32ForCausalLM
 from pagedkv.models.falcon_h1 import FalconH1ForCausalLM
+from pagedkv.models.cohere2 import Cohere2ForCausalLM
 from pagedkv.models.gemma import GemmaForCausalLM
 from pagedkv.models.gpt_oss import GptOssForCausalLM
 from pagedkv.models.jamba import JambaForCausalLM
@@ -17,6 +18,8 @@ from pagedkv.models.qwen3_next import Qwen3NextForCausalLM
 
 
 def _model_class(arch: str) -> type[DecoderForCausalLM]:
+    if FAMILIES[arch].cohere:  # Cohere2: parallel block, RoPE on sliding layers only
+        return Cohere2ForCausalLM
     if FAMILIES[arch].gemma:
         return GemmaForCausalLM
     if FAMILIES[arch].indexer:

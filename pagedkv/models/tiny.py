@@ -54,6 +54,8 @@ MOE_FAMILIES = (*MOE_FAMILIES, "qwen3_next")
 # GPT-OSS: sliding / full attention alternating, attention sinks, MoE with biases everywhere
 FAMILY_ARCHITECTURES["gpt_oss"] = "GptOssForCausalLM"
 MOE_FAMILIES = (*MOE_FAMILIES, "gpt_oss")
+# Cohere2: 3 sliding : 1 full attention, RoPE on the sliding layers, parallel block, logit scale
+FAMILY_ARCHITECTURES["cohere2"] = "Cohere2ForCausalLM"
 # transformers config class per family where it is not "<Architecture minus ForCausalLM>Config"
 CONFIG_CLASSES = {"gemma3": "Gemma3TextConfig"}
 
@@ -161,7 +163,7 @@ class TinySpec:
             raise ConfigError("tiny num_heads must be a multiple of num_kv_heads")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"tiny dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.attention_bias and self.family not in ("llama", "qwen3", "qwen3_moe", "gemma2",
+        if self.attention_bias and self.family not in ("llama", "qwen3", "qwen3_moe", "cohere2", "gemma2",
                                                        "gemma3", *DEEPSEEK_FAMILIES):
             raise ConfigError("attention_bias is a llama/qwen3/gemma/deepseek option")
         if self.mlp_bias and self.family != "llama":
@@ -324,6 +326,16 @@ def hf_config_dict(spec: TinySpec) -> dict:
                 rope_type="yarn", rope_theta=float(spec.rope_theta), factor=4.0,
                 original_max_position_embeddings=spec.max_position_embeddings // 4,
                 beta_fast=32.0, beta_slow=1.0, truncate=False)
+    if spec.family == "cohere2":
+        # head_dim is hidden / heads and the norm eps layer_norm_eps (no such keys); tied
+        # unless said otherwise; a logit scale of 0.5 (0.0625 in Cohere2Config) and YaRN-free
+        # default RoPE; layers sliding, sliding, sliding, full, ...
+        del d["head_dim"], d["rms_norm_eps"]
+        d.update(layer_norm_eps=spec.rms_norm_eps, logit_scale=0.5,
+                 sliding_window=spec.sliding_window or 16, attention_bias=spec.attention_bias,
+                 tie_word_embeddings=spec.tie_word_embeddings is not False,
+                 layer_types=[("sliding_attention", "full_attention")[(i + 1) % 4 == 0]
+                              for i in range(spec.num_layers)])
     if spec.family in MAMBA_FAMILIES:
         d.update(_MAMBA_TINY)
         d.update({"attn_layer_indices": [1]} if spec.family == "bamba" else {"mamba_d_ssm": None})

@@ -283,6 +283,7 @@ SWA_FAMILIES = {
     "qwen2": dict(sliding_window=8, max_window_layers=1),
     "gemma2": dict(sliding_window=8, num_layers=4),
     "gemma3": dict(sliding_window=8, num_layers=7),
+    "cohere2": dict(sliding_window=8, num_layers=4),
 }
 
 

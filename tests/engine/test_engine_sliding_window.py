@@ -4,7 +4,9 @@ Mistral with ``sliding_window`` (every layer windowed: one sliding-window group)
 two KV-cache groups in one block pool), Gemma 2 (alternating local / global layers, attention
 and final logit soft-capping, sandwich norms, GeGLU, ``query_pre_attn_scalar``) and Gemma 3
 text (five local : one global, local and global RoPE bases, q/k norms: seven groups of one
-layer). Greedy tokens equal transformers' ``generate`` with
+layer) and Cohere2 (three local : one global layer, RoPE on the local ones only, the parallel
+block on one LayerNorm, logit scale, tied embeddings: four groups of one layer). Greedy tokens
+equal transformers' ``generate`` with
 prompts longer than the window, chunked prefill crossing the window edge, prefix hits (the
 sliding-window hit rule), preemption on a small pool, block sizes 16 and 32, both attention
 backends (the Triton kernels through the interpreter); blocks the window left behind are
@@ -22,12 +24,14 @@ FAMILIES = {
     "qwen2": dict(sliding_window=W, max_window_layers=1),  # layer 0 full, layer 1 windowed
     "gemma2": dict(sliding_window=W, num_layers=4),  # local, global, local, global
     "gemma3": dict(sliding_window=W, num_layers=7),  # 5 local : 1 global, then local
+    "cohere2": dict(sliding_window=W, num_layers=4),  # local, local, local, global
 }
 GROUP_KINDS = {
     "mistral": ["SlidingWindowSpec"],
     "qwen2": ["FullAttentionSpec", "SlidingWindowSpec"],
     "gemma2": ["FullAttentionSpec", "SlidingWindowSpec"],
     "gemma3": ["FullAttentionSpec"] + ["SlidingWindowSpec"] * 6,
+    "cohere2": ["FullAttentionSpec"] + ["SlidingWindowSpec"] * 3,
 }
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 

@@ -20,7 +20,13 @@ from pagedkv.models.loader import load_checkpoint
 from pagedkv.models.moe import SparseMoeBlock, route_topk_softmax
 
 transformers = pytest.importorskip("transformers")
-from test_deepseek_v3 import NEW_TOKENS, Ref  # noqa: E402 - the tiny-checkpoint reference
+from test_deepseek_v3 import Ref  # noqa: E402 - the tiny-checkpoint reference
+# the harness-vs-transformers tests (every layer, prompt logits, greedy tokens) on ``ref``
+from tiny_parity_helpers import (  # noqa: E402, F401
+    test_every_layer_matches_transformers,
+    test_greedy_tokens_match_transformers,
+    test_prompt_logits_match_transformers,
+)
 
 W = 16  # the tiny checkpoint's window
 
@@ -158,44 +164,6 @@ def test_tiny_config(ref):
     assert cfg.layer_windows == (W, None, W) and cfg.rope.rope_type == "yarn"
     assert max(len(p) for p in ref.prompts) > 3 * W
     assert cfg.num_parameters() == sum(t.numel() for t in ref.hf.state_dict().values())
-
-
-def test_every_layer_matches_transformers(ref):
-    """The hidden states after each decoder layer, for the longest prompt (past the window)."""
-    prompt = ref.prompts[3]
-    ours, theirs = [], []
-    hooks = [layer.register_forward_hook(lambda m, a, out: ours.append(out))
-             for layer in ref.ck.model.layers]
-    hooks += [layer.register_forward_hook(lambda m, a, out: theirs.append(out[0]))
-              for layer in ref.hf.model.layers]
-    ref.harness(16).prompt_logits(prompt)
-    with torch.no_grad():
-        ref.hf(torch.tensor([prompt]))
-    for h in hooks:
-        h.remove()
-    assert len(ours) == len(theirs) == 3
-    for a, b in zip(ours, theirs):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("block_size", [16, 32])
-def test_prompt_logits_match_transformers(ref, block_size):
-    h = ref.harness(block_size)
-    for p in ref.prompts:
-        with torch.no_grad():
-            want = ref.hf(torch.tensor([p])).logits[0]
-        torch.testing.assert_close(h.prompt_logits(p), want, atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize("block_size,chunk", [(16, None), (32, None), (16, 7)])
-def test_greedy_tokens_match_transformers(ref, block_size, chunk):
-    """Batched greedy decoding; with ``chunk``: prompts in chunks of 7 on a 16-token budget
-    beside decode tokens, 3 padding tokens per step."""
-    h = ref.harness(block_size)
-    kw = {} if chunk is None else dict(chunk_size=chunk, token_budget=16, pad_tokens=3)
-    assert h.greedy_generate(ref.prompts, NEW_TOKENS, **kw) == ref.generations
-    mixed = [s for s in h.step_log if {done >= plen for _, done, _, plen in s} == {True, False}]
-    assert bool(mixed) == (chunk is not None)
 
 
 def test_sinks_and_window_matter(ref):
