@@ -104,21 +104,17 @@ def test_chunked_prefill_and_prefix_hits_in_align_mode(tiny_dir, hf_ref, name):
     assert llm.get_kv_stats()["prefix_cache_hits"] >= hits + block
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the scheduler has no Mamba-align chunk alignment (docs/vllm-kv-semantics.md 7.2; "
-    "pagedkv/core/scheduler.py caps n by budget / long-prefill / max_model_len only): a chunk "
-    "[44, 57) crossing the 48-token block boundary leaves the state after token 44 as that "
-    "block's checkpoint, which a later prefix hit resumes from as if it were the state after 48"))
 def test_align_mode_hit_after_a_chunk_across_a_block_boundary(tiny_dir, hf_ref):
     path = checkpoint(tiny_dir, "bamba")
     ref = hf_ref(path)
     llm = make_llm(path, max_num_batched_tokens=16, max_num_seqs=4)
     steps = log_scheduled_steps(llm.scheduler)
     long = TEXTS[3]
-    # a short request decoding beside the long prompt: the prompt's chunks are 14 + 15 + 15 +
-    # 13 tokens, the last one across the block boundary at 48
+    # a short request decoding beside the long prompt: the prompt's chunks are 14 + 15 + 15
+    # tokens, then the one that would cross the 48-token block boundary (13 tokens) ends on it
+    # (vLLM's Mamba-align split), so the block's checkpoint is the state after token 48
     llm.generate([TEXTS[0], long], [greedy(30), greedy(2)], use_tqdm=False)
-    assert [s.get("1") for s in steps[:4]] == [14, 15, 15, 13]
+    assert [s.get("1") for s in steps[:5]] == [14, 15, 15, 4, 9]
     hits = llm.get_kv_stats()["prefix_cache_hits"]
     check(llm, ref, [long + " And more after the shared part."])
     assert llm.get_kv_stats()["prefix_cache_hits"] == hits + 48
