@@ -43,12 +43,19 @@ def allocate_layer_caches(specs, num_blocks: int, *, device: str | torch.device 
     """Unshared caches, one per entry of ``specs`` (a model's ``kv_cache_specs`` values, in
     order; harnesses and tests, the engine's runner shares one pool instead): an attention
     spec's KV tensor ``[2, num_blocks, block_size, num_kv_heads, head_size]``, a ``MambaSpec``'s
-    tuple of state tensors ``[num_blocks, *shape]``, each in its spec's dtype."""
-    from pagedkv.core.spec import AttentionSpec, MambaSpec, MLAAttentionSpec
+    tuple of state tensors ``[num_blocks, *shape]``, a latent spec's (``MLAAttentionSpec``,
+    ``SlidingWindowMLASpec``) ``[num_blocks, storage_block_size, head_size]``, each in its
+    spec's dtype."""
+    from pagedkv.attention.mla import allocate_mla_kv_caches
+    from pagedkv.core.spec import AttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowMLASpec
 
     out: list = []
     for spec in specs:
-        if isinstance(spec, MambaSpec):
+        if isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec)):
+            out += allocate_mla_kv_caches(1, num_blocks, spec.storage_block_size, spec.head_size,
+                                          dtype=getattr(torch, spec.dtype), device=device,
+                                          fill=fill)
+        elif isinstance(spec, MambaSpec):
             states = tuple(torch.empty(num_blocks, *shape, dtype=getattr(torch, dt), device=device)
                            for shape, dt in zip(spec.shapes, spec.dtypes))
             if fill is not None:

@@ -74,23 +74,68 @@ class DSAPlan(AttentionPlan):
         ``query_start_loc[r] <= t < query_start_loc[r + 1]`` and sits at ``seq_lens[r] -
         (query_start_loc[r + 1] - t)``; later (padding) tokens get ``-1`` for both."""
         got = self._rows.get(num_tokens)
-        if got is not None:
-            return got
-        md = self.metadata
-        n = int(md.num_reqs)
-        qsl = md.query_start_loc.to(torch.int64)
-        tok = torch.arange(num_tokens, device=qsl.device, dtype=torch.int64)
-        if n == 0:
-            none = torch.full((num_tokens,), -1, dtype=torch.int32, device=qsl.device)
-            self._rows[num_tokens] = (none, none)
-            return none, none
-        req = torch.searchsorted(qsl[1: n + 1], tok, right=True)
-        ok = req < n
-        req = req.clamp_(max=n - 1)
-        pos = md.seq_lens[:n].to(torch.int64)[req] - (qsl[1: n + 1][req] - tok)
-        got = (torch.where(ok, req, -1).to(torch.int32), torch.where(ok, pos, -1).to(torch.int32))
-        self._rows[num_tokens] = got
+        if got is None:
+            got = self._rows[num_tokens] = token_rows(self.metadata, num_tokens)
         return got
+
+
+def token_rows(metadata: AttentionMetadataLike, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(req_id_per_token, positions)`` of ``num_tokens`` packed tokens, int32 on the
+    metadata's device, from its ``query_start_loc`` and ``seq_lens`` (no host sync): token
+    ``t`` of request ``r`` (``query_start_loc[r] <= t < query_start_loc[r + 1]``) sits at
+    ``seq_lens[r] - (query_start_loc[r + 1] - t)``; later (padding) tokens get ``-1``."""
+    md = metadata
+    n = int(md.num_reqs)
+    qsl = md.query_start_loc.to(torch.int64)
+    tok = torch.arange(num_tokens, device=qsl.device, dtype=torch.int64)
+    if n == 0:
+        none = torch.full((num_tokens,), -1, dtype=torch.int32, device=qsl.device)
+        return none, none
+    req = torch.searchsorted(qsl[1: n + 1], tok, right=True)
+    ok = req < n
+    req = req.clamp_(max=n - 1)
+    pos = md.seq_lens[:n].to(torch.int64)[req] - (qsl[1: n + 1][req] - tok)
+    return torch.where(ok, req, -1).to(torch.int32), torch.where(ok, pos, -1).to(torch.int32)
+
+
+def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
+                 block_table: torch.Tensor, req_id_per_token: torch.Tensor,
+                 last: torch.Tensor, num_s: int, topk: int, scale: float,
+                 kernels: bool) -> torch.Tensor:
+    """Each token's ``topk`` best cached entries by the lightning indexer's score (read only):
+    int32 ``[T, min(topk, num_s)]``, request-local entry indices, best first, then ``-1``.
+
+    Token ``t`` scores the entries ``j <= last[t]`` of its request (``req_id_per_token``, -1:
+    none) in ``index_cache [N, B, D]`` through ``block_table`` (``dsa_index_logits``: the
+    Triton kernel with ``kernels``, else its twin), ``num_s`` the widest request's entry
+    count; ties are broken as ``torch.topk`` breaks them. DeepSeek-V3.2 scores positions
+    (``last`` = the token's position); DeepSeek-V4 compressed entries (``last`` = its last
+    closed group)."""
+    t = q.shape[0]
+    k = min(topk, num_s)
+    out = torch.full((t, k), -1, dtype=torch.int32, device=q.device)
+    if t == 0 or k == 0:
+        return out
+    fn = indexer_logits if kernels else indexer_logits_ref
+    chunk = max(1, _TOPK_CHUNK_ELEMENTS // num_s)
+    logits = torch.empty((min(t, chunk), num_s), dtype=torch.float32, device=q.device)
+    for s in range(0, t, chunk):
+        e = min(t, s + chunk)
+        lg = fn(q[s:e], weights[s:e], index_cache, block_table, req_id_per_token[s:e],
+                last[s:e], scale, logits[: e - s])
+        vals, idx = lg.topk(k, dim=-1)
+        out[s:e] = torch.where(vals == float("-inf"), -1, idx).to(torch.int32)
+    return out
+
+
+def check_sparse_modes(kernels: str, writer: str, family: str) -> None:
+    """A DeepSeek sparse backend's ``kernels`` (``KERNEL_MODES``) and KV ``writer``
+    (``WRITERS``), or a ``ConfigError`` naming ``family``."""
+    if kernels not in KERNEL_MODES:
+        raise ConfigError(f"unknown {family} kernel mode {kernels!r}; use one of "
+                          f"{', '.join(KERNEL_MODES)}")
+    if writer not in WRITERS:
+        raise ConfigError(f"unknown KV writer {writer!r}; use one of {', '.join(WRITERS)}")
 
 
 class DSABackend(AttentionBackend):
@@ -102,11 +147,7 @@ class DSABackend(AttentionBackend):
     supports_cuda_graphs = False
 
     def __init__(self, kernels: str = "auto", writer: str = "auto"):
-        if kernels not in KERNEL_MODES:
-            raise ConfigError(f"unknown DSA kernel mode {kernels!r}; use one of "
-                              f"{', '.join(KERNEL_MODES)}")
-        if writer not in WRITERS:
-            raise ConfigError(f"unknown KV writer {writer!r}; use one of {', '.join(WRITERS)}")
+        check_sparse_modes(kernels, writer, "DSA")
         self.kernels = kernels
         self.writer = writer
 
@@ -137,22 +178,8 @@ class DSABackend(AttentionBackend):
             n = int(md.num_actual_tokens)
             write_latent(keys, index_cache, md.slot_mapping[:n], writer=self.writer)
         req, pos = plan.token_rows(t)
-        num_s = plan.max_seq_len
-        k = min(topk, num_s)
-        out = torch.full((t, k), -1, dtype=torch.int32, device=q.device)
-        if t == 0 or k == 0:
-            return out
-        fn = indexer_logits if plan.kernels else indexer_logits_ref
-        chunk = max(1, _TOPK_CHUNK_ELEMENTS // num_s)
-        logits = torch.empty((min(t, chunk), num_s), dtype=torch.float32, device=q.device)
-        table = md.block_table_tensor
-        for s in range(0, t, chunk):
-            e = min(t, s + chunk)
-            lg = fn(q[s:e], weights[s:e], index_cache, table, req[s:e], pos[s:e], scale,
-                    logits[: e - s])
-            vals, idx = lg.topk(k, dim=-1)
-            out[s:e] = torch.where(vals == float("-inf"), -1, idx).to(torch.int32)
-        return out
+        return indexer_topk(q, weights, index_cache, md.block_table_tensor, req, pos,
+                            plan.max_seq_len, topk, scale, plan.kernels)
 
     # ---- 2. the sparse latent attention
     def forward(self, layer_idx: int, q: torch.Tensor, latent: torch.Tensor | None,
@@ -198,23 +225,32 @@ class DSABackend(AttentionBackend):
         return out.to(q.dtype)
 
 
-def dsa_backend_for(backend: AttentionBackend) -> DSABackend:
-    """The DSA counterpart of an engine's attention backend: a :class:`DSABackend` as it is;
-    the torch references (``TorchRefBackend``, ``TorchRefMLABackend``) -> the twins (same KV
-    writer); the Triton backends -> the kernels ("auto": on CUDA tensors)."""
-    if isinstance(backend, DSABackend):
-        return backend
+def sparse_backend_modes(backend: AttentionBackend, family: str) -> tuple[str, str]:
+    """``(kernels, writer)`` of the DeepSeek sparse backends (DSA, DeepSeek-V4) standing in for
+    an engine's attention backend: the torch references (``TorchRefBackend``,
+    ``TorchRefMLABackend``) -> the twins with the same KV writer; the Triton backends -> the
+    kernels ("auto": on CUDA tensors). ``family`` names the variant in the error."""
     from pagedkv.attention.mla_torch_ref import TorchRefMLABackend
     from pagedkv.attention.mla_triton_backend import TritonMLABackend
     from pagedkv.attention.torch_ref import TorchRefBackend
     from pagedkv.attention.triton_backend import TritonAttentionBackend
 
     if isinstance(backend, (TorchRefBackend, TorchRefMLABackend)):
-        return DSABackend(kernels="ref", writer=backend.writer)
+        return "ref", backend.writer
     if isinstance(backend, (TritonAttentionBackend, TritonMLABackend)):
-        return DSABackend(kernels="auto")
-    raise ConfigError(f"attention backend {type(backend).__name__} has no DeepSeek sparse "
-                      "attention variant; use 'torch_ref' or 'triton' (or a DSABackend)")
+        return "auto", "auto"
+    raise ConfigError(f"attention backend {type(backend).__name__} has no {family} variant; "
+                      "use 'torch_ref' or 'triton'")
 
 
-__all__ = ["DSABackend", "DSAPlan", "KERNEL_MODES", "dsa_backend_for"]
+def dsa_backend_for(backend: AttentionBackend) -> DSABackend:
+    """The DSA counterpart of an engine's attention backend: a :class:`DSABackend` as it is,
+    else as ``sparse_backend_modes`` says."""
+    if isinstance(backend, DSABackend):
+        return backend
+    kernels, writer = sparse_backend_modes(backend, "DeepSeek sparse attention (DSABackend)")
+    return DSABackend(kernels=kernels, writer=writer)
+
+
+__all__ = ["DSABackend", "DSAPlan", "KERNEL_MODES", "check_sparse_modes", "dsa_backend_for",
+           "indexer_topk", "sparse_backend_modes", "token_rows"]

@@ -14,8 +14,9 @@
 Options (GPT-OSS's experts): ``gate_up_interleaved`` (w13's rows alternate gate / up: row
 ``2i`` is gate unit ``i``, row ``2i + 1`` its up unit, as GPT-OSS stores ``gate_up_proj``);
 biases ``b13 [E, 2I]`` (in w13's row order) and ``b2 [E, H]`` added to the two products; the
-activation (``GatedActivation``): ``silu(gate) * up`` or GPT-OSS's clamped SwiGLU
-``(clamp(up, -limit, limit) + 1) * g sigmoid(alpha g)``, ``g = min(gate, limit)``.
+activation (``GatedActivation``): ``silu(gate) * up``, GPT-OSS's clamped SwiGLU
+``(clamp(up, -limit, limit) + 1) * g sigmoid(alpha g)``, ``g = min(gate, limit)``, or
+DeepSeek-V4's ``silu(min(gate, limit)) * clamp(up, -limit, limit)``.
 
 The ``T * k`` (token, choice) pairs are sorted by expert (stable: within one expert in pair
 order ``t * k + j``); each expert that received tokens runs its two GEMMs on its contiguous
@@ -68,14 +69,16 @@ from pagedkv.errors import ConfigError
 from pagedkv.kernels._common import cdiv, next_pow2
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-ACTIVATIONS = ("silu", "swiglu_clamp")
+ACTIVATIONS = ("silu", "swiglu_clamp", "silu_clamp")
 
 
 @dataclass(frozen=True)
 class GatedActivation:
-    """The experts' gated activation of ``(gate, up)``: ``"silu"`` (``silu(gate) * up``) or
+    """The experts' gated activation of ``(gate, up)``: ``"silu"`` (``silu(gate) * up``),
     ``"swiglu_clamp"`` (GPT-OSS: ``g = min(gate, limit)``, ``u = clamp(up, -limit, limit)``,
-    ``(u + 1) * g * sigmoid(alpha * g)``). The Triton kernel computes the same in float32."""
+    ``(u + 1) * g * sigmoid(alpha * g)``) or ``"silu_clamp"`` (DeepSeek-V4: ``silu(g) * u``
+    with the same ``g`` and ``u``; ``alpha`` unused). The Triton kernel computes the same in
+    float32."""
 
     name: str = "silu"
     alpha: float = 1.702
@@ -94,6 +97,8 @@ class GatedActivation:
             return F.silu(gate) * up
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
+        if self.name == "silu_clamp":
+            return F.silu(gate) * up
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
@@ -248,7 +253,7 @@ def _moe_gate_up_kernel(x_ptr, sx0, sx1, w_ptr, sw0, sw1, sw2, out_ptr, so0, so1
                         INTER: tl.constexpr, TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
                         INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        SWIGLU_CLAMP: tl.constexpr):
+                        SWIGLU_CLAMP: tl.constexpr, SILU_CLAMP: tl.constexpr = False):
     b = tl.program_id(0)
     e = tl.load(block_expert_ptr + b)
     if e >= NUM_EXPERTS:
@@ -285,6 +290,10 @@ def _moe_gate_up_kernel(x_ptr, sx0, sx1, w_ptr, sw0, sw1, sw2, out_ptr, so0, so1
         g = tl.minimum(acc_g, limit)
         u = tl.minimum(tl.maximum(acc_u, -limit), limit)
         h = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
+    elif SILU_CLAMP:  # DeepSeek-V4: silu(min(gate, limit)) * clamp(up)
+        g = tl.minimum(acc_g, limit)
+        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        h = g / (1.0 + tl.exp(-g)) * u
     else:
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     tl.store(out_ptr + rows[:, None] * so0 + n[None, :] * so1, h.to(out_ptr.dtype.element_ty),
@@ -350,7 +359,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         float(activation.alpha), float(activation.limit),
         HIDDEN=h, INTER=inter, TOP_K=k, NUM_EXPERTS=e, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         PREC=prec, INTERLEAVED=bool(gate_up_interleaved), HAS_BIAS=b13 is not None,
-        SWIGLU_CLAMP=activation.name == "swiglu_clamp", num_warps=warps, num_stages=stages)
+        SWIGLU_CLAMP=activation.name == "swiglu_clamp", SILU_CLAMP=activation.name == "silu_clamp",
+        num_warps=warps, num_stages=stages)
     pair_out = _empty((num_pairs, h), torch.promote_types(x.dtype, topk_weights.dtype), x.device)
     _moe_down_kernel[(blocks, cdiv(h, bn))](
         inter_buf, inter_buf.stride(0), inter_buf.stride(1), w2, w2.stride(0), w2.stride(1),

@@ -68,6 +68,9 @@ class _Family:
     # attention sinks: a learned logit per query head in every attention layer's softmax
     # (GPT-OSS)
     attn_sinks: bool = False
+    # DeepSeek-V4: sliding-window + compressed (CSA / HCA) attention, mHC, hash / top-k MoE
+    # (Dsv4Config, see _parse_deepseek_v4)
+    dsv4: bool = False
     # the sliding window of a "gemma" / "qwen_moe" family when config.json has none
     default_window: int = 4096
     # Cohere2: the parallel block with LayerNorm, RoPE (interleaved pairs) on the sliding
@@ -205,6 +208,13 @@ FAMILIES["JambaForCausalLM"] = _Family(
     name="jamba", max_position_embeddings=262144, bos_token_id=1, eos_token_id=2,
     head_dim=None, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False, sliding=None,
     moe="jamba", mamba="jamba")
+# DeepSeek-V4: every layer a sliding-window latent attention, plus compressed sparse attention
+# (ratio 4, indexer top-k) or heavily compressed attention (ratio 128) on layer_types;
+# manifold-constrained hyper-connections; hash-routed then top-k MoE (Dsv4Config, MoeConfig)
+FAMILIES["DeepseekV4ForCausalLM"] = _Family(
+    name="deepseek_v4", max_position_embeddings=1048576, bos_token_id=0, eos_token_id=1,
+    head_dim=512, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False, sliding=None,
+    moe="deepseek_v4", dsv4=True)
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(FAMILIES)
 
@@ -249,7 +259,7 @@ class MoeConfig:
     # ``(clamp(up, -limit, limit) + 1) * g sigmoid(alpha g)``, ``g = min(gate, limit)``)
     router_bias: bool = False
     expert_bias: bool = False
-    activation: str = "silu"  # "silu" | "swiglu_clamp"
+    activation: str = "silu"  # "silu" | "swiglu_clamp" | "silu_clamp" (DeepSeek-V4)
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
 
@@ -304,6 +314,65 @@ class IndexerConfig:
     head_dim: int
     topk: int
     rope_dim: int
+
+
+DSV4_LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention",
+                    "heavily_compressed_attention")
+DSV4_MLP_LAYER_TYPES = ("hash_moe", "moe")
+DSV4_SCORING = ("sqrtsoftplus", "sigmoid")
+
+
+@dataclass(frozen=True)
+class Dsv4Config:
+    """DeepSeek-V4's layers, as transformers' ``DeepseekV4ForCausalLM`` runs them.
+
+    Attention (every layer): queries ``q_b_proj(q_a_norm(q_a_proj(x)))`` per head (``head_dim``
+    wide, an unweighted RMSNorm per head), one shared key = value head ``kv_norm(kv_proj(x))``;
+    RoPE (interleaved pairs) on the last ``rope_dim`` dimensions of both, and undone on the
+    output (rotation by ``-position``); learned sinks; the grouped output projection
+    (``o_groups`` groups of heads each to ``o_lora_rank``, then ``o_b_proj``). Each query sees
+    the last ``sliding_window`` keys and, by ``layer_types[i]``:
+
+    * ``sliding_attention``: nothing else (RoPE ``ModelArchConfig.rope``, the "main" one);
+    * ``compressed_sparse_attention`` (CSA, ratio ``compress_ratios[i]``, 4): compressed entries,
+      one per closed group of ratio tokens (a softmax-gated pool over two overlapping windows:
+      the previous group's first half-channels and this group's second half), of which the
+      lightning indexer (``index_n_heads`` heads of ``index_head_dim`` over its own compressed
+      keys) keeps ``index_topk`` per query;
+    * ``heavily_compressed_attention`` (HCA, ratio 128): every compressed entry (one window).
+
+    Compressed layers rotate with ``compress_rope`` (theta ``compress_rope_theta``, YaRN when
+    configured), entries at the position of their group's first token. ``hc_mult`` residual
+    streams (mHC) around attention and MLP (``hc_sinkhorn_iters`` Sinkhorn steps, ``hc_eps``).
+    MLP: the routed experts of ``mlp_layer_types[i]`` (``hash_moe``: a fixed ``tid2eid`` token
+    -> experts table; ``moe``: top-k on ``score + e_score_correction_bias``), scores
+    ``scoring_func`` of the router logits, weights normalized then times
+    ``routed_scaling_factor`` (``MoeConfig``), SwiGLU clamped at ``swiglu_limit``, plus one
+    shared expert."""
+
+    layer_types: tuple[str, ...]
+    compress_ratios: tuple[int, ...]  # per layer: 0 (sliding only) or the compress ratio
+    sliding_window: int
+    q_lora_rank: int
+    rope_dim: int
+    compress_rope: RopeConfig
+    o_groups: int
+    o_lora_rank: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    mlp_layer_types: tuple[str, ...]
+    scoring_func: str
+    swiglu_limit: float
+
+    def is_csa(self, layer: int) -> bool:
+        return self.layer_types[layer] == "compressed_sparse_attention"
+
+    def is_hash(self, layer: int) -> bool:
+        return self.mlp_layer_types[layer] == "hash_moe"
 
 
 @dataclass(frozen=True)
@@ -660,6 +729,9 @@ class ModelArchConfig:
     cohere: "CohereConfig | None" = None
     # GPT-OSS: every attention layer has sinks (``self_attn.sinks [num_attention_heads]``)
     attn_sinks: bool = False
+    # DeepSeek-V4 only: its attention kinds, mHC and routing (``num_key_value_heads`` 1, the
+    # shared key = value head of ``head_dim``; ``rope`` the sliding layers' RoPE)
+    dsv4: Dsv4Config | None = None
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived sizes
@@ -696,6 +768,11 @@ class ModelArchConfig:
 
     def kv_cache_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V (MLA: of the one latent vector), all layers, for one token."""
+        if self.dsv4 is not None:  # what grows with the context: the compressed entries
+            x = self.dsv4
+            per = sum(self.head_dim / c + (x.index_head_dim / c if x.is_csa(i) else 0)
+                      for i, c in enumerate(x.compress_ratios) if c)
+            return int(per * dtype_bytes)
         if self.mla is not None:
             per_layer = self.mla.latent_dim + (self.indexer.head_dim if self.indexer else 0)
             return self.num_hidden_layers * per_layer * dtype_bytes
@@ -711,6 +788,8 @@ class ModelArchConfig:
 
     def num_parameters(self) -> int:
         """Parameter count (tied embeddings counted once)."""
+        if self.dsv4 is not None:
+            return _dsv4_parameters(self)
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.qkv_bias:
@@ -785,6 +864,8 @@ class ModelArchConfig:
             raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
         arch = _pick_architecture(d, source)
         fam = FAMILIES[arch]
+        if fam.dsv4:
+            return _parse_deepseek_v4(cls, d, arch, fam, source)
 
         def req_int(key: str) -> int:
             if key not in d or d[key] is None:
@@ -1459,6 +1540,184 @@ def _parse_moe(d: dict, fam: _Family, layers: int, source: str) -> MoeConfig:
                      **deepseek)
 
 
+_DSV4_RATIO_TO_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention",
+                       128: "heavily_compressed_attention"}
+
+
+def _parse_deepseek_v4(cls, d: dict, arch: str, fam: _Family, source: str) -> "ModelArchConfig":
+    """DeepSeek-V4 (``Dsv4Config``), with ``DeepseekV4Config``'s defaults and its legacy keys:
+    ``compress_ratios`` (per layer 0 / 4 / 128), ``compress_rate_csa`` / ``compress_rate_hca``,
+    ``num_hash_layers``, ``qk_rope_head_dim``. Defaults: ``layer_types`` two HCA layers then
+    HCA / CSA alternating, ``mlp_layer_types`` three ``hash_moe`` then ``moe``, RoPE on
+    ``partial_rotary_factor`` (64 / 512) of each head; the "main" RoPE (sliding layers) plain
+    with ``rope_theta``, the "compress" one with ``compress_rope_theta`` and the YaRN keys of a
+    flat ``rope_parameters`` / ``rope_scaling`` (``attention_factor`` 1). One shared expert of
+    ``moe_intermediate_size`` (as transformers, whatever ``n_shared_experts``); the routing
+    weights are always normalized (``norm_topk_prob`` is not read)."""
+    def get(key, default):
+        v = d.get(key)
+        return default if v is None else v
+
+    def size(key: str, default: int) -> int:
+        return _pos_int(get(key, default), key, source)
+
+    def num(key: str, default: float) -> float:
+        v = get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise ConfigError(f"{source}: {key} must be a positive number, got {v!r}")
+        return float(v)
+
+    def kinds(key: str, allowed: tuple, n: int, value) -> tuple[str, ...]:
+        if not isinstance(value, list) or len(value) < n or not set(value[:n]) <= set(allowed):
+            raise ConfigError(f"{source}: {key} must list one of {allowed} for each of the {n} "
+                              f"layers, got {value!r}")
+        return tuple(value[:n])
+
+    hidden, layers = size("hidden_size", 4096), size("num_hidden_layers", 43)
+    heads, vocab = size("num_attention_heads", 64), size("vocab_size", 129280)
+    head_dim = size("head_dim", fam.head_dim)
+    if get("num_key_value_heads", 1) != 1:
+        raise ConfigError(f"{source}: DeepSeek-V4 attends with one shared key/value head; "
+                          f"num_key_value_heads must be 1, got {d.get('num_key_value_heads')!r}")
+    act = get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"{source}: hidden_act {act!r} is not supported; DeepSeek-V4 uses 'silu'")
+    eps = num("rms_norm_eps", 1e-6)
+    max_pos = size("max_position_embeddings", fam.max_position_embeddings)
+
+    rates = dict(get("compress_rates", {"compressed_sparse_attention": 4,
+                                        "heavily_compressed_attention": 128}))
+    for key, kind in (("compress_rate_csa", "compressed_sparse_attention"),
+                      ("compress_rate_hca", "heavily_compressed_attention")):
+        if d.get(key) is not None:
+            rates[kind] = d[key]
+    for kind in DSV4_LAYER_TYPES[1:]:
+        v = rates.get(kind)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 2:
+            raise ConfigError(f"{source}: the compress rate of {kind} must be an integer >= 2, "
+                              f"got {v!r}")
+    types = d.get("layer_types")
+    if types is None and d.get("compress_ratios") is not None:
+        legacy = d["compress_ratios"]
+        if not isinstance(legacy, list) or not set(legacy[:layers]) <= set(_DSV4_RATIO_TO_TYPE):
+            raise ConfigError(f"{source}: compress_ratios must list 0, 4 or 128 per layer, "
+                              f"got {legacy!r}")
+        types = [_DSV4_RATIO_TO_TYPE[r] for r in legacy]
+    if types is None:
+        types = ["heavily_compressed_attention"] * min(layers, 2) + [
+            "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
+            for i in range(max(layers - 2, 0))]
+    types = kinds("layer_types", DSV4_LAYER_TYPES, layers, types)
+    ratios = tuple(0 if t == "sliding_attention" else rates[t] for t in types)
+    mlp_types = d.get("mlp_layer_types")
+    if mlp_types is None:
+        n_hash = get("num_hash_layers", 3)
+        if isinstance(n_hash, bool) or not isinstance(n_hash, int) or n_hash < 0:
+            raise ConfigError(f"{source}: num_hash_layers must be a non-negative integer, "
+                              f"got {n_hash!r}")
+        mlp_types = ["hash_moe"] * min(layers, n_hash) + ["moe"] * max(0, layers - n_hash)
+    mlp_types = kinds("mlp_layer_types", DSV4_MLP_LAYER_TYPES, layers, mlp_types)
+
+    partial = d.get("partial_rotary_factor")
+    if partial is None:
+        legacy = d.get("qk_rope_head_dim")
+        partial = legacy / head_dim if legacy is not None else 64 / 512
+    rope_dim = int(head_dim * partial)
+    if rope_dim < 2 or rope_dim % 2 or rope_dim > head_dim:
+        raise ConfigError(f"{source}: the rotary part of each head (head_dim * "
+                          f"partial_rotary_factor = {rope_dim}) must be even, in [2, {head_dim}]")
+    rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if not isinstance(rp, dict):
+        raise ConfigError(f"{source}: rope_parameters must be an object, got {rp!r}")
+    if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+        main, compress = dict(rp["main"]), dict(rp["compress"])
+    else:
+        main = {"rope_type": "default", "rope_theta": get("rope_theta", 10000.0)}
+        compress = {**{k: v for k, v in rp.items() if k not in ("main", "compress")},
+                    "rope_theta": get("compress_rope_theta", 160000.0)}
+        compress.setdefault("rope_type", compress.pop("type", "default"))
+        if compress["rope_type"] == "yarn":
+            compress.setdefault("attention_factor", 1.0)
+    ropes = []
+    for sub in (main, compress):
+        sub = {k: v for k, v in sub.items() if k != "partial_rotary_factor"}
+        ropes.append(_parse_rope({"rope_parameters": sub}, max_pos))
+
+    q_lora, o_groups, o_rank = size("q_lora_rank", 1024), size("o_groups", 8), size("o_lora_rank", 1024)
+    if (heads * head_dim) % o_groups:
+        raise ConfigError(f"{source}: o_groups ({o_groups}) must divide num_attention_heads x "
+                          f"head_dim ({heads * head_dim})")
+    index_dim = size("index_head_dim", 128)
+    if index_dim < rope_dim:
+        raise ConfigError(f"{source}: index_head_dim ({index_dim}) must be at least the rotary "
+                          f"part of a head ({rope_dim})")
+    scoring = get("scoring_func", "sqrtsoftplus")
+    if scoring not in DSV4_SCORING:
+        raise ConfigError(f"{source}: scoring_func {scoring!r} is not supported; one of "
+                          f"{DSV4_SCORING}")
+    experts, top_k = size("n_routed_experts", 256), size("num_experts_per_tok", 6)
+    if top_k > experts:
+        raise ConfigError(f"{source}: num_experts_per_tok ({top_k}) must not exceed "
+                          f"n_routed_experts ({experts})")
+    inter = size("moe_intermediate_size", 2048)
+    limit = num("swiglu_limit", 10.0)
+    x = Dsv4Config(
+        layer_types=types, compress_ratios=ratios, sliding_window=size("sliding_window", 128),
+        q_lora_rank=q_lora, rope_dim=rope_dim, compress_rope=ropes[1], o_groups=o_groups,
+        o_lora_rank=o_rank, index_n_heads=size("index_n_heads", 64), index_head_dim=index_dim,
+        index_topk=size("index_topk", 512), hc_mult=size("hc_mult", 4),
+        hc_sinkhorn_iters=size("hc_sinkhorn_iters", 20), hc_eps=num("hc_eps", 1e-6),
+        mlp_layer_types=mlp_types, scoring_func=scoring, swiglu_limit=limit)
+    moe = MoeConfig(num_experts=experts, top_k=top_k, intermediate_size=inter,
+                    norm_topk_prob=True, weights_dtype="model", sparse_layers=(True,) * layers,
+                    scoring=scoring, routed_scaling_factor=num("routed_scaling_factor", 1.5),
+                    score_correction_bias=True, shared_intermediate_size=inter,
+                    activation="silu_clamp", swiglu_limit=limit)
+    tie = get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        raise ConfigError(f"{source}: tie_word_embeddings must be true or false, got {tie!r}")
+    dtype_raw = d.get("dtype", d.get("torch_dtype"))
+    bos = _opt_token(d["bos_token_id"] if "bos_token_id" in d else fam.bos_token_id,
+                     "bos_token_id", vocab, source)
+    eos = d["eos_token_id"] if "eos_token_id" in d else fam.eos_token_id
+    eos_ids = () if eos is None else tuple(
+        _opt_token(e, "eos_token_id", vocab, source) for e in (eos if isinstance(eos, list) else [eos]))
+    return cls(
+        architecture=arch, family=fam.name, hidden_size=hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=1, head_dim=head_dim,
+        intermediate_size=inter, vocab_size=vocab, rms_norm_eps=eps,
+        max_position_embeddings=max_pos, rope=ropes[0], tie_word_embeddings=tie,
+        qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
+        dtype="float32" if dtype_raw is None else normalize_dtype_name(dtype_raw, what=f"{source}: dtype"),
+        bos_token_id=bos, eos_token_ids=eos_ids,
+        pad_token_id=_opt_token(d.get("pad_token_id"), "pad_token_id", vocab, source),
+        hidden_act=act, moe=moe, dsv4=x, raw=dict(d))
+
+
+def _dsv4_parameters(cfg: "ModelArchConfig") -> int:
+    """DeepSeek-V4's parameter count (buffers: ``tid2eid`` and ``e_score_correction_bias``
+    not counted), module by module as transformers builds it."""
+    x, m = cfg.dsv4, cfg.moe
+    h, n, d, v, i = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.vocab_size, m.intermediate_size
+    q, hc = x.q_lora_rank, x.hc_mult
+    attn = (h * q + q + q * n * d + h * d + d + x.o_groups * x.o_lora_rank * (n * d // x.o_groups + h)
+            + n)
+    mlp = m.num_experts * (h + 3 * h * i) + 3 * h * i
+    mix = (2 + hc) * hc
+    per_layer = attn + mlp + 2 * h + 2 * (mix * hc * h + mix + 3)
+    total = cfg.num_hidden_layers * per_layer
+    for layer, c in enumerate(x.compress_ratios):
+        if not c:
+            continue
+        w = 2 if x.is_csa(layer) else 1  # CSA: two overlapping series
+        total += 2 * h * w * d + c * w * d + d
+        if x.is_csa(layer):
+            di = x.index_head_dim
+            total += 2 * h * 2 * di + c * 2 * di + di + q * x.index_n_heads * di + h * x.index_n_heads
+    emb = v * h * (1 if cfg.tie_word_embeddings else 2)
+    return total + emb + h + hc * hc * h + hc + 1
+
+
 # --------------------------------------------------------------------------------------------
 # Named shapes (benchmarks with random weights)
 
@@ -1806,6 +2065,7 @@ def shape_config(name: str, *, dtype: str | None = None) -> ModelArchConfig:
 
 __all__ = [
     "FAMILIES",
+    "Dsv4Config",
     "IndexerConfig",
     "LinearAttnConfig",
     "MambaConfig",

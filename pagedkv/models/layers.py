@@ -34,6 +34,12 @@ def rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return (weight.to(torch.float32) * xf).to(x.dtype)
 
 
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x)`` without a weight (DeepSeek-V4's per-head query norm and mHC input norm):
+    the statistics in float32, rounded to ``x``'s dtype, the product in ``x``'s dtype."""
+    return x * torch.rsqrt(x.to(torch.float32).square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dimension: on CUDA one
     Triton kernel (``pagedkv.kernels.activation``, a custom op that compiled regions keep as one
@@ -156,5 +162,5 @@ class GatedMLP(nn.Module):
         return m
 
 
-__all__ = ["rms_norm_fp32",
-           "GatedMLP", "Linear", "MergedLinear", "QKVProjection", "RMSNorm", "rms_norm", "silu_and_mul"]
+__all__ = ["GatedMLP", "Linear", "MergedLinear", "QKVProjection", "RMSNorm", "rms_norm", "rms_norm_fp32",
+           "silu_and_mul", "unweighted_rms_norm"]

@@ -113,6 +113,8 @@ def _ignorable(name: str, config: ModelArchConfig) -> bool:
             return True
     if config.linear_attn is not None and name.startswith("mtp."):
         return True  # Qwen3-Next's multi-token-prediction module (transformers skips it too)
+    if config.dsv4 is not None and (name.startswith("mtp.") or ".mtp." in name):
+        return True  # DeepSeek-V4's multi-token-prediction module (as transformers)
     return config.tie_word_embeddings and name == "lm_head.weight"
 
 
@@ -166,8 +168,9 @@ def load_weights(model: DecoderForCausalLM, model_dir: str | os.PathLike) -> Non
                         f"{path}: tensor {name} has shape {tuple(t.shape)}, expected {want} "
                         f"(from config.json)"
                     )
-                if not t.is_floating_point():
-                    raise CheckpointError(f"{path}: tensor {name} has dtype {t.dtype}, expected a float type")
+                if t.is_floating_point() != param.dtype.is_floating_point:
+                    kind = "a float" if param.dtype.is_floating_point else "an integer"
+                    raise CheckpointError(f"{path}: tensor {name} has dtype {t.dtype}, expected {kind} type")
                 dst = param.data if rows is None else param.data[rows[0] : rows[0] + rows[1]]
                 dst.copy_(t.to(param.dtype))
 

@@ -8,6 +8,7 @@ from pagedkv.models.decoder import DecoderForCausalLM
 from pagedkv.models.bamba import BambaForCausalLM
 from pagedkv.models.deepseek_v3 import DeepseekV3ForCausalLM
 from pagedkv.models.deepseek_v32 import DeepseekV32ForCausalLM
+from pagedkv.models.deepseek_v4 import DeepseekV4ForCausalLM
 from pagedkv.models.falcon_h1 import FalconH1ForCausalLM
 from pagedkv.models.cohere2 import Cohere2ForCausalLM
 from pagedkv.models.gemma import GemmaForCausalLM
@@ -18,6 +19,8 @@ from pagedkv.models.qwen3_next import Qwen3NextForCausalLM
 
 
 def _model_class(arch: str) -> type[DecoderForCausalLM]:
+    if FAMILIES[arch].dsv4:
+        return DeepseekV4ForCausalLM
     if FAMILIES[arch].cohere:  # Cohere2: parallel block, RoPE on sliding layers only
         return Cohere2ForCausalLM
     if FAMILIES[arch].gemma:

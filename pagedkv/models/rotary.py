@@ -122,6 +122,23 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
+def apply_rotary_interleaved_tail(x: torch.Tensor, cos: torch.Tensor,
+                                  sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V4's RoPE: rotate the last ``2 * cos.shape[-1]`` dimensions of ``x [T, ...,
+    D]`` in interleaved pairs (``(x[2i], x[2i + 1])`` by the angle of ``cos[:, i]`` /
+    ``sin[:, i]``, ``[T, R / 2]``), the results staying interleaved; the leading dimensions
+    pass unchanged. As transformers: ``cos`` / ``sin`` rounded to ``x``'s dtype, the rotation
+    in float32, rounded once. ``-sin`` rotates back (the attention output of V4)."""
+    r = 2 * cos.shape[-1]
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    c = cos.to(x.dtype).to(torch.float32).reshape(shape)
+    s = sin.to(x.dtype).to(torch.float32).reshape(shape)
+    rope = x[..., x.shape[-1] - r:].to(torch.float32)
+    x0, x1 = rope[..., 0::2], rope[..., 1::2]
+    rotated = torch.stack((x0 * c - x1 * s, x1 * c + x0 * s), dim=-1).flatten(-2)
+    return torch.cat((x[..., : x.shape[-1] - r], rotated.to(x.dtype)), dim=-1)
+
+
 def tokens_seq_lens(metadata, num_tokens: int) -> torch.Tensor:
     """``seq_lens`` of the request each of the ``num_tokens`` packed tokens belongs to (int64,
     on the metadata's device; padding tokens get the last request's length)."""
@@ -175,4 +192,5 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
-__all__ = ["RotaryEmbedding", "apply_rotary", "compute_inv_freq", "tokens_seq_lens"]
+__all__ = ["RotaryEmbedding", "apply_rotary", "apply_rotary_interleaved_tail", "compute_inv_freq",
+           "tokens_seq_lens"]

@@ -225,14 +225,15 @@ class ModelRunner:
         self.kv_pool = allocate_kv_pool(kv_cache_config, self.layer_names, device=self.device,
                                         fill=0.0)
         self.kv_caches: list = self.kv_pool.caches
-        # per KV-cache group: its metadata builder (the backend's; a state group's
-        # MambaMetadataBuilder) and the layout its plan serves (None: a state group, whose
-        # plan is its MambaMetadata)
-        builder = self.attn_backend.metadata_builder or CommonMetadataBuilder
+        # per KV-cache group: its metadata builder (the backend's for the group's spec,
+        # metadata_builder_for; a state group's MambaMetadataBuilder) and the layout its
+        # plan serves (None: a state group, whose plan is its MambaMetadata)
+        builder_for = self.attn_backend.metadata_builder_for
         self._state_groups = [gid for gid, s in enumerate(specs) if isinstance(s, MambaSpec)]
         self.attn_groups = make_attention_groups(
             kv_cache_config,
-            [MambaMetadataBuilder if isinstance(s, MambaSpec) else builder for s in specs],
+            [MambaMetadataBuilder if isinstance(s, MambaSpec)
+             else builder_for(s) or CommonMetadataBuilder for s in specs],
             self.input_batch.block_table)
         group_of = {name: gid for gid, g in enumerate(groups) for name in g.layer_names}
         self._layer_group = [group_of[name] for name in self.layer_names]

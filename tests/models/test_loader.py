@@ -143,13 +143,16 @@ def test_registry():
         "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
         "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
         "DeepseekV3ForCausalLM", "Qwen3NextForCausalLM", "BambaForCausalLM",
-        "FalconH1ForCausalLM", "JambaForCausalLM", "GptOssForCausalLM", "Cohere2ForCausalLM"}
+        "FalconH1ForCausalLM", "JambaForCausalLM", "GptOssForCausalLM", "Cohere2ForCausalLM", "DeepseekV32ForCausalLM",
+        "DeepseekV4ForCausalLM"}
     assert get_model_class("DeepseekV3ForCausalLM") is DeepseekV3ForCausalLM
     assert get_model_class("BambaForCausalLM").__name__ == "BambaForCausalLM"
     assert get_model_class("FalconH1ForCausalLM").__name__ == "FalconH1ForCausalLM"
     assert get_model_class("JambaForCausalLM").__name__ == "JambaForCausalLM"
     assert get_model_class("GptOssForCausalLM").__name__ == "GptOssForCausalLM"
     assert get_model_class("Cohere2ForCausalLM").__name__ == "Cohere2ForCausalLM"
+    assert get_model_class("DeepseekV32ForCausalLM").__name__ == "DeepseekV32ForCausalLM"
+    assert get_model_class("DeepseekV4ForCausalLM").__name__ == "DeepseekV4ForCausalLM"
     assert get_model_class("Gemma3ForCausalLM") is GemmaForCausalLM
     assert get_model_class("MistralForCausalLM") is DecoderForCausalLM
     assert get_model_class("Qwen3MoeForCausalLM") is MoeForCausalLM
