@@ -25,12 +25,16 @@ when it runs), so a graph owns the workspace its plan allocates.
 
 Graph variants: a backend may bake host decisions besides the size into its launches. Its
 ``graph_variants(size, num_kv_heads, device)`` lists them (default ``(None,)``: one graph per
-size); one graph is captured per (size, value), the value passed as the capture metadata's
-``decode_balanced``, and a step replays the value that ``graph_variant(size, num_kv_heads,
-seq_lens, device)`` picks from its actual requests' host lengths. The Triton backend has two
-values where a batch with balanced lengths launches the decode kernel as one wave of one range
-per request (``DecodeConfig``): a few sizes (those with 2-5 decode programs per
-multiprocessor).
+size); one graph is captured per (size, value), the capture metadata carrying the fields
+``graph_capture_fields(value)`` names (default ``decode_balanced=value``), and a step replays
+the value that ``graph_variant(size, num_kv_heads, seq_lens, device, cascade)`` picks from its
+actual requests' host lengths and whether every attention group takes cascade attention. The
+Triton backend has two values where a batch with balanced lengths launches the decode kernel
+as one wave of one range per request (``DecodeConfig``): a few sizes (those with 2-5 decode
+programs per multiprocessor); and a ``CASCADE`` graph for sizes of at least its cascade
+``min_reqs``, captured with ``use_cascade`` and each group's persistent prefix-length scalar
+(``AttentionGroup.common_prefix_len_device``), which the runner writes before a replay: one
+graph serves every shared-prefix length.
 
 Capture: sizes from largest to smallest, all graphs in one memory pool, each on a batch of
 ``B`` *padded* requests exactly as the index layer pads (0 query tokens, ``seq_len`` 0, null-block
@@ -120,7 +124,9 @@ class CudaGraphManager:
         backend = runner.attn_backend
         hkv = runner.model.config.num_key_value_heads
         self._variants = {s: tuple(backend.graph_variants(s, hkv, runner.device)) for s in clean}
-        self._pick = lambda size, seq_lens: backend.graph_variant(size, hkv, seq_lens, runner.device)
+        self._pick = lambda size, seq_lens, cascade: backend.graph_variant(
+            size, hkv, seq_lens, runner.device, cascade)
+        self._capture_fields = backend.graph_capture_fields
 
     @property
     def max_size(self) -> int:
@@ -134,12 +140,12 @@ class CudaGraphManager:
         """The graph variants captured for ``size`` (see the module docstring)."""
         return self._variants[size]
 
-    def variant(self, size: int, seq_lens: np.ndarray):
+    def variant(self, size: int, seq_lens: np.ndarray, cascade: bool = False):
         """The variant a decode step of ``size`` replays; ``seq_lens``: the host lengths of
-        its actual requests."""
+        its actual requests; ``cascade``: every attention group takes cascade attention."""
         if len(self._variants[size]) == 1:
             return self._variants[size][0]
-        return self._pick(size, seq_lens)
+        return self._pick(size, seq_lens, cascade)
 
     def padded_size(self, num_reqs: int) -> int | None:
         """The graph size a decode step of ``num_reqs`` requests replays, or None (eager)."""
@@ -155,13 +161,14 @@ class CudaGraphManager:
         on the empty batch with ``num_reqs_padded = num_tokens_padded = size``); the metadata
         is the step's (``common_metadata_from_inputs``) with the values a replay bakes in:
         ``num_reqs = num_actual_reqs = num_actual_tokens = size``, ``max_query_len`` 1,
-        ``max_seq_len`` ``max_model_len``."""
+        ``max_seq_len`` ``max_model_len``, and the variant's ``graph_capture_fields``."""
         r = self.runner
         batch = r.input_batch
         step = r.preparer.prepare(batch, np.zeros(0, dtype=np.int32), num_reqs_padded=size,
                                   num_tokens_padded=size, for_cudagraph_capture=True)
         md = dataclasses.replace(common_metadata_from_inputs(step, batch.block_table),
-                                 num_actual_reqs=size, max_query_len=1, decode_balanced=variant)
+                                 num_actual_reqs=size, max_query_len=1,
+                                 **self._capture_fields(variant))
         return step.input_ids, step.positions, step, md
 
     @torch.inference_mode()

@@ -18,6 +18,12 @@
   count, so builders can apply their own padding rules (FlashInfer's CSR does).
 * :func:`slot_mappings_by_group_and_layer`: the step's slot mappings keyed by group id (for
   metadata) and by layer name (for the forward context). Layers of one group share one tensor.
+* Cascade attention: :func:`cascade_prefix_lens` turns the scheduler's per-group
+  ``num_common_prefix_blocks`` into the positions a step may treat as shared (capped by the
+  step's smallest ``num_computed_tokens``, whole blocks); each :class:`AttentionGroup` keeps
+  the value in a persistent device scalar (``common_prefix_len_device``, written by
+  :func:`set_common_prefix_lens`, read by a CUDA graph at replay), and
+  :func:`build_attention_metadata` puts both into the group's metadata.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from pagedkv.core.spec import KVCacheConfig, KVCacheSpec, MambaSpec
@@ -137,6 +144,17 @@ class AttentionGroup:
             else None
         )
         self.builder = builder_cls(self.kernel_spec, self.layer_names, self.device, max_num_reqs, table_width * self.ratio)
+        # cascade attention: the group's shared prefix length on the device (a graph reads
+        # it at replay) and the value last written there
+        self.common_prefix_len_device = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._common_prefix_len = 0
+
+    def set_common_prefix_len(self, n: int) -> None:
+        """Write ``n`` into :attr:`common_prefix_len_device` (one small device fill, only when
+        the value changes; stream-ordered after the steps that read the old one)."""
+        if n != self._common_prefix_len:
+            self.common_prefix_len_device.fill_(n)
+            self._common_prefix_len = n
 
     @property
     def reuse_key(self) -> tuple:
@@ -190,16 +208,47 @@ class AttentionMetadataSet:
     num_reused: int = 0
 
 
+def cascade_prefix_lens(num_common_prefix_blocks: Sequence[int], block_sizes: Sequence[int],
+                        num_computed_tokens: np.ndarray) -> list[int] | None:
+    """Per KV-cache group, the leading positions a step's attention may treat as shared by all
+    its requests (cascade attention), vLLM's ``_compute_cascade_attn_prefix_len``: the
+    scheduler's shared blocks x the group's block size, capped by the smallest
+    ``num_computed_tokens`` of the step's requests (each query must sit after the whole
+    prefix, which it then sees without a causal mask), rounded down to whole blocks. None
+    when no group has any (the common case)."""
+    if not num_common_prefix_blocks or not any(num_common_prefix_blocks) \
+            or len(num_computed_tokens) == 0:
+        return None
+    low = int(num_computed_tokens.min())
+    if low <= 0:
+        return None
+    lens = [min(b * bs, low) // bs * bs for b, bs in zip(num_common_prefix_blocks, block_sizes)]
+    return lens if any(lens) else None
+
+
+def set_common_prefix_lens(attn_groups: Sequence[Sequence[AttentionGroup]],
+                           lens: Sequence[int]) -> None:
+    """Write each KV-cache group's shared prefix length into its groups' device scalars."""
+    for groups, n in zip(attn_groups, lens):
+        for ag in groups:
+            ag.set_common_prefix_len(n)
+
+
 def build_attention_metadata(
     common: CommonAttentionMetadata,
     attn_groups: Sequence[Sequence[AttentionGroup]],
     block_table: MultiGroupBlockTable,
     slot_mappings: torch.Tensor,
     for_cudagraph_capture: bool = False,
+    common_prefix_lens: Sequence[int] | None = None,
 ) -> AttentionMetadataSet:
     """Metadata for every attention group of every KV-cache group (with cross-group reuse).
 
     ``slot_mappings``: ``[G, >= common.num_actual_tokens]`` (e.g. ``StepInputs.slot_mappings``).
+    ``common_prefix_lens``: per KV-cache group, the step's shared prefix length
+    (:func:`cascade_prefix_lens`): written into the group's device scalar and, with it, into
+    the group's :class:`CommonAttentionMetadata`; so is the scalar alone (length 0) when
+    ``common.use_cascade`` (a cascade graph's capture). None: no cascade fields.
     """
     if len(attn_groups) != block_table.num_groups:
         raise ConfigError(
@@ -209,19 +258,30 @@ def build_attention_metadata(
     out = AttentionMetadataSet()
     seen: dict[tuple, Any] = {}
     n_reqs, n_tok = common.num_reqs, common.num_actual_tokens
+    cascade = common_prefix_lens is not None or bool(common.use_cascade)
+    extra: dict = {}
     for gid, groups in enumerate(attn_groups):
         table = block_table[gid].get_device_tensor(n_reqs)
         slots = slot_mappings[gid, :n_tok]
         per_group = []
         for ag in groups:
+            if cascade:
+                n_prefix = 0 if common_prefix_lens is None else int(common_prefix_lens[gid])
+                if common_prefix_lens is not None:
+                    ag.set_common_prefix_len(n_prefix)
+                extra = dict(common_prefix_len=n_prefix,
+                             common_prefix_len_device=ag.common_prefix_len_device)
             kernel_table = ag.map_to_kernel_block_table(table, n_reqs)
             key = ag.reuse_key
             prev = seen.get(key)
             if prev is not None and ag.builder.supports_update_block_table and not for_cudagraph_capture:
                 md = ag.builder.update_block_table(prev, kernel_table, slots)
+                if extra and isinstance(md, CommonAttentionMetadata):
+                    md = dataclasses.replace(md, **extra)
                 out.num_reused += 1
             else:
-                cm = dataclasses.replace(common, block_table_tensor=kernel_table, slot_mapping=slots)
+                cm = dataclasses.replace(common, block_table_tensor=kernel_table, slot_mapping=slots,
+                                         **extra)
                 md = ag.builder.build(cm, for_cudagraph_capture=for_cudagraph_capture)
                 out.num_built += 1
             seen[key] = md

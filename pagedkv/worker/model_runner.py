@@ -11,7 +11,11 @@
    batches that fit a captured CUDA graph are padded to the graph's size exactly as the index
    layer defines padding (null-block rows, ``-1`` slots, ``seq_len`` 0);
 3. attention metadata (:class:`CommonAttentionMetadata`: the group's device block table and
-   slot-mapping row), the forward pass (or the graph replay);
+   slot-mapping row; with a backend that ``supports_cascade``, each group's shared prefix of
+   the step, :func:`~pagedkv.worker.metadata.cascade_prefix_lens` of the scheduler's
+   ``num_common_prefix_blocks``), the forward pass (or the graph replay: the ``CASCADE``
+   graph where every attention group's plan would take cascade attention, its prefix
+   lengths written into the groups' device scalars first);
 4. logits only for rows that complete their known tokens this step: a partial-prefill chunk
    samples nothing and reports ``[]``; a pure-decode step projects the hidden rows as they are
    (no gather). With CUDA graphs the projected row count is padded to a graph size (a replay
@@ -87,8 +91,10 @@ from pagedkv.worker.kv_caches import allocate_group_kv_caches, allocate_kv_pool
 from pagedkv.worker.metadata import (
     CommonAttentionMetadata,
     build_attention_metadata,
+    cascade_prefix_lens,
     common_metadata_from_inputs,
     make_attention_groups,
+    set_common_prefix_lens,
 )
 from pagedkv.worker.sampling_state import SamplingState
 from pagedkv.worker.state_update import StateUpdate, update_states
@@ -240,6 +246,8 @@ class ModelRunner:
         self._layouts = [None if isinstance(s, MambaSpec)
                          else dataclasses.replace(model.attention_layout(s), device=self.device)
                          for s in specs]
+        # manager block size per group (the unit of the scheduler's num_common_prefix_blocks)
+        self._group_block_sizes = [s.block_size for s in specs]
         if sampler is None:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(seed)
@@ -306,21 +314,43 @@ class ModelRunner:
         return self.kv_pool.nbytes
 
     def attention_for(self, step: StepInputs, common: CommonAttentionMetadata | None = None,
-                      for_cudagraph_capture: bool = False) -> StepAttention:
+                      for_cudagraph_capture: bool = False,
+                      common_prefix_lens: Sequence[int] | None = None) -> StepAttention:
         """The step's attention: the base metadata (``common``, default the step's), each
         KV-cache group's metadata through its builder (``build_attention_metadata``: same spec
-        and builder -> only the table and slot mapping swapped), one backend plan per group,
+        and builder -> only the table and slot mapping swapped; ``common_prefix_lens``: each
+        group's shared prefix, :meth:`cascade_prefix_lens`), one backend plan per group,
         and the plans per layer. Inside a CUDA-graph capture this runs in the captured
         function, so the plans belong to the graph."""
         bt = self.input_batch.block_table
         if common is None:
             common = common_metadata_from_inputs(step, bt)
         mds = build_attention_metadata(common, self.attn_groups, bt, step.slot_mappings,
-                                       for_cudagraph_capture=for_cudagraph_capture)
+                                       for_cudagraph_capture=for_cudagraph_capture,
+                                       common_prefix_lens=common_prefix_lens)
         backend = self.attn_backend
         plans = [per_group[0] if layout is None else backend.plan(per_group[0], layout)
                  for per_group, layout in zip(mds.by_group, self._layouts)]
         return StepAttention(common, [plans[g] for g in self._layer_group])
+
+    def cascade_prefix_lens(self, scheduler_output: SchedulerOutput, n: int) -> list[int] | None:
+        """Per KV-cache group, the positions the step's ``n`` requests share (the scheduler's
+        ``num_common_prefix_blocks`` capped by their smallest ``num_computed_tokens``, whole
+        blocks); None when the backend has no cascade attention or nothing is shared."""
+        blocks = scheduler_output.num_common_prefix_blocks
+        if not blocks or not self.attn_backend.supports_cascade:
+            return None
+        return cascade_prefix_lens(blocks, self._group_block_sizes,
+                                   self.input_batch.num_computed_tokens_cpu[:n])
+
+    def all_groups_cascade(self, n: int, lens: Sequence[int] | None) -> bool:
+        """Every attention group's plan would take cascade attention for a step of ``n``
+        requests sharing ``lens`` (the decode graph to replay is then the ``CASCADE`` one)."""
+        if lens is None:
+            return False
+        use = self.attn_backend.use_cascade
+        wants = [use(n, p, layout) for p, layout in zip(lens, self._layouts) if layout is not None]
+        return bool(wants) and all(wants)
 
     def cuda_graphs_supported(self) -> bool:
         """A CUDA device and a backend that declares itself graph-capturable."""
@@ -369,6 +399,7 @@ class ModelRunner:
             self._out_index = {rid: i for i, rid in enumerate(self._out_ids)}
         nsched = batch.scheduled_tokens_per_row(scheduler_output.num_scheduled_tokens)
         num_tokens = int(nsched.sum())
+        prefix_lens = self.cascade_prefix_lens(scheduler_output, n)
         pending = None
         if prev is not None and prev.num_sampled:
             pending = outputs.add_pending_tokens(prev, n, self._batch_version)
@@ -383,7 +414,10 @@ class ModelRunner:
             if pending is not None:
                 outputs.fill_pending_inputs(prev, pending, nsched, num_tokens, n,
                                             self.preparer.input_ids.gpu)
-            variant = self.cuda_graphs.variant(graph_size, self.preparer.seq_lens.np[:n])
+            cascade = self.all_groups_cascade(n, prefix_lens)
+            if cascade:  # the graph reads each group's prefix length on the device
+                set_common_prefix_lens(self.attn_groups, prefix_lens)
+            variant = self.cuda_graphs.variant(graph_size, self.preparer.seq_lens.np[:n], cascade)
             hidden = self.cuda_graphs.replay(graph_size, variant)
             self.num_graph_steps += 1
         else:
@@ -394,7 +428,7 @@ class ModelRunner:
                 outputs.fill_pending_inputs(prev, pending, nsched, num_tokens, n,
                                             self.preparer.input_ids.gpu)
             hidden = self.model(step.input_ids, step.positions, self.kv_caches,
-                                self.attention_for(step))
+                                self.attention_for(step, common_prefix_lens=prefix_lens))
 
         # Rows whose known tokens are all computed after this step sample one token.
         seq = batch.num_computed_tokens_cpu[:n] + nsched

@@ -67,7 +67,9 @@ def test_balanced_graph_variants_match_eager(tiny_dir):
 
     cfg = dataclasses.replace(DecodeConfig(), balanced_min_programs_per_sm=0.0)
     path = tiny_dir("qwen3")
-    graph = _gpu_llm(path, attention_backend=TritonAttentionBackend(decode_config=cfg))
+    # cascade off: its CASCADE graphs (sizes >= 8) are tests/engine/test_cascade_engine.py's
+    graph = _gpu_llm(path, attention_backend=TritonAttentionBackend(decode_config=cfg,
+                                                                     cascade=None))
     eager = _gpu_llm(path, enforce_eager=True)
     mgr = graph.runner.cuda_graphs
     assert all(mgr.variants(s) == (False, True) for s in mgr.sizes)
