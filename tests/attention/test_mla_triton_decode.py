@@ -7,6 +7,11 @@ requests untouched (NaN-poisoned), CUDA-graph padding rows zeroed. The Triton ML
 padding. On a GPU (``@pytest.mark.gpu``): DeepSeek-V3's shape (128 heads x (512 + 64), bf16,
 long contexts) and the backend's decode step captured in a CUDA graph."""
 
+import importlib.util
+import json
+import os
+import sys
+
 import pytest
 import torch
 from mla_helpers import MIXED, Batch
@@ -29,6 +34,8 @@ from pagedkv.attention.mla_triton_decode import (
 from pagedkv.attention.triton_backend import TritonAttentionBackend
 from pagedkv.attention.triton_decode import choose_split
 from pagedkv.errors import ConfigError
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "bench_swa_mla_decode_gpu.py")
 
 
 def _decode_inputs(device, heads, rank, rope, block_size, dtype, seed=0,
@@ -261,6 +268,36 @@ def test_split_policies_fill_about_one_wave():
     # three: int(2.91 * 132) = 384
     assert splits(SPLIT_TRIPLE, 64, 1)[0] == 6
     assert splits(SPLIT_TRIPLE, 128, 1)[0] == 3
+
+
+# ---- the GPU sweep's path (bench/bench_swa_mla_decode_gpu.py --sweep), tiny, interpreted
+
+
+def test_bench_sweep_tiny_path(tmp_path, capsys):
+    """``--tiny --sweep`` on two variants at 20 heads (hand-counted): B2/L40, lengths 40 and
+    33; the first version (16 heads a program: 2 head tiles, GQA split policy: 2 ranges of
+    32 positions) and 64 heads x 2 value chunks (20 heads -> one tile of 32 rows, 2 chunks;
+    packed policy: 2 ranges); forced: 1 range each (2 would be ranges of < 64 positions)."""
+    spec = importlib.util.spec_from_file_location("bench_swa_mla_decode_gpu", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    out = tmp_path / "sweep.json"
+    res = bench.main(["--tiny", "--sweep", "--sweep-heads", "20", "--out", str(out),
+                      "--sweep-variants", "h16-v1-t32-w4-s2/gqa,h64-v2-t16-w4-s3"])
+    assert json.loads(out.read_text())["correctness_failures"] == []
+    (case,) = res["sweep"]
+    assert (case["heads"], case["batch"], case["ctx"], case["bytes"]) == (20, 2, 40, 73 * 192)
+    got = {(r["variant"], r["splits"], r["auto"], r["programs"]) for r in case["runs"]}
+    assert got == {("h16-v1-t32-w4-s2/gqa", 2, True, 8), ("h16-v1-t32-w4-s2/gqa", 1, False, 4),
+                   ("h64-v2-t16-w4-s3/packed", 2, True, 8),
+                   ("h64-v2-t16-w4-s3/packed", 1, False, 4)}
+    assert all(r["rel_err"] < 1e-5 and r["us"] > 0 for r in case["runs"])
+    assert case["best"]["variant"] in {r["variant"] for r in case["runs"]}
+    printed = capsys.readouterr().out
+    assert "h64-v2-t16-w4-s3/packed" in printed and "first version" in printed
+    with pytest.raises(SystemExit, match="matches none"):
+        bench.main(["--tiny", "--sweep", "--sweep-variants", "nope", "--out", str(out)])
 
 
 # ---- the backend
