@@ -6,7 +6,9 @@ Layout. ``qkv [T, (H + 2*Hkv) * D]`` holds per row the ``H`` query heads, then t
 heads, then the ``Hkv`` value heads, each ``D`` wide (the output of the fused projection; a
 view whose row stride exceeds the width is fine, the last dimension must be contiguous). The
 caches are ``[num_blocks, block_size, Hkv, D]`` with any strides (e.g. ``kv_cache[0]`` and
-``kv_cache[1]`` of one ``[2, num_blocks, block_size, Hkv, D]`` buffer), in qkv's dtype.
+``kv_cache[1]`` of one ``[2, num_blocks, block_size, Hkv, D]`` buffer), in qkv's dtype or FP8
+(``float8_e4m3fn``: K stored as ``e4m3(k / k_scale)`` from its float32 value, V as
+``e4m3(v / v_scale)``, :mod:`pagedkv.kernels.fp8_kv`).
 
 Semantics (:func:`qk_norm_rope_cache_ref` is the plain torch statement of them):
   * per head of q and of k, when norm weights are given (Qwen3; Llama / Qwen2 pass None):
@@ -64,6 +66,13 @@ from pagedkv.kernels._common import (
     next_pow2,
     use_triton,
 )
+from pagedkv.kernels.fp8_kv import (
+    FP8_KV_DTYPES,
+    check_kv_scale,
+    fp8_quantize,
+    is_fp8_kv,
+    store_value,
+)
 
 # Most elements (BLOCK_H * next_pow2(D)) of one program's head block.
 _MAX_TILE = 2048
@@ -109,6 +118,9 @@ def _qk_norm_rope_cache_kernel(
     DIM_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    k_scale=1.0,
+    v_scale=1.0,
+    FP8: tl.constexpr = False,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     NQB: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
@@ -145,6 +157,9 @@ def _qk_norm_rope_cache_kernel(
                 k1, k2 = _norm_rope_tile(src_k, kw_ptr, d, mk, ck, sk, eps, HAS_NORM, HEAD_DIM,
                                          HALF)
                 dst_k = kc_ptr + blk * kc_s0 + off * kc_s1 + hk.to(tl.int64) * kc_s2 + d
+                if FP8:
+                    k1 = fp8_quantize(k1, k_scale)
+                    k2 = fp8_quantize(k2, k_scale)
                 tl.store(dst_k, k1.to(kc_ptr.dtype.element_ty), mask=mk)
                 tl.store(dst_k + HALF, k2.to(kc_ptr.dtype.element_ty), mask=mk)
             else:
@@ -153,12 +168,17 @@ def _qk_norm_rope_cache_kernel(
                 mv = (hv < NUM_KV_HEADS) & (e < HEAD_DIM)
                 xv = tl.load(row + (NUM_HEADS + NUM_KV_HEADS + hv) * HEAD_DIM + e, mask=mv)
                 dst_v = vc_ptr + blk * vc_s0 + off * vc_s1 + hv.to(tl.int64) * vc_s2 + e
+                if FP8:
+                    xv = fp8_quantize(xv, v_scale)
                 tl.store(dst_v, xv.to(vc_ptr.dtype.element_ty), mask=mv)
 
 
 def _check(fn, qkv, num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_weight, eps, cos,
-           sin, slot_mapping, key_cache, value_cache, q_out) -> tuple[int, int, int]:
+           sin, slot_mapping, key_cache, value_cache, q_out, k_scale=1.0,
+           v_scale=1.0) -> tuple[int, int, int]:
     """Validate every argument from metadata only; returns ``(H, Hkv, D)`` as host ints."""
+    check_kv_scale(fn, "k_scale", k_scale)
+    check_kv_scale(fn, "v_scale", v_scale)
     heads = check_int(fn, "num_heads", num_heads, lo=1)
     kv_heads = check_int(fn, "num_kv_heads", num_kv_heads, lo=1)
     dim = check_int(fn, "head_dim", head_dim, lo=2)
@@ -200,16 +220,21 @@ def _check(fn, qkv, num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_wei
             "tokens"
         )
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        check_tensor(fn, name, cache, dtypes=KV_DTYPES, ndim=4, contiguous_last=True)
-        if cache.dtype != qkv.dtype:
+        check_tensor(fn, name, cache, dtypes=KV_DTYPES + FP8_KV_DTYPES, ndim=4,
+                     contiguous_last=True)
+        if cache.dtype != qkv.dtype and not is_fp8_kv(cache.dtype):
             raise ConfigError(
-                f"{fn}: {name} must have the same dtype as qkv ({qkv.dtype}), got {cache.dtype}"
+                f"{fn}: {name} must have the same dtype as qkv ({qkv.dtype}) or be FP8 "
+                f"(float8_e4m3fn), got {cache.dtype}"
             )
         if tuple(cache.shape[2:]) != (kv_heads, dim):
             raise ConfigError(
                 f"{fn}: {name} [num_blocks, block_size, Hkv, D] = {tuple(cache.shape)} does not "
                 f"match num_kv_heads={kv_heads}, head_dim={dim}"
             )
+    if value_cache.dtype != key_cache.dtype:
+        raise ConfigError(f"{fn}: value_cache ({value_cache.dtype}) must have key_cache's dtype "
+                          f"({key_cache.dtype})")
     if tuple(value_cache.shape) != tuple(key_cache.shape):
         raise ConfigError(
             f"{fn}: value_cache {tuple(value_cache.shape)} must have key_cache's shape "
@@ -255,6 +280,8 @@ def qk_norm_rope_cache(
     value_cache: torch.Tensor,
     q_out: torch.Tensor | None = None,
     check: bool = True,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Per-head q/k RMSNorm (when weights are given), RoPE of q and k, and the paged write of
     k and v, in one launch. Returns ``q_out`` ``[T, H, D]``.
@@ -267,16 +294,18 @@ def qk_norm_rope_cache(
         cos, sin: ``[>= T, D // 2]``, any float dtype.
         slot_mapping: int64 / int32 ``[T_slots]``, ``T_slots <= T``; rows past it, negative
             slots and slots ``>= num_blocks * block_size`` write nothing.
-        key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]``, qkv's dtype, any strides.
+        key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]``, qkv's dtype or both FP8
+            (``float8_e4m3fn``), any strides.
         q_out: ``[T, H, D]`` destination; allocated (contiguous, qkv's dtype) when None.
         check: validate the arguments (False: the caller validated the same shapes already,
             e.g. the decoder for every layer after the first of a forward).
+        k_scale, v_scale: the per-tensor FP8 scales (host floats > 0; FP8 caches only).
     """
     fn = "qk_norm_rope_cache"
     if check:
         heads, kv_heads, dim = _check(fn, qkv, num_heads, num_kv_heads, head_dim, q_norm_weight,
                                       k_norm_weight, eps, cos, sin, slot_mapping, key_cache,
-                                      value_cache, q_out)
+                                      value_cache, q_out, k_scale, v_scale)
     else:
         heads, kv_heads, dim = num_heads, num_kv_heads, head_dim
     num_tokens = qkv.shape[0]
@@ -286,7 +315,8 @@ def qk_norm_rope_cache(
         return q_out
     if not use_triton(_qk_norm_rope_cache_kernel, qkv):
         _qk_norm_rope_cache_torch(qkv, heads, kv_heads, dim, q_norm_weight, k_norm_weight, eps,
-                                  cos, sin, slot_mapping, key_cache, value_cache, q_out)
+                                  cos, sin, slot_mapping, key_cache, value_cache, q_out,
+                                  k_scale, v_scale)
         return q_out
     geo = launch_geometry(heads, kv_heads, dim)
     n_blocks, block_size = key_cache.shape[:2]
@@ -304,6 +334,7 @@ def qk_norm_rope_cache(
         float(eps),
         NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=dim, HALF_PAD=geo["HALF_PAD"],
         DIM_PAD=geo["DIM_PAD"], BLOCK_H=geo["BLOCK_H"], HAS_NORM=has_norm,
+        k_scale=float(k_scale), v_scale=float(v_scale), FP8=is_fp8_kv(key_cache.dtype),
         num_warps=geo["num_warps"],
     )
     return q_out
@@ -323,18 +354,21 @@ def qk_norm_rope_cache_ref(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     q_out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Plain torch twin of :func:`qk_norm_rope_cache` (fp32 math, one cast at the end)."""
+    """Plain torch twin of :func:`qk_norm_rope_cache` (fp32 math, one cast or FP8
+    quantization at the end)."""
     fn = "qk_norm_rope_cache_ref"
     heads, kv_heads, dim = _check(fn, qkv, num_heads, num_kv_heads, head_dim, q_norm_weight,
                                   k_norm_weight, eps, cos, sin, slot_mapping, key_cache,
-                                  value_cache, q_out)
+                                  value_cache, q_out, k_scale, v_scale)
     if q_out is None:
         q_out = torch.empty((qkv.shape[0], heads, dim), dtype=qkv.dtype, device=qkv.device)
     if qkv.shape[0] == 0:
         return q_out
     _qk_norm_rope_cache_torch(qkv, heads, kv_heads, dim, q_norm_weight, k_norm_weight, eps, cos,
-                              sin, slot_mapping, key_cache, value_cache, q_out)
+                              sin, slot_mapping, key_cache, value_cache, q_out, k_scale, v_scale)
     return q_out
 
 
@@ -348,7 +382,8 @@ def _norm_rope_torch(x, weight, eps, c, s):
 
 
 def _qk_norm_rope_cache_torch(qkv, heads, kv_heads, dim, q_norm_weight, k_norm_weight, eps, cos,
-                              sin, slot_mapping, key_cache, value_cache, q_out):
+                              sin, slot_mapping, key_cache, value_cache, q_out, k_scale=1.0,
+                              v_scale=1.0):
     num_tokens = qkv.shape[0]
     q_size, kv_size = heads * dim, kv_heads * dim
     x = qkv[:, : q_size + 2 * kv_size]
@@ -370,8 +405,8 @@ def _qk_norm_rope_cache_torch(qkv, heads, kv_heads, dim, q_norm_weight, k_norm_w
     k = _norm_rope_torch(k, k_norm_weight, eps, c[tok], s[tok])
     slot = slots[tok]
     blk, off = slot // block_size, slot % block_size
-    key_cache[blk, off] = k.to(key_cache.dtype)
-    value_cache[blk, off] = v.to(value_cache.dtype)
+    key_cache[blk, off] = store_value(k, k_scale, key_cache.dtype)
+    value_cache[blk, off] = store_value(v, v_scale, value_cache.dtype)
 
 
 __all__ = ["launch_geometry", "qk_norm_rope_cache", "qk_norm_rope_cache_ref"]

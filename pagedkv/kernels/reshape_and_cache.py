@@ -11,7 +11,9 @@
 Rules (DESIGN.md): the token count comes from the slot mapping, never from K/V (which may be
 padded longer); ``slot < 0`` (PAD) is skipped, so padded tokens and the null block are never
 written. Values are cast to the cache dtype on store (bf16 / fp16 / fp32; round to nearest even
-on the GPU). All index * stride products are int64; any tensor strides are accepted.
+on the GPU); an FP8 cache (``float8_e4m3fn``) stores ``e4m3(x / k_scale)`` for K and
+``e4m3(x / v_scale)`` for V (:mod:`pagedkv.kernels.fp8_kv`: nearest even, saturating). All
+index * stride products are int64; any tensor strides are accepted.
 
 Deliberate, documented choice: a slot ``>= num_blocks * block_size`` is skipped as well (vLLM
 would write out of bounds).
@@ -32,6 +34,16 @@ from pagedkv.kernels._common import (
     next_pow2,
     use_triton,
 )
+from pagedkv.kernels.fp8_kv import (
+    FP8_KV_DTYPES,
+    check_kv_scale,
+    fp8_quantize,
+    is_fp8_kv,
+    store_value,
+)
+
+# dtypes a cache may have: the model's, or FP8 (quantized on store)
+CACHE_DTYPES = KV_DTYPES + FP8_KV_DTYPES
 
 _MAX_TILE = 2048
 
@@ -54,9 +66,12 @@ def _copy_token(
     head_dim,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    scale=1.0,
+    FP8: tl.constexpr = False,
 ):
     """Copy token ``t``'s ``num_heads x head_dim`` tile to ``(blk, off)``; ``num_heads == 0``
-    copies nothing (the caller passes 0 for a skipped slot)."""
+    copies nothing (the caller passes 0 for a skipped slot). ``FP8``: store the tile
+    quantized by ``scale`` (``fp8_quantize``)."""
     d = tl.arange(0, BLOCK_D)[None, :]
     src_tok = src_ptr + t.to(tl.int64) * src_s0
     dst_tok = dst_ptr + blk * dst_s0 + off * dst_s1
@@ -67,6 +82,8 @@ def _copy_token(
         hh = h.to(tl.int64)
         dd = d.to(tl.int64)
         x = tl.load(src_tok + hh * src_s1 + dd * src_s2, mask=m)
+        if FP8:
+            x = fp8_quantize(x, scale)
         tl.store(dst_tok + hh * dst_s2 + dd * dst_s3, x.to(dst_ptr.dtype.element_ty), mask=m)
         h0 += BLOCK_H
 
@@ -88,6 +105,9 @@ def _reshape_and_cache_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_HV: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    k_scale=1.0,
+    v_scale=1.0,
+    FP8: tl.constexpr = False,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -100,17 +120,19 @@ def _reshape_and_cache_kernel(
     # rejects such a mask ("mask has unsupported dtype").
     heads = tl.where(ok, num_heads, 0)
     _copy_token(k_ptr, k_s0, k_s1, k_s2, kc_ptr, kc_s0, kc_s1, kc_s2, kc_s3, t, blk, off,
-                heads, head_dim, BLOCK_H, BLOCK_D)
+                heads, head_dim, BLOCK_H, BLOCK_D, k_scale, FP8)
     if HAS_VALUE:
         _copy_token(v_ptr, v_s0, v_s1, v_s2, vc_ptr, vc_s0, vc_s1, vc_s2, vc_s3, t, blk, off,
-                    heads, head_dim_v, BLOCK_HV, BLOCK_DV)
+                    heads, head_dim_v, BLOCK_HV, BLOCK_DV, v_scale, FP8)
 
 
-def _check(fn, key, value, key_cache, value_cache, slot_mapping):
+def _check(fn, key, value, key_cache, value_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
     check_tensor(fn, "slot_mapping", slot_mapping, dtypes=(torch.int64, torch.int32), ndim=1,
                  contiguous_last=True)
     check_tensor(fn, "key", key, dtypes=KV_DTYPES, ndim=3)
-    check_tensor(fn, "key_cache", key_cache, dtypes=KV_DTYPES, ndim=4)
+    check_tensor(fn, "key_cache", key_cache, dtypes=CACHE_DTYPES, ndim=4)
+    check_kv_scale(fn, "k_scale", k_scale)
+    check_kv_scale(fn, "v_scale", v_scale)
     num_tokens = slot_mapping.numel()
     n_blocks, block_size, heads, dim = key_cache.shape
     if not (key.shape[0] >= num_tokens):
@@ -133,7 +155,10 @@ def _check(fn, key, value, key_cache, value_cache, slot_mapping):
                 f"{fn}: value was given but value_cache is None"
             )
         check_tensor(fn, "value", value, dtypes=KV_DTYPES, ndim=3)
-        check_tensor(fn, "value_cache", value_cache, dtypes=KV_DTYPES, ndim=4)
+        check_tensor(fn, "value_cache", value_cache, dtypes=CACHE_DTYPES, ndim=4)
+        if is_fp8_kv(value_cache.dtype) != is_fp8_kv(key_cache.dtype):
+            raise ConfigError(f"{fn}: key_cache ({key_cache.dtype}) and value_cache "
+                              f"({value_cache.dtype}) must both be FP8 or neither")
         if not (value.shape[0] >= num_tokens):
             raise ConfigError(
                 f"{fn}: value has {value.shape[0]} tokens, slot_mapping has {num_tokens}"
@@ -164,22 +189,27 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor | None,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write K (and V) of the ``T = slot_mapping.numel()`` tokens into the paged caches.
 
     Args:
         key: ``[>= T, H, D]``; value: ``[>= T, H, Dv]`` or None (MLA latent, K only).
         key_cache: ``[num_blocks, block_size, H, D]``; value_cache: ``[num_blocks, block_size,
-            H, Dv]`` or None. bf16 / fp16 / fp32, any strides; block_size from the shape.
+            H, Dv]`` or None. bf16 / fp16 / fp32, or both FP8 (``float8_e4m3fn``); any
+            strides; block_size from the shape.
         slot_mapping: int64 ``[T]``; ``slot < 0`` is skipped.
+        k_scale, v_scale: the per-tensor FP8 scales (host floats > 0; used by FP8 caches only).
     """
     fn = "reshape_and_cache"
-    _check(fn, key, value, key_cache, value_cache, slot_mapping)
+    _check(fn, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
     num_tokens = slot_mapping.numel()
     if num_tokens == 0:
         return
     if not use_triton(_reshape_and_cache_kernel, key_cache):
-        _reshape_and_cache_torch(key, value, key_cache, value_cache, slot_mapping)
+        _reshape_and_cache_torch(key, value, key_cache, value_cache, slot_mapping, k_scale,
+                                 v_scale)
         return
     n_blocks, block_size, heads, dim = key_cache.shape
     block_h, block_d = _tile(heads, dim)
@@ -194,7 +224,8 @@ def reshape_and_cache(
         vc, *vc.stride(),
         n_blocks * block_size, block_size, heads, dim, v.shape[2],
         HAS_VALUE=has_value, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_HV=block_hv,
-        BLOCK_DV=block_dv, num_warps=4,
+        BLOCK_DV=block_dv, k_scale=float(k_scale), v_scale=float(v_scale),
+        FP8=is_fp8_kv(key_cache.dtype), num_warps=4,
     )
 
 
@@ -204,15 +235,19 @@ def reshape_and_cache_ref(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor | None,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Plain torch twin of :func:`reshape_and_cache`."""
-    _check("reshape_and_cache_ref", key, value, key_cache, value_cache, slot_mapping)
+    _check("reshape_and_cache_ref", key, value, key_cache, value_cache, slot_mapping, k_scale,
+           v_scale)
     if slot_mapping.numel() == 0:
         return
-    _reshape_and_cache_torch(key, value, key_cache, value_cache, slot_mapping)
+    _reshape_and_cache_torch(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
-def _reshape_and_cache_torch(key, value, key_cache, value_cache, slot_mapping):
+def _reshape_and_cache_torch(key, value, key_cache, value_cache, slot_mapping, k_scale=1.0,
+                             v_scale=1.0):
     n_blocks, block_size = key_cache.shape[:2]
     slots = slot_mapping.to(torch.int64)
     tok = torch.nonzero((slots >= 0) & (slots < n_blocks * block_size)).flatten()
@@ -220,6 +255,6 @@ def _reshape_and_cache_torch(key, value, key_cache, value_cache, slot_mapping):
         return
     s = slots[tok]
     blk, off = s // block_size, s % block_size
-    key_cache[blk, off] = key[tok].to(key_cache.dtype)
+    key_cache[blk, off] = store_value(key[tok], k_scale, key_cache.dtype)
     if value is not None:
-        value_cache[blk, off] = value[tok].to(value_cache.dtype)
+        value_cache[blk, off] = store_value(value[tok], v_scale, value_cache.dtype)

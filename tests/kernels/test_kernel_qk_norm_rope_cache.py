@@ -10,6 +10,7 @@ from kernel_helpers import poison, to
 
 from pagedkv.errors import ConfigError
 from pagedkv.kernels import qk_norm_rope_cache as mod
+from pagedkv.kernels.fp8_kv import quantize_fp8_ref
 from pagedkv.kernels.qk_norm_rope_cache import qk_norm_rope_cache, qk_norm_rope_cache_ref
 from pagedkv.kernels.reshape_and_cache import reshape_and_cache_ref
 from pagedkv.models.layers import rms_norm
@@ -284,6 +285,66 @@ def test_reference_equals_unfused_ops(norm):
 
 
 # ---------------------------------------------------------------------------------------------
+# FP8 (e4m3) caches: K quantized from its float32 norm + RoPE result, V from its input value.
+
+F8 = torch.float8_e4m3fn
+
+
+def _run_fp8(dev, args, H, Hkv, D, NB, BS, dtype, k_scale, v_scale, eps=1e-6):
+    """The reference and the kernel into poisoned FP8 caches; returns (ref, got) (q, kv)."""
+    qkv, qw, kw, cos, sin, slots = args
+    T = qkv.shape[0]
+    kv_ref, q_ref = poison((2, NB, BS, Hkv, D), F8), poison((T, H, D), dtype)
+    qk_norm_rope_cache_ref(qkv, H, Hkv, D, qw, kw, eps, cos, sin, slots, kv_ref[0], kv_ref[1],
+                           q_ref, k_scale=k_scale, v_scale=v_scale)
+    kv, q = poison((2, NB, BS, Hkv, D), F8, dev), poison((T, H, D), dtype, dev)
+    d_qkv, d_qw, d_kw, d_cos, d_sin, d_slots = to(dev, *args)
+    qk_norm_rope_cache(d_qkv, H, Hkv, D, d_qw, d_kw, eps, d_cos, d_sin, d_slots, kv[0], kv[1],
+                       q, k_scale=k_scale, v_scale=v_scale)
+    return (q_ref, kv_ref), (q.cpu(), kv.cpu())
+
+
+def _assert_fp8_cache_matches(kv, kv_ref, slots, NB, BS):
+    """Untouched slots keep their poison bits; V bit-exact; K codes equal, or (fp32 results a
+    rounding apart landing on both sides of a tie) neighbours, for at most 2% of the values."""
+    cap = NB * BS
+    written = list(_written(slots, cap).values())
+    untouched = torch.ones(cap, dtype=torch.bool)
+    untouched[written] = False
+    flat, flat_ref = kv.reshape(2, cap, -1), kv_ref.reshape(2, cap, -1)
+    pois = poison((2, int(untouched.sum()), flat.shape[-1]), F8)
+    assert _same_bits(flat[:, untouched], pois) and _same_bits(flat_ref[:, untouched], pois)
+    assert _same_bits(flat[1, written], flat_ref[1, written])
+    a = flat[0, written].contiguous().view(torch.uint8).to(torch.int16)
+    b = flat_ref[0, written].contiguous().view(torch.uint8).to(torch.int16)
+    assert int((a - b).abs().max()) <= 1 and float((a != b).float().mean()) <= 0.02
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.3, 1.7)], ids=["s1", "s03_17"])
+@pytest.mark.parametrize("norm", [True, False])
+def test_fp8_cache_matches_reference(kernel_device, dtype, scales, norm):
+    H, Hkv, D, BS = 6, 3, 32, 4
+    gen = torch.Generator().manual_seed(int(scales[0] * 10) + norm)
+    T, T_slots = 11, 8
+    NB = max(3, -(-(T_slots + 2) // BS) + 2)
+    args = _case(gen, T, T_slots, H, Hkv, D, NB, BS, dtype, norm=norm)
+    (q_ref, kv_ref), (q, kv) = _run_fp8(kernel_device, args, H, Hkv, D, NB, BS, dtype, *scales)
+    torch.testing.assert_close(q.float(), q_ref.float(), **TOL[dtype])
+    _assert_fp8_cache_matches(kv, kv_ref, args[-1], NB, BS)
+    # the twin's FP8 K / V are its own float32 K / V, quantized once
+    qkv, qw, kw, cos, sin, slots = args
+    kv32 = poison((2, NB, BS, Hkv, D), torch.float32)
+    qk_norm_rope_cache_ref(qkv.float(), H, Hkv, D, None if qw is None else qw.float(),
+                           None if kw is None else kw.float(), 1e-6, cos, sin, slots, kv32[0],
+                           kv32[1])
+    idx = list(_written(slots, NB * BS).values())
+    for i, scale in ((0, scales[0]), (1, scales[1])):
+        want = quantize_fp8_ref(kv32[i].reshape(NB * BS, -1)[idx], scale, F8)
+        assert _same_bits(kv_ref[i].reshape(NB * BS, -1)[idx], want)
+
+
+# ---------------------------------------------------------------------------------------------
 # Validation: one case per rule; each raises ConfigError and leaves the caches untouched.
 
 def _good_kwargs(H=4, Hkv=2, D=8, T=5, NB=3, BS=4):
@@ -318,6 +379,10 @@ BAD = {
                    "slot_mapping must have dtype"),
     "slot_rows": (lambda a: a.update(slot_mapping=torch.arange(6)), "slot_mapping has 6 rows"),
     "cache_dtype": (lambda a: a.update(qkv=a["qkv"].half()), "same dtype as qkv"),
+    "fp8_value_cache_only": (lambda a: a.update(value_cache=a["value_cache"].to(F8)),
+                             "value_cache .* must have key_cache's dtype"),
+    "k_scale": (lambda a: a.update(k_scale=0.0), "k_scale must be a finite host number > 0"),
+    "v_scale": (lambda a: a.update(v_scale=float("nan")), "v_scale must be a finite"),
     "cache_heads": (lambda a: a.update(num_kv_heads=1, qkv=a["qkv"][:, :48]),
                     "key_cache .* does not match"),
     "cache_rank": (lambda a: a.update(value_cache=a["value_cache"][0]), "value_cache must be 4-D"),
@@ -369,6 +434,19 @@ def test_gpu_qwen3_shapes_bf16(T, norm):
     torch.testing.assert_close(q.float(), q_ref.float(), **TOL[torch.bfloat16])
     # at most one bf16 ulp apart (fp32 math on both sides, one rounding)
     _assert_cache_matches(kv, kv_ref, args[-1], NB, BS, torch.bfloat16, TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 256, 2049])
+def test_gpu_qwen3_shapes_bf16_fp8_cache(T):
+    H, Hkv, D, BS = 16, 8, 128, 16
+    NB = -(-T // BS) + 8
+    gen = torch.Generator().manual_seed(T + 1)
+    args = _case(gen, T, max(1, T - 3), H, Hkv, D, NB, BS, torch.bfloat16, norm=True,
+                 cs_dtype=torch.bfloat16)
+    (q_ref, kv_ref), (q, kv) = _run_fp8("cuda", args, H, Hkv, D, NB, BS, torch.bfloat16, 1.0, 1.0)
+    torch.testing.assert_close(q.float(), q_ref.float(), **TOL[torch.bfloat16])
+    _assert_fp8_cache_matches(kv, kv_ref, args[-1], NB, BS)
 
 
 @pytest.mark.gpu
