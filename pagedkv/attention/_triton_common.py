@@ -15,6 +15,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from pagedkv.errors import ConfigError
 from pagedkv.kernels._common import check_same_device, check_tensor
+from pagedkv.kernels.fp8_kv import FP8_KV_DTYPES
 
 ATTN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LOG2E = 1.4426950408889634
@@ -41,10 +42,11 @@ def check_attention_inputs(
     out: torch.Tensor,
     num_reqs: int,
 ) -> AttnShape:
-    """Validate the arguments of a paged attention launcher (metadata only)."""
+    """Validate the arguments of a paged attention launcher (metadata only). The cache is
+    bf16 / fp16 / fp32, or FP8 (``float8_e4m3fn``, dequantized in the kernels)."""
     check_tensor(fn, "q", q, dtypes=ATTN_DTYPES, ndim=3, contiguous_last=True)
     check_tensor(fn, "out", out, dtypes=ATTN_DTYPES, ndim=3, contiguous_last=True)
-    check_tensor(fn, "kv_cache", kv_cache, dtypes=ATTN_DTYPES, ndim=5)
+    check_tensor(fn, "kv_cache", kv_cache, dtypes=ATTN_DTYPES + FP8_KV_DTYPES, ndim=5)
     check_tensor(fn, "block_table", block_table, dtypes=(torch.int32,), ndim=2,
                  contiguous_last=True)
     check_tensor(fn, "query_start_loc", query_start_loc, dtypes=(torch.int32,), ndim=1,

@@ -24,12 +24,15 @@ def write_kv(
     slot_mapping: torch.Tensor,
     *,
     writer: str = "auto",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """``kv_cache[0/1][slot // B, slot % B] = key/value[t]`` for every ``t < len(slot_mapping)``
     with ``0 <= slot_mapping[t] < num_blocks * B``.
 
     ``key``/``value``: ``[>= N, num_kv_heads, head_dim]``; ``kv_cache``:
     ``[2, num_blocks, block_size, num_kv_heads, head_dim]``; ``slot_mapping``: int64 ``[N]``.
+    An FP8 cache stores ``e4m3(key / k_scale)`` and ``e4m3(value / v_scale)``.
     """
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
         raise InvariantError(
@@ -45,7 +48,7 @@ def write_kv(
         fn = reshape_and_cache_ref
     else:
         raise ConfigError(f"unknown KV writer {writer!r}; use one of {', '.join(WRITERS)}")
-    fn(key, value, kv_cache[0], kv_cache[1], slot_mapping)
+    fn(key, value, kv_cache[0], kv_cache[1], slot_mapping, k_scale, v_scale)
 
 
 __all__ = ["WRITERS", "write_kv"]

@@ -12,6 +12,7 @@ import torch
 from pagedkv.attention.backend import AttentionBackend, AttentionMetadataLike, AttentionPlan
 from pagedkv.attention.kv_write import WRITERS, write_kv
 from pagedkv.errors import ConfigError, InvariantError
+from pagedkv.kernels.fp8_kv import check_kv_scale, dequantize_ref
 
 
 def _as_list(x) -> list[int]:
@@ -29,6 +30,8 @@ def paged_attention_ref(
     sinks: torch.Tensor | None = None,
     causal: bool = True,
     lse: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of ``q [T, H, D]`` over each request's paged context (read only).
 
@@ -46,7 +49,13 @@ def paged_attention_ref(
     ``lse``: a float32 ``[T, H]`` tensor that receives, for every served row, the natural-log
     log-sum-exp of the row's (scaled, capped, masked) scores, the sink included: the log of the
     softmax denominator the output was normalized by. Other rows are left as they are.
+
+    An FP8 cache (``float8_e4m3fn``) is dequantized after the gather: K as ``k * k_scale``,
+    V as ``v * v_scale`` in float32 (``pagedkv.kernels.fp8_kv``); the scales do not apply to
+    other caches.
     """
+    check_kv_scale("paged_attention_ref", "k_scale", k_scale)
+    check_kv_scale("paged_attention_ref", "v_scale", v_scale)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     if num_heads % num_kv_heads:
@@ -82,10 +91,12 @@ def paged_attention_ref(
         b_lo = k_lo // block_size
         blocks = table[r, b_lo:num_blocks].to(torch.int64)
         first = b_lo * block_size
-        k = kv_cache[0][blocks].reshape(-1, num_kv_heads, head_dim)[: seq_len - first]
-        v = kv_cache[1][blocks].reshape(-1, num_kv_heads, head_dim)[: seq_len - first]
+        k = dequantize_ref(kv_cache[0][blocks].reshape(-1, num_kv_heads, head_dim)
+                           [: seq_len - first], k_scale)
+        v = dequantize_ref(kv_cache[1][blocks].reshape(-1, num_kv_heads, head_dim)
+                           [: seq_len - first], v_scale)
         qr = q[start:end].reshape(q_len, num_kv_heads, group, head_dim).to(torch.float32)
-        scores = torch.einsum("qhgd,khd->hgqk", qr, k.to(torch.float32)) * scale
+        scores = torch.einsum("qhgd,khd->hgqk", qr, k) * scale
         if logits_soft_cap:
             scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
@@ -109,7 +120,7 @@ def paged_attention_ref(
         if lse is not None:
             row_lse = torch.logsumexp(scores, dim=-1)  # [Hkv, G, q_len]
             lse[start:end] = row_lse.permute(2, 0, 1).reshape(q_len, num_heads).to(lse.dtype)
-        o = torch.einsum("hgqk,khd->qhgd", probs, v.to(torch.float32))
+        o = torch.einsum("hgqk,khd->qhgd", probs, v)
         out[start:end] = o.reshape(q_len, num_heads, head_dim).to(q.dtype)
     return out
 
@@ -140,15 +151,19 @@ class TorchRefBackend(AttentionBackend):
         plan: AttentionPlan,
         scale: float,
         sinks: torch.Tensor | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         metadata = plan.metadata
         if k is not None:
             n = int(metadata.num_actual_tokens)
-            write_kv(k, v, kv_cache, metadata.slot_mapping[:n], writer=self.writer)
+            write_kv(k, v, kv_cache, metadata.slot_mapping[:n], writer=self.writer,
+                     k_scale=k_scale, v_scale=v_scale)
         layout = plan.layout
         return paged_attention_ref(q, kv_cache, metadata, scale,
                                    sliding_window=layout.sliding_window,
-                                   logits_soft_cap=layout.logits_soft_cap, sinks=sinks)
+                                   logits_soft_cap=layout.logits_soft_cap, sinks=sinks,
+                                   k_scale=k_scale, v_scale=v_scale)
 
 
 __all__ = ["TorchRefBackend", "paged_attention_ref"]

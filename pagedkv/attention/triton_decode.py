@@ -35,6 +35,12 @@ Log-sum-exp output (``lse``, cascade attention): each served row's natural-log l
 of its scores, ``ln 2 (m + log2 l)`` from the same running max and denominator the output is
 normalized by (``_lse``), written where the output is (the direct write or the reduce kernel).
 
+FP8 caches (``float8_e4m3fn``, ``KV_FP8``): the loaded K / V codes are cast to the query
+dtype (exact: every e4m3 value is a bf16 / fp16 / fp32 value) and the products run in it;
+``k_scale`` joins the softmax scale on the host and ``v_scale`` multiplies the accumulated
+output (the split partials too, so the reduce kernel is unchanged): the attention of
+``k * k_scale`` and ``v * v_scale`` (``pagedkv.kernels.fp8_kv``).
+
 CUDA graphs: the grid depends on host ints only (``num_reqs``, heads, the split count); lengths
 are read on the device; ``num_reqs``, the split count and the split minimum are runtime
 arguments, not specialized (one compiled variant of each kernel for every split choice: a
@@ -64,6 +70,7 @@ from pagedkv.attention._triton_common import (
 from pagedkv.attention.torch_ref import paged_attention_ref
 from pagedkv.errors import ConfigError
 from pagedkv.kernels._common import cdiv, next_pow2, use_triton
+from pagedkv.kernels.fp8_kv import check_kv_scale, is_fp8_kv
 
 MAX_SPLITS = 64
 
@@ -254,7 +261,8 @@ def _decode_tile(acc, l_i, m_i, q, t, seq_len, lo, k_ptr, v_ptr, bt_row, bt_widt
                  BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PREC: tl.constexpr,
                  SOFTCAP: tl.constexpr):
     """Positions ``[t * TILE_N, (t + 1) * TILE_N)`` of the online softmax; positions before
-    ``lo`` (outside the sliding window) are neither read nor attended."""
+    ``lo`` (outside the sliding window) are neither read nor attended. K / V are cast to
+    ``q``'s dtype after the load (a no-op unless the cache is FP8)."""
     n = t * TILE_N + tl.arange(0, TILE_N)
     col = n // BLOCK_SIZE
     valid = (n < seq_len) & (n >= lo) & (col < bt_width)
@@ -264,8 +272,8 @@ def _decode_tile(acc, l_i, m_i, q, t, seq_len, lo, k_ptr, v_ptr, bt_row, bt_widt
         kv_mask = valid[:, None]
     else:
         kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
-    k = tl.load(k_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    k = tl.load(k_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+    v = tl.load(v_ptr + tok[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     scores = _soft_cap(tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2, SOFTCAP)
     scores = tl.where(valid[None, :], scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -301,6 +309,8 @@ def _decode_kernel(
     lse_ptr=None,
     lse_s0=0,
     WRITE_LSE: tl.constexpr = False,
+    v_scale=1.0,
+    KV_FP8: tl.constexpr = False,
 ):
     r = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -326,7 +336,8 @@ def _decode_kernel(
         return
     q = tl.load(q_ptr + q_row.to(tl.int64) * q_s0 + head[:, None] * q_s1 + d[None, :],
                 mask=gd_mask, other=0.0)
-    q = q.to(k_ptr.dtype.element_ty)
+    if not KV_FP8:  # an FP8 cache's K / V are cast to the query dtype instead
+        q = q.to(k_ptr.dtype.element_ty)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -345,6 +356,8 @@ def _decode_kernel(
                                          bt_width, c_sb, c_st, head_off, d, scale_log2,
                                          HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, DOT_PREC, SOFTCAP)
             t += 1
+    if KV_FP8:
+        acc = acc * v_scale
 
     out_rows = out_ptr + q_row.to(tl.int64) * o_s0 + head[:, None] * o_s1 + d[None, :]
     if per >= n_tiles:
@@ -438,13 +451,17 @@ def paged_decode_attention(
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of each single-token request's query row over its paged context.
 
     Args:
         q, out: ``[T, H, D]`` (``out`` may alias nothing else; rows of other requests are left
             as they are). kv_cache: ``[2, num_blocks, block_size, Hkv, D]``, same dtype family
-            (bf16 / fp16 / fp32; ``q`` is cast to the cache dtype for the products).
+            (bf16 / fp16 / fp32; ``q`` is cast to the cache dtype for the products), or FP8
+            (``float8_e4m3fn``: K / V cast to ``q``'s dtype, scaled by ``k_scale`` /
+            ``v_scale``, host floats > 0 used by FP8 caches only).
         block_table: int32 ``[>= num_reqs, width]``; query_start_loc: int32
             ``[>= num_reqs + 1]``; seq_lens: int32 ``[>= num_reqs]`` (all on ``q``'s device).
         num_reqs: host int. scale: softmax scale.
@@ -491,11 +508,15 @@ def paged_decode_attention(
     if check:
         check_sinks(fn, sinks, q)
         check_lse(fn, lse, q)
+        check_kv_scale(fn, "k_scale", k_scale)
+        check_kv_scale(fn, "v_scale", v_scale)
     if not use_triton(_decode_kernel, q):
         return paged_decode_attention_ref(q, kv_cache, block_table, query_start_loc, seq_lens,
                                           num_reqs, scale, out, zero_padded_rows=zero_padded_rows,
                                           sliding_window=sliding_window,
-                                          logits_soft_cap=logits_soft_cap, sinks=sinks, lse=lse)
+                                          logits_soft_cap=logits_soft_cap, sinks=sinks, lse=lse,
+                                          k_scale=k_scale, v_scale=v_scale)
+    fp8 = is_fp8_kv(kv_cache.dtype)
     cfg = config or default_decode_config(q.device)
     span = max_seq_len if not window or max_seq_len is None else min(max_seq_len, window)
     auto_splits, min_split_tokens = choose_split(num_reqs, shape.num_kv_heads, span,
@@ -528,13 +549,15 @@ def paged_decode_attention(
         out, out.stride(0), out.stride(1),
         m_buf, l_buf, acc_buf,
         q if sinks is None else sinks,  # never read without sinks
-        float(scale) * LOG2E,
+        float(scale) * LOG2E * (float(k_scale) if fp8 else 1.0),
         SOFTCAP=softcap, HAS_SINKS=sinks is not None,
         NUM_HEADS=shape.num_heads, GROUP=shape.group, GROUP_PAD=group_pad,
         HEAD_DIM=shape.head_dim, D_PAD=d_pad, BLOCK_SIZE=shape.block_size,
         TILE_N=cfg.tile_n,
-        DOT_PREC=dot_precision(kv_cache.dtype), RANGE_LOOP=not interpreted(_decode_kernel),
+        DOT_PREC=dot_precision(q.dtype if fp8 else kv_cache.dtype),
+        RANGE_LOOP=not interpreted(_decode_kernel),
         lse_ptr=lse, lse_s0=0 if lse is None else lse.stride(0), WRITE_LSE=lse is not None,
+        v_scale=float(v_scale), KV_FP8=fp8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
@@ -571,6 +594,8 @@ def paged_decode_attention_ref(
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Plain torch twin of :func:`paged_decode_attention` (``paged_attention_ref`` on the
     single-token requests; reads lengths back to the host). The launch hints are ignored."""
@@ -598,7 +623,8 @@ def paged_decode_attention_ref(
     sub_lse = None if lse is None else torch.empty(len(rows), q.shape[1], dtype=torch.float32,
                                                    device=q.device)
     res = paged_attention_ref(q[idx], kv_cache, meta, scale, sliding_window=sliding_window,
-                              logits_soft_cap=logits_soft_cap, sinks=sinks, lse=sub_lse)
+                              logits_soft_cap=logits_soft_cap, sinks=sinks, lse=sub_lse,
+                              k_scale=k_scale, v_scale=v_scale)
     out[idx] = res.to(out.dtype)
     if lse is not None:
         lse[idx] = sub_lse

@@ -1,0 +1,122 @@
+"""Paged attention over FP8 (e4m3) KV caches: the decode and prefill kernels against the torch
+twin on the same quantized caches (interpreted on CPU with fp32 / fp16 queries; natively on a
+GPU), the twin against attention over the dequantized cache, the backends end to end (the
+writer quantizes, attention dequantizes), and the size of the quantization error.
+
+Cases come from ``test_triton_cases.make_case`` (NaN in every slot nobody may read); the FP8
+cache is the case's float32 cache quantized (its NaN slots stay NaN codes: the interpreter
+decodes them as 480, a GPU as NaN, so a stray read shows either way)."""
+
+import pytest
+import torch
+from test_triton_cases import make_case, poisoned_out, rows_of
+
+from pagedkv.attention.torch_ref import TorchRefBackend, paged_attention_ref
+from pagedkv.attention.triton_backend import TritonAttentionBackend
+from pagedkv.attention.triton_decode import paged_decode_attention, paged_decode_attention_ref
+from pagedkv.errors import ConfigError
+from pagedkv.kernels.fp8_kv import dequantize_ref, quantize_fp8_ref
+
+F8 = torch.float8_e4m3fn
+TOL = {torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+
+def fp8_case(reqs, *, k_scale=1.0, v_scale=1.0, dtype=torch.float32, **kw):
+    """``make_case`` (float32 cache, every position written) with its cache quantized to FP8;
+    queries in ``dtype``. Adds ``cache32`` (the unquantized cache) and the scales."""
+    case = make_case(reqs, write_new=True, **kw)
+    cache32 = case["cache"]
+    cache = torch.empty(cache32.shape, dtype=F8, device=cache32.device)
+    cache[0] = quantize_fp8_ref(cache32[0], k_scale, F8)
+    cache[1] = quantize_fp8_ref(cache32[1], v_scale, F8)
+    case.update(cache=cache, cache32=cache32, k_scale=k_scale, v_scale=v_scale,
+                q=case["q"].to(dtype))
+    return case
+
+
+def twin(case, **kw):
+    """The torch twin on the FP8 cache (float32 queries), on the CPU."""
+    return paged_attention_ref(case["q"].float(), case["cache"], case["meta"], case["scale"],
+                               k_scale=case["k_scale"], v_scale=case["v_scale"], **kw).cpu()
+
+
+def assert_served_close(out, ref, rows, dtype):
+    idx = torch.tensor(rows, dtype=torch.int64)
+    got = out.float().cpu()[idx]
+    assert not torch.isnan(got).any(), "a served row was not written"
+    torch.testing.assert_close(got, ref[idx], atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_twin_is_attention_over_the_dequantized_cache():
+    case = fp8_case([(13, 1), (0, 4), (21, 3)], block_size=4, k_scale=0.5, v_scale=2.0, seed=1)
+    deq = torch.stack([dequantize_ref(case["cache"][0], 0.5), dequantize_ref(case["cache"][1], 2.0)])
+    want = paged_attention_ref(case["q"], deq, case["meta"], case["scale"])
+    torch.testing.assert_close(twin(case), want, atol=1e-6, rtol=1e-6)
+    # the scales matter: with 1.0 the result differs
+    other = paged_attention_ref(case["q"], case["cache"], case["meta"], case["scale"])
+    assert (other - want).abs().max() > 0.1
+
+
+def test_quantization_error_is_small():
+    """Against attention over the unquantized cache: e4m3 keeps 3 mantissa bits, so outputs of
+    unit-variance K / V move by a few percent at most."""
+    case = fp8_case([(40, 1), (0, 9), (70, 2)], block_size=16, seed=2)
+    exact = paged_attention_ref(case["q"], case["cache32"], case["meta"], case["scale"])
+    err = (twin(case) - exact).abs()
+    rel = err.max() / exact.abs().max()
+    print(f"\nFP8 KV (scale 1) attention error vs float32 cache: max abs {err.max():.4f}, "
+          f"relative to the largest output {rel:.4f}")
+    assert 0 < rel < 0.05
+
+
+# block sizes 3 / 16, GQA 2, contexts across tiles and blocks
+DECODES = [(0, 1), (4, 1), (15, 1), (31, 1), (47, 1), (63, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.5, 2.0)], ids=["s1", "s05_2"])
+@pytest.mark.parametrize("block_size,num_splits", [(3, 3), (16, 1), (16, None)])
+def test_decode_kernel_matches_twin(kernel_device, dtype, scales, block_size, num_splits):
+    case = fp8_case(DECODES, block_size=block_size, k_scale=scales[0], v_scale=scales[1],
+                    dtype=dtype, device=kernel_device, seed=block_size)
+    m = case["meta"]
+    out = poisoned_out(case)
+    paged_decode_attention(case["q"], case["cache"], m.block_table_tensor, m.query_start_loc,
+                           m.seq_lens, m.num_reqs, case["scale"], out, num_splits=num_splits,
+                           k_scale=scales[0], v_scale=scales[1])
+    assert_served_close(out, twin(case), rows_of(case, lambda ql: ql == 1), dtype)
+
+
+def test_decode_kernel_window_sinks_lse(kernel_device):
+    """The FP8 path composes with a sliding window, attention sinks and the lse output."""
+    case = fp8_case([(30, 1), (9, 1), (50, 1)], block_size=4, k_scale=0.7, v_scale=1.3,
+                    device=kernel_device, seed=5, sliding_window=12)
+    m = case["meta"]
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], device=kernel_device)
+    out, lse = poisoned_out(case), torch.full(case["q"].shape[:2], float("nan"),
+                                              device=kernel_device)
+    paged_decode_attention(case["q"], case["cache"], m.block_table_tensor, m.query_start_loc,
+                           m.seq_lens, m.num_reqs, case["scale"], out, num_splits=2,
+                           sliding_window=12, sinks=sinks, lse=lse, k_scale=0.7, v_scale=1.3)
+    ref_lse = torch.empty(case["q"].shape[:2])
+    ref = twin(case, sliding_window=12, sinks=sinks, lse=ref_lse)
+    assert_served_close(out, ref, [0, 1, 2], torch.float32)
+    torch.testing.assert_close(lse.cpu(), ref_lse, atol=2e-4, rtol=2e-4)
+    # the twin of the launcher agrees as well
+    out2 = poisoned_out(case)
+    paged_decode_attention_ref(case["q"], case["cache"], m.block_table_tensor,
+                               m.query_start_loc, m.seq_lens, m.num_reqs, case["scale"], out2,
+                               sliding_window=12, sinks=sinks, k_scale=0.7, v_scale=1.3)
+    assert_served_close(out2, ref, [0, 1, 2], torch.float32)
+
+
+def test_scale_errors():
+    case = fp8_case([(4, 1)], block_size=4)
+    m = case["meta"]
+    for bad in (0.0, -2.0, float("inf"), torch.tensor(1.0)):
+        with pytest.raises(ConfigError, match="k_scale"):
+            paged_decode_attention(case["q"], case["cache"], m.block_table_tensor,
+                                   m.query_start_loc, m.seq_lens, 1, 1.0, poisoned_out(case),
+                                   k_scale=bad)
+        with pytest.raises(ConfigError, match="v_scale"):
+            paged_attention_ref(case["q"], case["cache"], m, 1.0, v_scale=bad)
