@@ -24,6 +24,8 @@ layer's reads are cold in L2, as in a model), all in one CUDA graph
 cascade layer (prefix, suffix, merge) are timed alone too, on parts made outside the graph.
 Before timing, the cascade output is checked against the plain one and against the torch
 twin (``paged_attention_ref``, fp32) on a sample of requests (relative error < 2e-2).
+``--sweep-prefix``: the prefix launch alone under several tile configs and key-split counts
+(``CascadeConfig.prefix_config`` / ``max_prefix_splits`` to tune), each checked merged.
 
 ``--tiny``: small shapes in fp32 through the Triton interpreter on a CPU (one eager pass timed
 on the host): the script's whole path for tests/attention/test_bench_cascade.py; its numbers
@@ -64,7 +66,7 @@ from pagedkv.attention.merge_states import merge_attention_states  # noqa: E402
 from pagedkv.attention.torch_ref import paged_attention_ref  # noqa: E402
 from pagedkv.attention.triton_backend import CascadeConfig, TritonAttentionBackend  # noqa: E402
 from pagedkv.attention.triton_decode import paged_decode_attention  # noqa: E402
-from pagedkv.attention.triton_prefill import paged_prefill_attention  # noqa: E402
+from pagedkv.attention.triton_prefill import PrefillConfig, paged_prefill_attention  # noqa: E402
 from pagedkv.kernels._common import cdiv  # noqa: E402
 
 TOL = 2e-2
@@ -164,7 +166,8 @@ def reference_error(step: Step, out: torch.Tensor, sample: int) -> float:
     return rel_err(out[:n], ref)
 
 
-def bench_case(shape: Shape, generated: int, layers: int, dtype, device: str, cuda: bool) -> dict:
+def bench_case(shape: Shape, generated: int, layers: int, dtype, device: str, cuda: bool,
+               sweep: bool = False) -> dict:
     step = Step(shape, generated, layers, dtype, device, seed=generated)
     plain_b = TritonAttentionBackend(cascade=None)
     cascade_b = TritonAttentionBackend(cascade=CascadeConfig() if cuda else
@@ -192,9 +195,12 @@ def bench_case(shape: Shape, generated: int, layers: int, dtype, device: str, cu
     meta, q, cache, scale = step.meta, step.q, step.caches[0], step.scale
     n = shape.num_reqs
     out = torch.empty_like(q)
+    res["prefix_splits"] = parts.splits
+    res["prefix_config"] = asdict(parts.prefix_config)
     res["prefix_us"] = time_fn(lambda: paged_prefill_attention(
         q, cache, parts.prefix_table, parts.prefix_qsl, parts.prefix_len, 1, scale,
-        parts.prefix_out, num_tokens=n, causal=False, lse=parts.prefix_lse, check=False), cuda)
+        parts.prefix_out, num_tokens=n, causal=False, lse=parts.prefix_lse, check=False,
+        config=parts.prefix_config, kv_splits=parts.splits), cuda)
     res["suffix_us"] = time_fn(lambda: paged_decode_attention(
         q, cache, parts.suffix_table, meta.query_start_loc, parts.suffix_seq_lens, n, scale,
         parts.suffix_out, max_seq_len=max(step.seq_lens) - shape.shared, check=False,
@@ -208,7 +214,52 @@ def bench_case(shape: Shape, generated: int, layers: int, dtype, device: str, cu
         res[f"{k}_frac_copy"] = res[f"{k}_tbps"] / COPY_TBPS
     res["speedup"] = res["plain_us"] / res["cascade_us"]
     res["ok"] = (plan.cascade and res["rel_err_vs_plain"] < TOL and res["rel_err_vs_ref"] < TOL)
+    if sweep:
+        res["prefix_sweep"] = sweep_prefix(step, parts, cuda)
     return res
+
+
+# (block_m, block_n, num_warps, num_stages) x key splits tried by --sweep-prefix
+PREFIX_TILES = ((64, 64, 4, 4), (64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3),
+                (32, 64, 4, 4), (64, 128, 8, 3), (16, 64, 4, 4))
+PREFIX_SPLITS = (1, 2, 4, 8)
+TINY_TILES = ((16, 16, 1, 1),)
+
+
+def sweep_prefix(step: Step, parts, cuda: bool) -> list[dict]:
+    """The prefix piece alone under each tile config and split count (fastest first), each
+    merged result checked against the default's."""
+    q, cache, scale = step.q, step.caches[0], step.scale
+    n = q.shape[0]
+    tiles = PREFIX_TILES if cuda else TINY_TILES
+    rows = []
+    for bm, bn, w, st in tiles:
+        cfg = PrefillConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+        for splits in PREFIX_SPLITS:
+            lead = (splits,) if splits > 1 else ()
+            out = torch.empty(*lead, *q.shape, dtype=torch.float32, device=q.device)
+            lse = torch.empty(*lead, *q.shape[:2], dtype=torch.float32, device=q.device)
+
+            def run(cfg=cfg, splits=splits, out=out, lse=lse):
+                paged_prefill_attention(q, cache, parts.prefix_table, parts.prefix_qsl,
+                                        parts.prefix_len, 1, scale, out, num_tokens=n,
+                                        causal=False, lse=lse, check=False, config=cfg,
+                                        kv_splits=splits)
+            try:
+                run()
+                merged = torch.empty_like(parts.suffix_out)
+                merge_attention_states(merged, out, lse, parts.suffix_out, parts.suffix_lse, n)
+                ref = torch.empty_like(parts.suffix_out)
+                merge_attention_states(ref, parts.prefix_out, parts.prefix_lse, parts.suffix_out,
+                                       parts.suffix_lse, n)
+                err = rel_err(merged, ref)
+                us = time_fn(run, cuda)
+                rows.append({"block_m": bm, "block_n": bn, "num_warps": w, "num_stages": st,
+                             "splits": splits, "us": us, "rel_err": err})
+            except Exception as e:  # a config that does not compile / fit
+                rows.append({"block_m": bm, "block_n": bn, "num_warps": w, "num_stages": st,
+                             "splits": splits, "error": f"{type(e).__name__}: {e}"})
+    return sorted(rows, key=lambda r: r.get("us", float("inf")))
 
 
 def print_table(results: dict) -> None:
@@ -228,6 +279,11 @@ def print_table(results: dict) -> None:
               f"{r['speedup']:>5.2f} {r['rel_err_vs_ref']:>8.1e}")
     print("us per layer (28 layers per Qwen3-0.6B step); frac: plain bytes / time / 4.27 TB/s; "
           "x: plain / cascade")
+    for r in results["cases"]:
+        for row in r.get("prefix_sweep", [])[:5]:
+            print(f"  prefix g{r['generated']}: tiles {row['block_m']}x{row['block_n']} "
+                  f"w{row['num_warps']} s{row['num_stages']} splits {row['splits']}: "
+                  f"{row.get('us', float('nan')):.1f} us (err {row.get('rel_err', float('nan')):.1e})")
 
 
 def main(argv=None) -> dict:
@@ -238,6 +294,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--layers", type=int, default=None,
                     help="distinct KV caches per timed call (default 4; --tiny 1)")
     ap.add_argument("--generated", type=int, nargs="*", default=None)
+    ap.add_argument("--sweep-prefix", action="store_true",
+                    help="also time the prefix launch under several tiles and split counts")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
     if not args.tiny and not cuda:
@@ -257,7 +315,7 @@ def main(argv=None) -> dict:
     t0 = time.time()
     for g in gens:
         try:
-            r = bench_case(shape, g, layers, dtype, device, cuda)
+            r = bench_case(shape, g, layers, dtype, device, cuda, sweep=args.sweep_prefix)
         except Exception as e:  # keep the other cases
             r = {"shape": shape.name, "generated": g, "error": f"{type(e).__name__}: {e}"}
         log(json.dumps(r, default=str))

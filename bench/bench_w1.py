@@ -68,6 +68,10 @@ def build_pagedkv(args) -> tuple[LLM, str]:
         async_scheduling=args.async_scheduling,
         compile_model=args.compile_model,
     )
+    if args.no_cascade:  # the Triton backend with cascade (shared-prefix) attention off
+        from pagedkv.attention.triton_backend import TritonAttentionBackend
+
+        kw["attention_backend"] = TritonAttentionBackend(cascade=None)
     if args.model:
         return LLM(args.model, tokenizer=False, **kw), args.model
     return LLM.from_shape(args.shape, **kw), f"{args.shape} (random weights)"
@@ -229,6 +233,8 @@ def main(argv=None) -> int:
                         "CUDA; falls back to eager with a warning if compilation fails)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch_ref", "triton"])
+    p.add_argument("--no-cascade", action="store_true",
+                   help="the Triton backend without cascade (shared-prefix) attention")
     p.add_argument("--with-hf", action="store_true", help="also time transformers generate_batch")
     p.add_argument("--hf-max-new-tokens", type=int, default=256)
     p.add_argument("--hf-static", action="store_true", help="also time transformers static generate")

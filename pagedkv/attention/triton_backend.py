@@ -31,13 +31,15 @@ launches instead of reading the shared blocks once per request:
   1. prefix: every query row of the batch against the ``P`` shared positions, non-causal (each
      query sits after them), as one request of ``paged_prefill_attention(causal=False)``
      whose table row is request 0's (its first blocks are everyone's): one pass over the
-     shared K/V for the whole batch; float32 output and log-sum-exp;
+     shared K/V for the whole batch, split over the keys into a few ranges when the batch
+     is short (``CascadeConfig.prefix_splits``: enough programs to fill the device); float32
+     outputs and log-sum-exps per range;
   2. suffix: each request over its own positions ``[P, seq_len)``: the usual decode /
      prefill kernels on the table shifted by ``P // block_size`` columns and the lengths
      reduced by ``P`` (both made on the device from the device copy of ``P``); float32
      output and log-sum-exp;
-  3. ``merge_attention_states`` into the output by the two log-sum-exps (rows past
-     ``query_start_loc[num_reqs]`` zeroed).
+  3. ``merge_attention_states`` into the output by the log-sum-exps of the prefix ranges and
+     the suffix (rows past ``query_start_loc[num_reqs]`` zeroed).
 The launches read ``P`` on the device only (their grids do not depend on it), so one CUDA
 graph per batch size serves every prefix length: the graph variant ``CASCADE`` (for sizes of
 at least ``min_reqs`` requests) is captured with ``use_cascade=True`` and replayed when the
@@ -74,12 +76,13 @@ from pagedkv.attention.triton_decode import (
 )
 from pagedkv.attention.triton_prefill import (
     PrefillConfig,
+    default_prefill_config,
     paged_prefill_attention,
     varlen_available_for,
     varlen_prefill_attention,
 )
 from pagedkv.errors import ConfigError, InvariantError
-from pagedkv.kernels._common import use_triton
+from pagedkv.kernels._common import cdiv, use_triton
 from pagedkv.kernels.reshape_and_cache import reshape_and_cache
 
 FRESH_PREFILL_CHOICES = ("auto", "triton", "varlen")
@@ -108,14 +111,39 @@ class CascadeConfig:
     min_prefix_tokens: int = 256
     min_reqs: int = 8
     min_saved_us: float = 10.0
+    # the prefix launch: its tiles (None: the backend's prefill config) and key splits, so
+    # that a short batch over a long prefix fills the device: ``prefix_waves`` x SMs programs
+    # wanted, at most ``max_prefix_splits`` splits of at least ``min_prefix_split_tokens``
+    # keys (when the prefix length is known on the host; a graph's launch is sized by its
+    # batch alone), merged with the suffix by one merge launch (untuned first choices)
+    prefix_config: PrefillConfig | None = None
+    prefix_waves: float = 2.0
+    max_prefix_splits: int = 8
+    min_prefix_split_tokens: int = 256
 
     def __post_init__(self):
-        for name in ("min_prefix_tokens", "min_reqs"):
+        if self.prefix_config is not None and not isinstance(self.prefix_config, PrefillConfig):
+            raise ConfigError(f"CascadeConfig.prefix_config must be a PrefillConfig, got "
+                              f"{self.prefix_config!r}")
+        if not 1 <= self.max_prefix_splits <= 64 or self.prefix_waves <= 0:
+            raise ConfigError("CascadeConfig: need 1 <= max_prefix_splits <= 64 and "
+                              "prefix_waves > 0")
+        for name in ("min_prefix_tokens", "min_reqs", "min_prefix_split_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"CascadeConfig.{name} must be an int >= 1, got {v!r}")
         if not isinstance(self.min_saved_us, (int, float)) or self.min_saved_us < 0:
             raise ConfigError(f"CascadeConfig.min_saved_us must be >= 0, got {self.min_saved_us!r}")
+
+    def prefix_splits(self, rows: int, num_heads: int, block_m: int, sms: int,
+                      prefix_len: int = 0) -> int:
+        """Key splits of the prefix launch over ``rows`` query rows (grid ``(rows // block_m +
+        1) x num_heads`` programs per split); ``prefix_len`` (0: unknown) caps them."""
+        programs = (rows // block_m + 1) * num_heads
+        splits = min(self.max_prefix_splits, cdiv(int(self.prefix_waves * sms), programs))
+        if prefix_len > 0:
+            splits = min(splits, prefix_len // self.min_prefix_split_tokens)
+        return max(1, splits)
 
 
 def _host_ints(x, n: int) -> np.ndarray:
@@ -252,7 +280,9 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         if n == 0:
             return out.zero_()
-        if plan.cascade and sinks is None:
+        # cascade: not for a layer with sinks, nor over an FP8 cache (the prefix runs the
+        # prefill kernel, which reads none yet); those layers take the plain path
+        if plan.cascade and sinks is None and kv_cache.element_size() > 1:
             return self._forward_cascade(q, kv_cache, plan, scale, out, check)
         qsl = metadata.query_start_loc
         seq_lens = metadata.seq_lens
@@ -293,10 +323,10 @@ class TritonAttentionBackend(AttentionBackend):
         qsl = metadata.query_start_loc
         # 1. every query row against the shared prefix, one request, non-causal (a decode
         # graph's rows: all of them; its host end is the capture's)
-        rows = q.shape[0] if plan.decode_only else plan.end
         paged_prefill_attention(q, kv_cache, c.prefix_table, c.prefix_qsl, c.prefix_len, 1, scale,
-                                c.prefix_out, num_tokens=rows, config=self.prefill_config,
-                                check=check, causal=False, lse=c.prefix_lse)
+                                c.prefix_out, num_tokens=c.rows, config=c.prefix_config,
+                                check=check, causal=False, lse=c.prefix_lse,
+                                kv_splits=c.splits)
         # 2. each request over its own positions after the prefix
         if plan.decode_only or plan.has_decode:
             paged_decode_attention(q, kv_cache, c.suffix_table, qsl, c.suffix_seq_lens, n, scale,
@@ -324,7 +354,7 @@ class TritonPlan(AttentionPlan):
 
     __slots__ = ("slots", "triton", "workspace", "n", "decode_only", "varlen", "has_decode",
                  "balanced", "end", "max_q", "max_seq_len", "capturing", "checked", "cascade",
-                 "prefix", "_cascade_parts")
+                 "prefix", "_cascade_parts", "backend")
 
     def __init__(self, backend: TritonAttentionBackend, metadata, layout: AttentionLayout):
         super().__init__(metadata, layout)
@@ -341,6 +371,7 @@ class TritonPlan(AttentionPlan):
         self.cascade = False
         self.prefix = 0
         self._cascade_parts = None
+        self.backend = backend
         if not self.triton or n == 0:
             return
         # cascade attention: a graph's baked decision, else the backend's for this step
@@ -388,7 +419,9 @@ class TritonPlan(AttentionPlan):
         """The step's cascade tensors (made at the first layer, shared by the others)."""
         parts = self._cascade_parts
         if parts is None:
-            parts = self._cascade_parts = _CascadeParts(self, q, kv_cache)
+            backend = self.backend
+            parts = self._cascade_parts = _CascadeParts(self, q, kv_cache, backend.cascade,
+                                                        backend.prefill_config)
         return parts
 
     def check(self, q: torch.Tensor, kv_cache: torch.Tensor) -> None:
@@ -419,12 +452,16 @@ class _CascadeParts:
     device copy of ``P``, table row 0: every request's first blocks are the shared ones), the
     suffix table (each row shifted left by ``P // block_size`` columns; the clamped tail
     columns are never read, they lie past the reduced lengths) and lengths (``seq_lens - P``,
-    0 for padding requests), and the float32 partial outputs and log-sum-exps."""
+    0 for padding requests), and the float32 partial outputs and log-sum-exps (the prefix's
+    ``[S, ...]`` with ``S = splits > 1`` key splits). ``rows``: the prefix launch's row bound
+    (a decode step's rows, all of them in a graph whose host end is the capture's)."""
 
     __slots__ = ("end", "prefix_qsl", "prefix_len", "prefix_table", "suffix_table",
-                 "suffix_seq_lens", "prefix_out", "prefix_lse", "suffix_out", "suffix_lse")
+                 "suffix_seq_lens", "prefix_out", "prefix_lse", "suffix_out", "suffix_lse",
+                 "rows", "splits", "prefix_config")
 
-    def __init__(self, plan: TritonPlan, q: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    def __init__(self, plan: TritonPlan, q: torch.Tensor, kv_cache: torch.Tensor,
+                 cascade: CascadeConfig, prefill_config: PrefillConfig | None) -> None:
         metadata = plan.metadata
         n = plan.n
         dev = q.device
@@ -446,10 +483,15 @@ class _CascadeParts:
         self.suffix_table = table[:n].gather(1, cols.expand(n, width))
         self.suffix_seq_lens = (metadata.seq_lens[:n] - p[:1]).clamp_(min=0)
         rows, heads, dim = q.shape
+        self.rows = rows if plan.decode_only else plan.end
+        self.prefix_config = cascade.prefix_config or prefill_config or default_prefill_config(dev)
+        self.splits = cascade.prefix_splits(self.rows, heads, self.prefix_config.block_m,
+                                            num_sms(dev), plan.prefix)
         f32 = torch.float32
-        self.prefix_out = torch.empty(rows, heads, dim, dtype=f32, device=dev)
+        lead = (self.splits,) if self.splits > 1 else ()
+        self.prefix_out = torch.empty(*lead, rows, heads, dim, dtype=f32, device=dev)
+        self.prefix_lse = torch.empty(*lead, rows, heads, dtype=f32, device=dev)
         self.suffix_out = torch.empty(rows, heads, dim, dtype=f32, device=dev)
-        self.prefix_lse = torch.empty(rows, heads, dtype=f32, device=dev)
         self.suffix_lse = torch.empty(rows, heads, dtype=f32, device=dev)
 
 

@@ -153,7 +153,11 @@ def _attend_tile(
     return acc, l_i, m_new
 
 
-@triton.jit(do_not_specialize=["num_reqs", "skip_decode", "window"])
+# keys per split of the non-causal mode come in multiples of this many (any tile size)
+KV_SPLIT_GRANULE = 16
+
+
+@triton.jit(do_not_specialize=["num_reqs", "skip_decode", "window", "kv_splits"])
 def _prefill_kernel(
     q_ptr, q_s0, q_s1,
     k_ptr, v_ptr, c_sb, c_st, c_sh,
@@ -177,9 +181,13 @@ def _prefill_kernel(
     lse_s0=0,
     CAUSAL: tl.constexpr = True,
     WRITE_LSE: tl.constexpr = False,
+    kv_splits=1,
+    o_split=0,
+    lse_split=0,
 ):
     p = tl.program_id(0)
     h = tl.program_id(1)
+    s = tl.program_id(2)  # the key split (non-causal mode; 0 otherwise)
     # request of tile p: the largest r with query_start_loc[r] // BLOCK_M + r <= p
     lo = tl.full([], 0, tl.int32)
     hi = tl.full([], 0, tl.int32) + num_reqs - 1
@@ -217,8 +225,12 @@ def _prefill_kernel(
     head_off = (h // GROUP).to(tl.int64) * c_sh
     if CAUSAL:
         end = tl.minimum(seq_len, ctx + (j + 1) * BLOCK_M)
+        kv_end = seq_len
     else:
-        end = seq_len  # non-causal: every row sees every key
+        # non-causal: every row sees every key of split s, [s per, min((s + 1) per, seq_len))
+        per = tl.cdiv(tl.cdiv(seq_len, KV_SPLIT_GRANULE), kv_splits) * KV_SPLIT_GRANULE
+        end = tl.minimum((s + 1) * per, seq_len)
+        kv_end = end
     if HAS_WINDOW:
         # the tile's rows see keys in (q_pos - window, q_pos]: from the first row's window
         # start on, all masked (earlier blocks may be the null block and are never read)
@@ -228,21 +240,22 @@ def _prefill_kernel(
     else:
         # keys [0, full_end) are visible to every row of the tile; [full_end, end) need the mask
         kv_lo = 0
-        first = 0
         if CAUSAL:
+            first = 0
             full_end = (ctx + j * BLOCK_M + 1) // BLOCK_N * BLOCK_N
         else:
-            full_end = seq_len // BLOCK_N * BLOCK_N
+            first = s * per
+            full_end = first + tl.maximum(end - first, 0) // BLOCK_N * BLOCK_N
     if RANGE_LOOP:  # compiled: for-range loops, software-pipelined by Triton
         for start in range(first, full_end, BLOCK_N):
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row,
-                                         bt_width, c_sb, c_st, head_off, start, seq_len, kv_lo,
+                                         bt_width, c_sb, c_st, head_off, start, kv_end, kv_lo,
                                          window, d, scale_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
                                          D_PAD, False, DOT_PREC, HAS_WINDOW, SOFTCAP,
                                          CAUSAL)
         for start in range(full_end, end, BLOCK_N):
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row,
-                                         bt_width, c_sb, c_st, head_off, start, seq_len, kv_lo,
+                                         bt_width, c_sb, c_st, head_off, start, kv_end, kv_lo,
                                          window, d, scale_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
                                          D_PAD, True, DOT_PREC, HAS_WINDOW, SOFTCAP,
                                          CAUSAL)
@@ -250,24 +263,28 @@ def _prefill_kernel(
         start = first + full_end * 0
         while start < full_end:
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row,
-                                         bt_width, c_sb, c_st, head_off, start, seq_len, kv_lo,
+                                         bt_width, c_sb, c_st, head_off, start, kv_end, kv_lo,
                                          window, d, scale_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
                                          D_PAD, False, DOT_PREC, HAS_WINDOW, SOFTCAP,
                                          CAUSAL)
             start += BLOCK_N
         while start < end:
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row,
-                                         bt_width, c_sb, c_st, head_off, start, seq_len, kv_lo,
+                                         bt_width, c_sb, c_st, head_off, start, kv_end, kv_lo,
                                          window, d, scale_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
                                          D_PAD, True, DOT_PREC, HAS_WINDOW, SOFTCAP,
                                          CAUSAL)
             start += BLOCK_N
     l_i = _sink_denominator(l_i, m_i, sinks_ptr, h, h >= 0, HAS_SINKS)
-    o = acc / l_i[:, None]
-    tl.store(out_ptr + rows[:, None] * o_s0 + h * o_s1 + d[None, :],
+    if CAUSAL:
+        o = acc / l_i[:, None]
+    else:  # a split without keys: output 0, log-sum-exp -inf
+        o = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)
+    split = s.to(tl.int64)
+    tl.store(out_ptr + split * o_split + rows[:, None] * o_s0 + h * o_s1 + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=md_mask)
     if WRITE_LSE:
-        tl.store(lse_ptr + rows * lse_s0 + h, _lse(m_i, l_i), mask=m_ok)
+        tl.store(lse_ptr + split * lse_split + rows * lse_s0 + h, _lse(m_i, l_i), mask=m_ok)
 
 
 def paged_prefill_attention(
@@ -289,6 +306,7 @@ def paged_prefill_attention(
     sinks: torch.Tensor | None = None,
     causal: bool = True,
     lse: torch.Tensor | None = None,
+    kv_splits: int = 1,
 ) -> torch.Tensor:
     """Causal attention of every request's query rows over its paged context.
 
@@ -313,12 +331,24 @@ def paged_prefill_attention(
             prefix blocks.
         lse: float32 ``[T, H]``: receives each served row's natural-log log-sum-exp (as
             ``paged_decode_attention`` writes it).
+        kv_splits: S > 1 (non-causal only, ``lse`` required): the keys of each request are
+            dealt into S contiguous ranges of ``per = ceil(ceil(seq_len / 16) / S) x 16``
+            keys (split ``s``: ``[s per, min((s + 1) per, seq_len))``), one program per range,
+            and ``out [S, T, H, D]`` / ``lse [S, T, H]`` receive each range's own normalized
+            output and log-sum-exp (a range without keys: output 0, lse -inf), to be merged
+            by ``merge_attention_states``. More programs for a short batch over a long
+            shared prefix.
     Returns ``out``.
     """
     fn = "paged_prefill_attention"
+    splits = _check_kv_splits(fn, kv_splits, causal, out, lse, q)
+    if splits > 1 and (sinks is not None or skip_decode):
+        raise ConfigError(f"{fn}: kv_splits > 1 takes no sinks and no skip_decode")
+    out_rows = out if splits == 1 else out[0]  # one split's [T, H, D] for the shared checks
+    lse_rows = lse if lse is None or splits == 1 else lse[0]
     if check:
         shape = check_attention_inputs(fn, q, kv_cache, block_table, query_start_loc, seq_lens,
-                                       out, num_reqs)
+                                       out_rows, num_reqs)
     else:
         shape = attn_shape(q, kv_cache)
     if num_tokens is None:
@@ -333,7 +363,7 @@ def paged_prefill_attention(
         raise ConfigError(f"{fn}: non-causal attention takes no sliding window")
     if check:
         check_sinks(fn, sinks, q)
-        check_lse(fn, lse, q)
+        check_lse(fn, lse_rows, q)
     if num_reqs == 0 or num_tokens == 0:
         return out
     if not use_triton(_prefill_kernel, q):
@@ -341,16 +371,16 @@ def paged_prefill_attention(
                                            num_reqs, scale, out, skip_decode=skip_decode,
                                            sliding_window=sliding_window,
                                            logits_soft_cap=logits_soft_cap, sinks=sinks,
-                                           causal=causal, lse=lse)
+                                           causal=causal, lse=lse, kv_splits=splits)
     cfg = config or default_prefill_config(q.device)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    grid = (num_tokens // cfg.block_m + num_reqs, shape.num_heads)
+    grid = (num_tokens // cfg.block_m + num_reqs, shape.num_heads, splits)
     _prefill_kernel[grid](
         q, q.stride(0), q.stride(1),
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table, block_table.stride(0), block_table.shape[1],
         query_start_loc, seq_lens, num_reqs, int(bool(skip_decode)), window,
-        out, out.stride(0), out.stride(1),
+        out_rows, out_rows.stride(0), out_rows.stride(1),
         q if sinks is None else sinks,  # never read without sinks
         float(scale) * LOG2E,
         HAS_WINDOW=window > 0, SOFTCAP=softcap, HAS_SINKS=sinks is not None,
@@ -358,11 +388,31 @@ def paged_prefill_attention(
         D_PAD=max(16, next_pow2(shape.head_dim)), BLOCK_SIZE=shape.block_size,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         DOT_PREC=dot_precision(kv_cache.dtype), RANGE_LOOP=not interpreted(_prefill_kernel),
-        lse_ptr=lse, lse_s0=0 if lse is None else lse.stride(0), CAUSAL=causal,
-        WRITE_LSE=lse is not None,
+        lse_ptr=lse, lse_s0=0 if lse is None else lse_rows.stride(0), CAUSAL=causal,
+        WRITE_LSE=lse is not None, kv_splits=splits,
+        o_split=0 if splits == 1 else out.stride(0),
+        lse_split=0 if splits == 1 else lse.stride(0),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
+
+
+def _check_kv_splits(fn: str, kv_splits, causal: bool, out, lse, q: torch.Tensor) -> int:
+    """The split count; S > 1 needs the non-causal mode and ``out [S, T, H, D]``, ``lse
+    [S, T, H]`` (each split's slice as the one-split checks want it)."""
+    if isinstance(kv_splits, bool) or not isinstance(kv_splits, int) or not 1 <= kv_splits <= 64:
+        raise ConfigError(f"{fn}: kv_splits must be an int in [1, 64], got {kv_splits!r}")
+    if kv_splits == 1:
+        return 1
+    if causal or lse is None:
+        raise ConfigError(f"{fn}: kv_splits > 1 needs causal=False and an lse output")
+    if not isinstance(out, torch.Tensor) or out.dim() != 4 or out.shape[0] != kv_splits \
+            or not isinstance(lse, torch.Tensor) or lse.dim() != 3 \
+            or lse.shape[0] != kv_splits:
+        raise ConfigError(f"{fn}: with kv_splits={kv_splits}, out must be [S, T, H, D] and lse "
+                          f"[S, T, H] with S = {kv_splits}; got {tuple(getattr(out, 'shape', ()))}"
+                          f" and {tuple(getattr(lse, 'shape', ()))}")
+    return kv_splits
 
 
 def paged_prefill_attention_ref(
@@ -383,13 +433,20 @@ def paged_prefill_attention_ref(
     sinks: torch.Tensor | None = None,
     causal: bool = True,
     lse: torch.Tensor | None = None,
+    kv_splits: int = 1,
 ) -> torch.Tensor:
     """Plain torch twin of :func:`paged_prefill_attention` (``paged_attention_ref`` per request;
-    reads lengths back to the host). The launch hints are ignored."""
-    check_attention_inputs("paged_prefill_attention_ref", q, kv_cache, block_table,
-                           query_start_loc, seq_lens, out, num_reqs)
+    reads lengths back to the host; key splits: each range's softmax over its gathered keys).
+    The launch hints are ignored."""
+    fn = "paged_prefill_attention_ref"
+    splits = _check_kv_splits(fn, kv_splits, causal, out, lse, q)
+    check_attention_inputs(fn, q, kv_cache, block_table, query_start_loc, seq_lens,
+                           out if splits == 1 else out[0], num_reqs)
     if num_reqs == 0:
         return out
+    if splits > 1:
+        return _split_keys_ref(q, kv_cache, block_table, query_start_loc, seq_lens, num_reqs,
+                               scale, out, lse, splits)
     qsl = [int(x) for x in query_start_loc[: num_reqs + 1].cpu()]
     lens = seq_lens[:num_reqs].cpu()
     keep = [r for r in range(num_reqs)
@@ -408,6 +465,38 @@ def paged_prefill_attention_ref(
                                     lse=sub_lse).to(out.dtype)
     if lse is not None:
         lse[rows] = sub_lse
+    return out
+
+
+def _split_keys_ref(q, kv_cache, block_table, query_start_loc, seq_lens, num_reqs, scale, out,
+                    lse, splits):
+    """Non-causal attention of each request's rows over each of its ``splits`` key ranges
+    (``paged_prefill_attention``'s ``kv_splits``), in float32."""
+    block_size, num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
+    group = q.shape[1] // num_kv_heads
+    qsl = [int(x) for x in query_start_loc[: num_reqs + 1].cpu()]
+    lens = [int(x) for x in seq_lens[:num_reqs].cpu()]
+    g = KV_SPLIT_GRANULE
+    for r in range(num_reqs):
+        start, end, n = qsl[r], qsl[r + 1], lens[r]
+        if end == start:
+            continue
+        pos = torch.arange(n, device=q.device)
+        slots = block_table[r, pos // block_size].long() * block_size + pos % block_size
+        k = kv_cache[0].reshape(-1, num_kv_heads, head_dim)[slots].float()
+        v = kv_cache[1].reshape(-1, num_kv_heads, head_dim)[slots].float()
+        qr = q[start:end].reshape(end - start, num_kv_heads, group, head_dim).float()
+        per = -(-(-(-n // g)) // splits) * g
+        for s in range(splits):
+            lo, hi = s * per, min((s + 1) * per, n)
+            if lo >= hi:
+                out[s, start:end] = 0
+                lse[s, start:end] = float("-inf")
+                continue
+            sc = torch.einsum("qhgd,khd->qhgk", qr, k[lo:hi]) * scale
+            o = torch.einsum("qhgk,khd->qhgd", torch.softmax(sc, -1), v[lo:hi])
+            out[s, start:end] = o.reshape(end - start, -1, head_dim).to(out.dtype)
+            lse[s, start:end] = torch.logsumexp(sc, -1).reshape(end - start, -1)
     return out
 
 

@@ -21,13 +21,16 @@ def load():
 def test_tiny_main_path(tmp_path, capsys):
     bench = load()
     out = tmp_path / "r.json"
-    res = bench.main(["--tiny", "--out", str(out), "--generated", "3"])
+    res = bench.main(["--tiny", "--out", str(out), "--generated", "3", "--sweep-prefix"])
     assert json.loads(out.read_text())["correctness_failures"] == []
     assert "tiny" in capsys.readouterr().out  # the table
     (r,) = res["cases"]
     assert r["cascade_taken"] and r["rel_err_vs_ref"] < 1e-5 and r["rel_err_vs_plain"] < 1e-5
     for k in ("plain_us", "cascade_us", "prefix_us", "suffix_us", "merge_us"):
         assert r[k] > 0
+    sweep = r["prefix_sweep"]
+    assert sorted(row["splits"] for row in sweep) == [1, 2, 4, 8]
+    assert all(row["rel_err"] < 1e-5 and row["us"] > 0 for row in sweep)
     # 6 requests, 32 shared positions; a position's K and V: 2 heads x 16 x 2 x 4 bytes = 256
     step = bench.Step(bench.TINY, 3, 1, bench.torch.float32, "cpu", seed=3)
     total = sum(step.seq_lens)

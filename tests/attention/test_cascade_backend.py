@@ -26,7 +26,11 @@ from pagedkv.errors import ConfigError, InvalidRequestError, InvariantError
 from pagedkv.kernels.reshape_and_cache import reshape_and_cache_ref
 
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
-ALWAYS = CascadeConfig(min_prefix_tokens=1, min_reqs=1, min_saved_us=0.0)
+# cascade on any shared block; the prefix split over keys as much as the tiny batches allow
+ALWAYS = CascadeConfig(min_prefix_tokens=1, min_reqs=1, min_saved_us=0.0,
+                       min_prefix_split_tokens=1)
+ONE_SPLIT = CascadeConfig(min_prefix_tokens=1, min_reqs=1, min_saved_us=0.0,
+                          max_prefix_splits=1)
 
 
 def make_shared_case(reqs, *, shared_blocks, block_size, prefix_len=None, **kw):
@@ -52,14 +56,16 @@ def run(backend, case, sinks=None):
                                          case["meta"], case["scale"], sinks=sinks)
 
 
-def check_cascade(reqs, *, dtype=torch.float32, sinks=False, **kw):
+def check_cascade(reqs, *, dtype=torch.float32, sinks=False, config=ALWAYS, **kw):
     """Cascade (forced on) vs the torch reference and vs the plain Triton path, on twin cases:
     outputs, the KV cache written, zero padding rows; the plan took cascade."""
     cases = [make_shared_case(reqs, dtype=dtype, **kw) for _ in range(3)]
     a, b, c = cases
-    cascade = TritonAttentionBackend(cascade=ALWAYS)
+    cascade = TritonAttentionBackend(cascade=config)
     plan = cascade.plan(a["meta"], AttentionLayout.of(a["q"], a["cache"]))
     assert plan.cascade, "the plan must take cascade attention"
+    splits = plan.cascade_parts(a["q"], a["cache"]).splits
+    assert (splits > 1) == (config.max_prefix_splits > 1)  # the tiny batches: several
     s = None
     if sinks:
         s = torch.randn(a["q"].shape[1], generator=torch.Generator().manual_seed(7)).to(a["q"].device)
@@ -84,16 +90,17 @@ def check_cascade(reqs, *, dtype=torch.float32, sinks=False, **kw):
 DECODES = [(0, 1), (3, 1), (9, 1), (16, 1), (25, 1), (40, 1)]
 
 
-@pytest.mark.parametrize("block_size,shared,heads,dtype", [
-    (4, 3, (4, 2), torch.float32),
-    (16, 2, (8, 1), torch.float32),
-    (5, 4, (4, 4), torch.float16),
-    (16, 1, (4, 2), torch.float16),
+@pytest.mark.parametrize("block_size,shared,heads,dtype,config", [
+    (4, 3, (4, 2), torch.float32, ALWAYS),
+    (16, 2, (8, 1), torch.float32, ONE_SPLIT),
+    (5, 4, (4, 4), torch.float16, ALWAYS),
+    (16, 1, (4, 2), torch.float16, ONE_SPLIT),
+    (16, 4, (4, 2), torch.float32, ALWAYS),  # 64 shared keys: 4 key splits hold keys
 ])
-def test_cascade_decode_equals_plain(kernel_device, block_size, shared, heads, dtype):
+def test_cascade_decode_equals_plain(kernel_device, block_size, shared, heads, dtype, config):
     check_cascade(DECODES, shared_blocks=shared, block_size=block_size, num_heads=heads[0],
                   num_kv_heads=heads[1], dtype=dtype, device=kernel_device,
-                  seed=block_size + shared)
+                  seed=block_size + shared, config=config)
 
 
 def test_cascade_decode_with_graph_padding(kernel_device):
@@ -106,12 +113,14 @@ def test_cascade_decode_with_graph_padding(kernel_device):
 MIXED = [(5, 1), (6, 9), (0, 7), (21, 1), (2, 2), (13, 20)]
 
 
-@pytest.mark.parametrize("block_size,shared,dtype", [
-    (4, 3, torch.float32), (16, 1, torch.float32), (3, 5, torch.float16),
+@pytest.mark.parametrize("block_size,shared,dtype,config", [
+    (4, 3, torch.float32, ALWAYS), (16, 1, torch.float32, ONE_SPLIT),
+    (3, 5, torch.float16, ALWAYS),
 ])
-def test_cascade_mixed_batch_equals_plain(kernel_device, block_size, shared, dtype):
+def test_cascade_mixed_batch_equals_plain(kernel_device, block_size, shared, dtype, config):
     check_cascade(MIXED, shared_blocks=shared, block_size=block_size, dtype=dtype,
-                  device=kernel_device, pad_tokens=2, padded_reqs=1, seed=block_size * shared)
+                  device=kernel_device, pad_tokens=2, padded_reqs=1, seed=block_size * shared,
+                  config=config)
 
 
 def test_cascade_prefix_shorter_than_the_shared_blocks(kernel_device):

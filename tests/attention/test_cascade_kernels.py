@@ -206,6 +206,62 @@ def test_prefill_non_causal(kernel_device, num_rows, prefix_len, block_size, dty
     assert_close_rows(lse2, want_lse, rows, TOL[dtype])
 
 
+@pytest.mark.parametrize("num_rows,prefix_len,splits,dtype", [
+    (9, 50, 2, torch.float32), (20, 70, 3, torch.float32), (4, 33, 5, torch.float16),
+    (3, 10, 4, torch.float32),  # one range holds every key, three are empty
+])
+def test_prefill_non_causal_key_splits(kernel_device, num_rows, prefix_len, splits, dtype):
+    """Keys dealt into ranges of ceil(ceil(L / 16) / S) x 16: each range's output and lse
+    equal the twin's (empty ranges: 0 and -inf), and the ranges merged equal one pass."""
+    case = shared_prefix_case(num_rows, prefix_len, block_size=3, dtype=dtype,
+                              device=kernel_device, seed=splits)
+    m, q = case["meta"], case["q"]
+    T, H, D = q.shape
+    results = []
+    for fn in (paged_prefill_attention, paged_prefill_attention_ref):
+        out = torch.full((splits, T, H, D), float("nan"), dtype=dtype, device=kernel_device)
+        lse = torch.full((splits, T, H), float("nan"), device=kernel_device)
+        fn(q, case["cache"], m.block_table_tensor, m.query_start_loc, m.seq_lens, 1,
+           case["scale"], out, num_tokens=num_rows, causal=False, lse=lse, kv_splits=splits)
+        assert torch.isnan(out[:, num_rows:].float().cpu()).all()
+        results.append((out[:, :num_rows].float().cpu(), lse[:, :num_rows].cpu()))
+    (ko, kl), (to, tl_) = results
+    torch.testing.assert_close(ko, to, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(kl, tl_, atol=TOL[dtype], rtol=TOL[dtype])
+    # by hand: L 50 / S 2 -> ranges of 32: [0, 32) [32, 50); 70 / 3 -> 32: three hold keys;
+    # 33 / 5 -> 16: [0, 16) [16, 32) [32, 33), two empty; 10 / 4 -> 16: three empty
+    want_empty = {(50, 2): 0, (70, 3): 0, (33, 5): 2, (10, 4): 3}[(prefix_len, splits)]
+    empty = [s for s in range(splits) if torch.isneginf(kl[s]).all()]
+    assert empty == list(range(splits - want_empty, splits))
+    for s in empty:
+        assert torch.all(ko[s] == 0)
+    # merged (the ranges as the first part, nothing as the second) == one pass, float64
+    dev = kernel_device
+    merged = torch.full((num_rows, H, D), float("nan"), device=dev)
+    none_out = torch.full((num_rows, H, D), float("nan"), device=dev)
+    none_lse = torch.full((num_rows, H), float("-inf"), device=dev)
+    merge_attention_states(merged, ko.to(dev), kl.to(dev), none_out, none_lse, num_rows)
+    want_out, _ = dense(case, causal=False)
+    torch.testing.assert_close(merged.cpu().double(), want_out[:num_rows], atol=TOL[dtype],
+                               rtol=TOL[dtype])
+
+
+def test_key_splits_argument_errors(kernel_device):
+    case = shared_prefix_case(4, 20, block_size=4, dtype=torch.float32, device=kernel_device,
+                              seed=0)
+    m, q = case["meta"], case["q"]
+    T, H, D = q.shape
+    args = (q, case["cache"], m.block_table_tensor, m.query_start_loc, m.seq_lens, 1,
+            case["scale"])
+    out2, lse2 = torch.zeros(2, T, H, D), torch.zeros(2, T, H)
+    with pytest.raises(ConfigError, match="causal=False"):
+        paged_prefill_attention(*args, out2, lse=lse2, kv_splits=2)
+    with pytest.raises(ConfigError, match="kv_splits"):
+        paged_prefill_attention(*args, out2, causal=False, lse=lse2, kv_splits=0)
+    with pytest.raises(ConfigError, match=r"\[S, T, H, D\]"):
+        paged_prefill_attention(*args, out2, causal=False, lse=lse2, kv_splits=3)
+
+
 def test_non_causal_differs_from_causal(kernel_device):
     """The mode bites: the same rows causally see fewer keys (a sanity check of the test)."""
     case = shared_prefix_case(6, 20, block_size=4, dtype=torch.float32, device=kernel_device,
@@ -288,6 +344,36 @@ def test_merge_kernel_matches_twin_in_place_with_end(kernel_device):
         torch.testing.assert_close(ob[3], oa[3])
         results.append(ob[:7].cpu())
     torch.testing.assert_close(results[0], results[1], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["kernel", "twin"])
+def test_merge_of_several_parts_equals_attention_over_the_union(kernel_device, impl):
+    """The first part in 3 pieces (key ranges of different sizes, one of them empty) plus the
+    second part: attention over every key."""
+    g = torch.Generator().manual_seed(4)
+    T, H, D = 5, 6, 16
+    q = torch.randn(T, H, D, generator=g, dtype=torch.float64)
+    k = torch.randn(13, H, D, generator=g, dtype=torch.float64)
+    v = torch.randn(13, H, D, generator=g, dtype=torch.float64)
+    sc = torch.einsum("thd,khd->thk", q, k) / 4.0
+
+    def part(lo, hi):
+        if lo == hi:
+            return torch.zeros(T, H, D, dtype=torch.float64), torch.full((T, H), float("-inf"),
+                                                                         dtype=torch.float64)
+        s = sc[..., lo:hi]
+        return torch.einsum("thk,khd->thd", torch.softmax(s, -1), v[lo:hi]), torch.logsumexp(s, -1)
+
+    pieces = [part(0, 2), part(2, 2), part(2, 9)]
+    ob, lb = part(9, 13)
+    dev = kernel_device
+    oa = torch.stack([p[0] for p in pieces]).float().to(dev)
+    la = torch.stack([p[1] for p in pieces]).float().to(dev)
+    out = torch.full((T, H, D), float("nan"), device=dev)
+    fn = merge_attention_states if impl == "kernel" else merge_attention_states_ref
+    fn(out, oa, la, ob.float().to(dev), lb.float().to(dev), T)
+    want = torch.einsum("thk,khd->thd", torch.softmax(sc, -1), v)
+    torch.testing.assert_close(out.double().cpu(), want, atol=1e-5, rtol=1e-5)
 
 
 def test_merge_argument_errors(kernel_device):
