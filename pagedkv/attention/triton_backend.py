@@ -17,6 +17,12 @@
 A layer's attention sinks (``sinks [H]``, GPT-OSS) reach both kernels (the varlen path has
 none: a layer with sinks takes the paged prefill kernel instead).
 
+FP8 caches (``float8_e4m3fn``, ``kv_cache_dtype="fp8"``): the writer quantizes the step's K/V
+by the layer's ``k_scale`` / ``v_scale`` (host floats, 1.0 by default), the decode and prefill
+kernels (the cascade launches too) dequantize after their loads. The varlen fresh-prefill path,
+which attends to the step's unquantized K/V, is not taken over an FP8 cache: every prompt
+token then sees the K/V that later steps and prefix hits read back.
+
 Host work per call reads only host ints and the metadata's ``*_cpu`` copies: a decode-only
 batch (``max_query_len <= 1``) costs no array work, except a sum and a max of its host lengths
 where the batch size is one the balanced-lengths rule of ``DecodeConfig`` can change (unless the
@@ -83,6 +89,7 @@ from pagedkv.attention.triton_prefill import (
 )
 from pagedkv.errors import ConfigError, InvariantError
 from pagedkv.kernels._common import cdiv, use_triton
+from pagedkv.kernels.fp8_kv import is_fp8_kv
 from pagedkv.kernels.reshape_and_cache import reshape_and_cache
 
 FRESH_PREFILL_CHOICES = ("auto", "triton", "varlen")
@@ -260,30 +267,32 @@ class TritonAttentionBackend(AttentionBackend):
         plan: "TritonPlan",
         scale: float,
         sinks: torch.Tensor | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         check = not plan.checked
         if check:  # first layer of the step: the plan's layout and the launchers' shapes
             plan.check(q, kv_cache)
         metadata = plan.metadata
         if k is not None:
-            reshape_and_cache(k, v, kv_cache[0], kv_cache[1], plan.slots)
+            reshape_and_cache(k, v, kv_cache[0], kv_cache[1], plan.slots, k_scale, v_scale)
         elif not self.fused_kv_write:
             raise InvariantError("kv-write", "k/v are None but this backend's fresh-prefill path "
                                  "needs them (fresh_prefill='varlen')")
         layout = plan.layout
         window, cap = layout.sliding_window, layout.logits_soft_cap
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
         if not plan.triton:
             return paged_attention_ref(q, kv_cache, metadata, scale, sliding_window=window,
-                                       logits_soft_cap=cap, sinks=sinks)
+                                       logits_soft_cap=cap, sinks=sinks, **scales)
 
         n = plan.n
         out = torch.empty_like(q)
         if n == 0:
             return out.zero_()
-        # cascade: not for a layer with sinks, nor over an FP8 cache (the prefix runs the
-        # prefill kernel, which reads none yet); those layers take the plain path
-        if plan.cascade and sinks is None and kv_cache.element_size() > 1:
-            return self._forward_cascade(q, kv_cache, plan, scale, out, check)
+        # cascade: not for a layer with sinks (it takes the plain path)
+        if plan.cascade and sinks is None:
+            return self._forward_cascade(q, kv_cache, plan, scale, out, check, scales)
         qsl = metadata.query_start_loc
         seq_lens = metadata.seq_lens
         table = metadata.block_table_tensor
@@ -296,26 +305,31 @@ class TritonAttentionBackend(AttentionBackend):
                                    max_seq_len=plan.max_seq_len, balanced=plan.balanced,
                                    config=self.decode_config, zero_padded_rows=True,
                                    check=check, workspace=plan.workspace,
-                                   sliding_window=window, logits_soft_cap=cap, sinks=sinks)
+                                   sliding_window=window, logits_soft_cap=cap, sinks=sinks,
+                                   **scales)
             return out
         if plan.end < q.shape[0]:
             out[plan.end:].zero_()
-        if plan.varlen and sinks is None:  # torch's varlen kernel has no sinks
+        # torch's varlen kernel has no sinks, and reads the step's K/V, not an FP8 cache's
+        if plan.varlen and sinks is None and not is_fp8_kv(kv_cache.dtype):
             varlen_prefill_attention(q, k, v, qsl[: n + 1], plan.end, plan.max_q, scale, out)
             return out
         if plan.has_decode:
             paged_decode_attention(q, kv_cache, table, qsl, seq_lens, n, scale, out,
                                    max_seq_len=plan.max_seq_len, config=self.decode_config,
                                    check=check, workspace=plan.workspace,
-                                   sliding_window=window, logits_soft_cap=cap, sinks=sinks)
+                                   sliding_window=window, logits_soft_cap=cap, sinks=sinks,
+                                   **scales)
         paged_prefill_attention(q, kv_cache, table, qsl, seq_lens, n, scale, out,
                                 num_tokens=plan.end, skip_decode=plan.has_decode,
                                 config=self.prefill_config, check=check,
-                                sliding_window=window, logits_soft_cap=cap, sinks=sinks)
+                                sliding_window=window, logits_soft_cap=cap, sinks=sinks,
+                                **scales)
         return out
 
     def _forward_cascade(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: "TritonPlan",
-                         scale: float, out: torch.Tensor, check: bool) -> torch.Tensor:
+                         scale: float, out: torch.Tensor, check: bool,
+                         scales: dict) -> torch.Tensor:
         """Cascade attention of one layer (module docstring): prefix, suffix, merge."""
         c = plan.cascade_parts(q, kv_cache)
         metadata = plan.metadata
@@ -326,18 +340,18 @@ class TritonAttentionBackend(AttentionBackend):
         paged_prefill_attention(q, kv_cache, c.prefix_table, c.prefix_qsl, c.prefix_len, 1, scale,
                                 c.prefix_out, num_tokens=c.rows, config=c.prefix_config,
                                 check=check, causal=False, lse=c.prefix_lse,
-                                kv_splits=c.splits)
+                                kv_splits=c.splits, **scales)
         # 2. each request over its own positions after the prefix
         if plan.decode_only or plan.has_decode:
             paged_decode_attention(q, kv_cache, c.suffix_table, qsl, c.suffix_seq_lens, n, scale,
                                    c.suffix_out, max_seq_len=max(1, plan.max_seq_len - plan.prefix),
                                    config=self.decode_config, check=check,
-                                   workspace=plan.workspace, lse=c.suffix_lse)
+                                   workspace=plan.workspace, lse=c.suffix_lse, **scales)
         if not plan.decode_only:
             paged_prefill_attention(q, kv_cache, c.suffix_table, qsl, c.suffix_seq_lens, n, scale,
                                     c.suffix_out, num_tokens=plan.end,
                                     skip_decode=plan.has_decode, config=self.prefill_config,
-                                    check=check, lse=c.suffix_lse)
+                                    check=check, lse=c.suffix_lse, **scales)
         # 3. merged by the log-sum-exps; rows no request owns are zeroed
         return merge_attention_states(out, c.prefix_out, c.prefix_lse, c.suffix_out,
                                       c.suffix_lse, q.shape[0], end=c.end, check=check)

@@ -23,6 +23,10 @@ sees all ``seq_len`` keys (only the tile at the sequence end is masked), so the 
 query rows can attend to the shared prefix blocks as one request in one pass over them; with
 ``lse`` each row's natural-log log-sum-exp is written too (``triton_decode._lse``).
 
+FP8 caches (``float8_e4m3fn``, ``KV_FP8``), as in the decode kernel: the loaded K / V codes are
+cast to the query dtype (exact), ``k_scale`` joins the softmax scale on the host, ``v_scale``
+multiplies the accumulated output (every key split's).
+
 ``varlen_prefill_attention``: torch's ``torch.nn.attention.varlen.varlen_attn`` (flash
 attention over packed sequences, CUDA only) on the contiguous new-token K/V, for batches whose
 requests have no cached context; K/V heads are repeated to the query heads when that torch has
@@ -59,6 +63,7 @@ from pagedkv.attention.triton_decode import (
 )
 from pagedkv.errors import ConfigError
 from pagedkv.kernels._common import check_tensor, next_pow2, use_triton
+from pagedkv.kernels.fp8_kv import check_kv_scale, dequantize_ref, is_fp8_kv
 
 
 @dataclass(frozen=True)
@@ -108,7 +113,8 @@ def _attend_tile(
     """One key tile ``[start, start + BLOCK_N)`` of the online softmax. ``MASKED``: apply the
     causal mask (``CAUSAL``) and the sequence end (otherwise every key is visible to every
     row). With ``HAS_WINDOW`` (always masked) keys before ``kv_lo`` (the tile's first key in
-    any row's window) are not read, and row ``i`` sees keys ``> q_pos[i] - window``."""
+    any row's window) are not read, and row ``i`` sees keys ``> q_pos[i] - window``. K / V
+    are cast to ``q``'s dtype after the load (a no-op unless the cache is FP8)."""
     n = start + tl.arange(0, BLOCK_N)
     col = n // BLOCK_SIZE
     if MASKED:
@@ -130,6 +136,8 @@ def _attend_tile(
     else:
         kt = tl.load(k_ptr + tok[None, :] + d[:, None], mask=(d < HEAD_DIM)[:, None], other=0.0)
         v = tl.load(v_ptr + tok[:, None] + d[None, :], mask=(d < HEAD_DIM)[None, :], other=0.0)
+    kt = kt.to(q.dtype)
+    v = v.to(q.dtype)
     qk = _soft_cap(tl.dot(q, kt, input_precision=DOT_PREC) * scale_log2, SOFTCAP)
     if MASKED:
         if CAUSAL:
@@ -181,6 +189,8 @@ def _prefill_kernel(
     lse_s0=0,
     CAUSAL: tl.constexpr = True,
     WRITE_LSE: tl.constexpr = False,
+    v_scale=1.0,
+    KV_FP8: tl.constexpr = False,
     kv_splits=1,
     o_split=0,
     lse_split=0,
@@ -215,7 +225,8 @@ def _prefill_kernel(
     rows = (q_start + m_idx).to(tl.int64)
     md_mask = m_ok[:, None] & (d < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + rows[:, None] * q_s0 + h * q_s1 + d[None, :], mask=md_mask, other=0.0)
-    q = q.to(k_ptr.dtype.element_ty)
+    if not KV_FP8:  # an FP8 cache's K / V are cast to the query dtype instead
+        q = q.to(k_ptr.dtype.element_ty)
     q_pos = ctx + m_idx
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -275,6 +286,8 @@ def _prefill_kernel(
                                          D_PAD, True, DOT_PREC, HAS_WINDOW, SOFTCAP,
                                          CAUSAL)
             start += BLOCK_N
+    if KV_FP8:
+        acc = acc * v_scale
     l_i = _sink_denominator(l_i, m_i, sinks_ptr, h, h >= 0, HAS_SINKS)
     if CAUSAL:
         o = acc / l_i[:, None]
@@ -307,12 +320,16 @@ def paged_prefill_attention(
     causal: bool = True,
     lse: torch.Tensor | None = None,
     kv_splits: int = 1,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of every request's query rows over its paged context.
 
     Args:
         q, out: ``[T, H, D]``; rows no request owns are left as they are.
-        kv_cache: ``[2, num_blocks, block_size, Hkv, D]`` holding every position already.
+        kv_cache: ``[2, num_blocks, block_size, Hkv, D]`` holding every position already
+            (bf16 / fp16 / fp32, or FP8: ``float8_e4m3fn`` read as ``k * k_scale``,
+            ``v * v_scale``; the scales, host floats > 0, apply to FP8 caches only).
         block_table: int32 ``[>= num_reqs, width]``; query_start_loc: int32
             ``[>= num_reqs + 1]``; seq_lens: int32 ``[>= num_reqs]``.
         num_reqs: host int. scale: softmax scale.
@@ -364,6 +381,8 @@ def paged_prefill_attention(
     if check:
         check_sinks(fn, sinks, q)
         check_lse(fn, lse_rows, q)
+        check_kv_scale(fn, "k_scale", k_scale)
+        check_kv_scale(fn, "v_scale", v_scale)
     if num_reqs == 0 or num_tokens == 0:
         return out
     if not use_triton(_prefill_kernel, q):
@@ -371,7 +390,9 @@ def paged_prefill_attention(
                                            num_reqs, scale, out, skip_decode=skip_decode,
                                            sliding_window=sliding_window,
                                            logits_soft_cap=logits_soft_cap, sinks=sinks,
-                                           causal=causal, lse=lse, kv_splits=splits)
+                                           causal=causal, lse=lse, kv_splits=splits,
+                                           k_scale=k_scale, v_scale=v_scale)
+    fp8 = is_fp8_kv(kv_cache.dtype)
     cfg = config or default_prefill_config(q.device)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     grid = (num_tokens // cfg.block_m + num_reqs, shape.num_heads, splits)
@@ -382,14 +403,15 @@ def paged_prefill_attention(
         query_start_loc, seq_lens, num_reqs, int(bool(skip_decode)), window,
         out_rows, out_rows.stride(0), out_rows.stride(1),
         q if sinks is None else sinks,  # never read without sinks
-        float(scale) * LOG2E,
+        float(scale) * LOG2E * (float(k_scale) if fp8 else 1.0),
         HAS_WINDOW=window > 0, SOFTCAP=softcap, HAS_SINKS=sinks is not None,
         GROUP=shape.group, HEAD_DIM=shape.head_dim,
         D_PAD=max(16, next_pow2(shape.head_dim)), BLOCK_SIZE=shape.block_size,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        DOT_PREC=dot_precision(kv_cache.dtype), RANGE_LOOP=not interpreted(_prefill_kernel),
+        DOT_PREC=dot_precision(q.dtype if fp8 else kv_cache.dtype),
+        RANGE_LOOP=not interpreted(_prefill_kernel),
         lse_ptr=lse, lse_s0=0 if lse is None else lse_rows.stride(0), CAUSAL=causal,
-        WRITE_LSE=lse is not None, kv_splits=splits,
+        WRITE_LSE=lse is not None, v_scale=float(v_scale), KV_FP8=fp8, kv_splits=splits,
         o_split=0 if splits == 1 else out.stride(0),
         lse_split=0 if splits == 1 else lse.stride(0),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -434,6 +456,8 @@ def paged_prefill_attention_ref(
     causal: bool = True,
     lse: torch.Tensor | None = None,
     kv_splits: int = 1,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Plain torch twin of :func:`paged_prefill_attention` (``paged_attention_ref`` per request;
     reads lengths back to the host; key splits: each range's softmax over its gathered keys).
@@ -446,7 +470,7 @@ def paged_prefill_attention_ref(
         return out
     if splits > 1:
         return _split_keys_ref(q, kv_cache, block_table, query_start_loc, seq_lens, num_reqs,
-                               scale, out, lse, splits)
+                               scale, out, lse, splits, k_scale, v_scale)
     qsl = [int(x) for x in query_start_loc[: num_reqs + 1].cpu()]
     lens = seq_lens[:num_reqs].cpu()
     keep = [r for r in range(num_reqs)
@@ -462,16 +486,16 @@ def paged_prefill_attention_ref(
                                                    dtype=torch.float32, device=q.device)
     out[rows] = paged_attention_ref(q[rows], kv_cache, meta, scale, sliding_window=sliding_window,
                                     logits_soft_cap=logits_soft_cap, sinks=sinks, causal=causal,
-                                    lse=sub_lse).to(out.dtype)
+                                    lse=sub_lse, k_scale=k_scale, v_scale=v_scale).to(out.dtype)
     if lse is not None:
         lse[rows] = sub_lse
     return out
 
 
 def _split_keys_ref(q, kv_cache, block_table, query_start_loc, seq_lens, num_reqs, scale, out,
-                    lse, splits):
+                    lse, splits, k_scale=1.0, v_scale=1.0):
     """Non-causal attention of each request's rows over each of its ``splits`` key ranges
-    (``paged_prefill_attention``'s ``kv_splits``), in float32."""
+    (``paged_prefill_attention``'s ``kv_splits``), in float32 (an FP8 cache dequantized)."""
     block_size, num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
     group = q.shape[1] // num_kv_heads
     qsl = [int(x) for x in query_start_loc[: num_reqs + 1].cpu()]
@@ -483,8 +507,8 @@ def _split_keys_ref(q, kv_cache, block_table, query_start_loc, seq_lens, num_req
             continue
         pos = torch.arange(n, device=q.device)
         slots = block_table[r, pos // block_size].long() * block_size + pos % block_size
-        k = kv_cache[0].reshape(-1, num_kv_heads, head_dim)[slots].float()
-        v = kv_cache[1].reshape(-1, num_kv_heads, head_dim)[slots].float()
+        k = dequantize_ref(kv_cache[0].reshape(-1, num_kv_heads, head_dim)[slots], k_scale)
+        v = dequantize_ref(kv_cache[1].reshape(-1, num_kv_heads, head_dim)[slots], v_scale)
         qr = q[start:end].reshape(end - start, num_kv_heads, group, head_dim).float()
         per = -(-(-(-n // g)) // splits) * g
         for s in range(splits):
