@@ -56,16 +56,19 @@ def run(backend, case, sinks=None):
                                          case["meta"], case["scale"], sinks=sinks)
 
 
-def check_cascade(reqs, *, dtype=torch.float32, sinks=False, config=ALWAYS, **kw):
+def check_cascade(reqs, *, dtype=torch.float32, sinks=False, config=ALWAYS, split=True, **kw):
     """Cascade (forced on) vs the torch reference and vs the plain Triton path, on twin cases:
-    outputs, the KV cache written, zero padding rows; the plan took cascade."""
+    outputs, the KV cache written, zero padding rows; the plan took cascade, its prefix split
+    over keys (``split`` True: the tiny batches with ``ALWAYS``; False: one range; None: not
+    checked)."""
     cases = [make_shared_case(reqs, dtype=dtype, **kw) for _ in range(3)]
     a, b, c = cases
     cascade = TritonAttentionBackend(cascade=config)
     plan = cascade.plan(a["meta"], AttentionLayout.of(a["q"], a["cache"]))
     assert plan.cascade, "the plan must take cascade attention"
     splits = plan.cascade_parts(a["q"], a["cache"]).splits
-    assert (splits > 1) == (config.max_prefix_splits > 1)  # the tiny batches: several
+    if split is not None:
+        assert (splits > 1) == split
     s = None
     if sinks:
         s = torch.randn(a["q"].shape[1], generator=torch.Generator().manual_seed(7)).to(a["q"].device)
@@ -100,7 +103,7 @@ DECODES = [(0, 1), (3, 1), (9, 1), (16, 1), (25, 1), (40, 1)]
 def test_cascade_decode_equals_plain(kernel_device, block_size, shared, heads, dtype, config):
     check_cascade(DECODES, shared_blocks=shared, block_size=block_size, num_heads=heads[0],
                   num_kv_heads=heads[1], dtype=dtype, device=kernel_device,
-                  seed=block_size + shared, config=config)
+                  seed=block_size + shared, config=config, split=config is ALWAYS)
 
 
 def test_cascade_decode_with_graph_padding(kernel_device):
@@ -120,7 +123,7 @@ MIXED = [(5, 1), (6, 9), (0, 7), (21, 1), (2, 2), (13, 20)]
 def test_cascade_mixed_batch_equals_plain(kernel_device, block_size, shared, dtype, config):
     check_cascade(MIXED, shared_blocks=shared, block_size=block_size, dtype=dtype,
                   device=kernel_device, pad_tokens=2, padded_reqs=1, seed=block_size * shared,
-                  config=config)
+                  config=config, split=config is ALWAYS)
 
 
 def test_cascade_prefix_shorter_than_the_shared_blocks(kernel_device):
@@ -233,11 +236,16 @@ def test_cascade_gpu_bf16_qwen3_shape(shared):
     rng = random.Random(shared)
     decodes = [(rng.randint(50, 300), 1) for _ in range(48)]
     check_cascade(decodes, shared_blocks=shared, block_size=16, num_heads=16, num_kv_heads=8,
-                  head_dim=128, dtype=torch.bfloat16, device="cuda", seed=shared)
+                  head_dim=128, dtype=torch.bfloat16, device="cuda", seed=shared, split=None)
     mixed = decodes[:20] + [(rng.randint(0, 100), rng.randint(2, 300)) for _ in range(6)]
     check_cascade(mixed, shared_blocks=shared, block_size=16, num_heads=16, num_kv_heads=8,
                   head_dim=128, dtype=torch.bfloat16, device="cuda", seed=shared + 1,
-                  pad_tokens=5)
+                  pad_tokens=5, split=None)
+    # the default split policy on this shape (W3's decode prefix: 4 ranges at 256 rows)
+    check_cascade(decodes, shared_blocks=shared, block_size=16, num_heads=16, num_kv_heads=8,
+                  head_dim=128, dtype=torch.bfloat16, device="cuda", seed=shared + 2,
+                  config=CascadeConfig(min_prefix_tokens=1, min_reqs=1, min_saved_us=0.0),
+                  split=None)
 
 
 @pytest.mark.gpu
