@@ -87,6 +87,17 @@ def test_w3_like_batch_cascade_on_equals_off(tiny_dir):
     assert llm.runner.attn_backend.cascade is TINY
 
 
+def test_cascade_with_async_scheduling(tiny_dir):
+    """Async scheduling (step k enqueued before step k-1's tokens reach the host): the
+    runner's prefix lengths from its own batch; cascade on == off (synchronous)."""
+    path = tiny_dir("qwen3")
+    prompts = w3_prompts(5, seed=3)
+    kw = dict(max_num_seqs=8, max_num_batched_tokens=256)
+    on, calls, _ = generate(path, TINY, prompts, 6, async_scheduling=True, **kw)
+    off, _, _ = generate(path, None, prompts, 6, **kw)
+    assert calls["cascade"] > 0 and on == off
+
+
 def test_cascade_decode_graph_variant_on_cpu(tiny_dir):
     """Decode steps replay the CASCADE graph (CPU stand-in capture, re-planned from the
     capture metadata at every replay: use_cascade baked, the prefix read from the group's
