@@ -189,10 +189,11 @@ class Dsv4Driver:
 
 
 def use_twins(monkeypatch) -> None:
-    """The index layer's DeepSeek-V4 kernels (window slot lists, compressed slot mapping,
-    top-k -> slot translation) as their torch twins: the kernels equal the twins (their own
-    tests run both through the interpreter), and the whole-model tests then run in seconds."""
-    from pagedkv.kernels import compressed_slot_mapping, sparse_index, swa_indices
+    """The index layer's kernels DeepSeek-V4 runs every step (the runner's slot mappings of
+    all its groups, window slot lists, compressed slot mapping, top-k -> slot translation) as
+    their torch twins: the kernels equal the twins (their own tests run both through the
+    interpreter), and the whole-model and engine tests then run in seconds."""
+    from pagedkv.kernels import compressed_slot_mapping, slot_mapping, sparse_index, swa_indices
 
-    for mod in (compressed_slot_mapping, sparse_index, swa_indices):
+    for mod in (compressed_slot_mapping, slot_mapping, sparse_index, swa_indices):
         monkeypatch.setattr(mod, "use_triton", lambda *args: False)
