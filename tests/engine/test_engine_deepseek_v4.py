@@ -17,6 +17,8 @@ import pytest
 import torch
 from engine_helpers import TEXTS, log_scheduled_steps, make_llm, pool_is_idle
 
+pytest.importorskip("transformers.models.deepseek_v4")  # transformers >= 5.24
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "models"))
 from deepseek_v4_helpers import CSA, HCA, SWA, build_tiny_dsv4, use_twins  # noqa: E402
