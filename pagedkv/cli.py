@@ -201,6 +201,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--num-gpu-blocks", type=int, default=None, help="KV pool size override (blocks)")
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV pool byte budget")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="the attention KV cache's dtype: auto (the model's) or fp8 (e4m3, "
+                        "per-layer scales 1.0: half the bytes per block)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch_ref", "triton"])
     g.add_argument("--seed", type=int, default=0)
@@ -216,6 +219,7 @@ def _engine_kwargs(args) -> dict:
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks_override=args.num_gpu_blocks,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        kv_cache_dtype=args.kv_cache_dtype,
         enforce_eager=args.enforce_eager,
         seed=args.seed,
     )

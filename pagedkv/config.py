@@ -21,6 +21,20 @@ from pagedkv.errors import ConfigError
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor", "blake2b")
 SCHEDULER_POLICIES = ("fcfs", "priority")
 MAMBA_CACHE_MODES = ("none", "align", "all")
+# KV-cache dtypes by vLLM's names -> the dtype the attention caches take (None: the model's).
+# "fp8" is e4m3 as on vLLM's CUDA path; MLA latent caches and state layers keep the model's
+# dtype (``pagedkv.core.spec.with_kv_cache_dtype``).
+KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
+
+
+def kv_cache_dtype_name(name: str, field: str = "kv_cache_dtype") -> str | None:
+    """The attention caches' dtype (a torch dtype name) for the option value ``name``; None
+    for "auto" (the model's dtype). Anything else is a ``ConfigError`` naming the choices."""
+    if isinstance(name, str) and name in KV_CACHE_DTYPES:
+        return KV_CACHE_DTYPES[name]
+    hint = ("; pagedkv's FP8 cache is e4m3 ('fp8' / 'fp8_e4m3'), e5m2 is not supported"
+            if name == "fp8_e5m2" else "")
+    raise ConfigError(f"{field} must be one of {sorted(KV_CACHE_DTYPES)}, got {name!r}{hint}")
 
 
 def _check_int(name: str, value, *, minimum: int, hint: str = "") -> None:
@@ -44,6 +58,8 @@ class CacheConfig:
     device memory" (the engine fills it in). ``prefix_match_unit``: optional override of
     the prefix-cache hash granularity for hybrid models (must divide every prefix-cacheable
     group's block size). ``mamba_block_size``: optional Mamba block size (else derived).
+    ``cache_dtype``: the attention caches' dtype, by vLLM's names (``KV_CACHE_DTYPES``:
+    "auto" = the model's, "fp8" / "fp8_e4m3" = ``float8_e4m3fn``).
     """
 
     block_size: int = 16
@@ -74,11 +90,7 @@ class CacheConfig:
             raise ConfigError(
                 f"CacheConfig.gpu_memory_utilization must be a float in (0, 1], got {u!r}"
             )
-        if not isinstance(self.cache_dtype, str) or not self.cache_dtype:
-            raise ConfigError(
-                f"CacheConfig.cache_dtype must be 'auto' or a dtype name such as 'bfloat16', "
-                f"got {self.cache_dtype!r}"
-            )
+        kv_cache_dtype_name(self.cache_dtype, "CacheConfig.cache_dtype")
         if self.prefix_match_unit is not None:
             _check_int("CacheConfig.prefix_match_unit", self.prefix_match_unit, minimum=1,
                        hint="or None to use the gcd of the groups' block sizes")
@@ -176,6 +188,9 @@ class EngineConfig:
     trained context, fitted to the pool when smaller. ``kv_cache_memory_bytes``: a KV byte
     budget instead of ``gpu_memory_utilization`` (on CPU the default is 256 MiB).
     ``num_gpu_blocks_override``: exactly this many blocks (the null block included).
+    ``kv_cache_dtype``: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (vLLM's names): the
+    attention layers' paged K/V in ``float8_e4m3fn`` with per-layer scales 1.0 (vLLM's default
+    without checkpoint scales); half the bytes per block, so twice the blocks for a budget.
     ``sanitize``: check every index-layer invariant on every step (slow; for debugging).
     """
 
@@ -187,6 +202,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
     long_prefill_token_threshold: int = 0
@@ -218,6 +234,7 @@ class EngineConfig:
         if self.kv_cache_memory_bytes is not None:
             _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, minimum=1)
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, minimum=0)
+        kv_cache_dtype_name(self.kv_cache_dtype)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an int, got {self.seed!r}")
         if self.cuda_graph_sizes is not None:

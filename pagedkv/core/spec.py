@@ -253,6 +253,23 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
         return self.specs[0][1]
 
 
+def with_kv_cache_dtype(spec: KVCacheSpec, dtype: str | None) -> KVCacheSpec:
+    """``spec`` as the engine serves it with the attention caches in ``dtype`` (a torch dtype
+    name; None: unchanged): paged K/V specs (full attention, sliding window, chunked local)
+    take ``dtype``; MLA latent caches (``MLAAttentionSpec``, ``SlidingWindowMLASpec``, any
+    compressed spec) and state specs keep theirs (an FP8 KV cache quantizes K and V only);
+    a ``UniformTypeKVCacheSpecs`` converts its members."""
+    if dtype is None:
+        return spec
+    dtype_size(dtype)
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return replace(spec, specs=tuple((n, with_kv_cache_dtype(s, dtype)) for n, s in spec.specs))
+    if (isinstance(spec, AttentionSpec) and spec.compress_ratio == 1
+            and not isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec))):
+        return replace(spec, dtype=dtype)
+    return spec
+
+
 @dataclass(frozen=True)
 class KVCacheGroupSpec:
     """Layers that share one block table and one slot mapping."""

@@ -749,6 +749,19 @@ def attention_block_size(groups, block_size: int) -> int:
     return block_size
 
 
+def attention_cache_dtypes(groups) -> str:
+    """The dtypes of the groups' attention caches (torch names in group order, distinct,
+    joined by "+"; "" without attention groups): what the sizing reports."""
+    names: list[str] = []
+    for g in groups:
+        for name in g.layer_names:
+            spec = g.layer_spec(name)
+            dtype = getattr(spec, "dtype", None)
+            if dtype is not None and not isinstance(spec, MambaSpec) and dtype not in names:
+                names.append(dtype)
+    return "+".join(names)
+
+
 def build_engine(
     model: Any,
     tokenizer: Any = None,
@@ -773,6 +786,11 @@ def build_engine(
     ``sanitize``: check every invariant of ``pagedkv.sanitizer`` on every step (the pool after
     each update; tables, padding and slot mappings of every group after each input
     preparation, before the forward pass), raising ``InvariantError``; slow, for debugging.
+    ``kv_cache_dtype``: "fp8" (or "fp8_e4m3") keeps the attention layers' paged K/V in
+    ``float8_e4m3fn`` (per-layer scales 1.0, as vLLM without checkpoint scales: the writers
+    quantize, the attention kernels dequantize); the pool's page bytes halve, so a byte budget
+    holds twice the blocks (the sizing reports the dtype). MLA latent caches and state layers
+    keep the model's dtype.
     ``max_model_len``: default the model's trained context (``max_trained_len``), fitted to the
     pool when that is smaller; a larger value than the trained context is refused unless
     ``allow_long_max_model_len`` (or ``PAGEDKV_ALLOW_LONG_MAX_MODEL_LEN=1``).
@@ -794,6 +812,7 @@ def build_engine(
     long_prefill_token_threshold = ec.long_prefill_token_threshold
     async_scheduling, compile_model, warmup = ec.async_scheduling, ec.compile_model, ec.warmup
     allow_long_max_model_len, sanitize = ec.allow_long_max_model_len, ec.sanitize
+    kv_cache_dtype = ec.kv_cache_dtype
     trained = getattr(cfg, "max_trained_len", cfg.max_position_embeddings)
     user_max_model_len = max_model_len
     if max_model_len is None:
@@ -818,9 +837,11 @@ def build_engine(
     )
     # Validates block_size, prefix caching and utilization before any memory work.
     CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
-                gpu_memory_utilization=gpu_memory_utilization)
+                gpu_memory_utilization=gpu_memory_utilization, cache_dtype=kv_cache_dtype)
+    # kv_cache_dtype="fp8": the attention layers' specs in float8_e4m3fn, half the page bytes
     groups = kv_cache_groups_for(model, block_size, max_model_len=max_model_len,
-                                 enable_prefix_caching=enable_prefix_caching)
+                                 enable_prefix_caching=enable_prefix_caching,
+                                 kv_cache_dtype=kv_cache_dtype)
     # a state-space hybrid's attention blocks grow until their page holds a state page
     block_size = attention_block_size(groups, block_size)
     # a block's bytes over the shared tensor slots (one per layer with one group): the groups'
@@ -853,15 +874,17 @@ def build_engine(
             sizing = dataclasses.replace(sizing, max_model_len=max_model_len)
             # mode-none state blocks cover max_model_len tokens
             groups = kv_cache_groups_for(model, block_size, max_model_len=max_model_len,
-                                         enable_prefix_caching=enable_prefix_caching)
+                                         enable_prefix_caching=enable_prefix_caching,
+                                         kv_cache_dtype=kv_cache_dtype)
         check_pool(sizing.num_blocks, block_size, max_model_len, sizing.source)
     kv = KVCacheConfig(num_blocks=sizing.num_blocks, kv_cache_groups=groups)
+    sizing = dataclasses.replace(sizing, kv_cache_dtype=attention_cache_dtypes(groups))
     if len(groups) > 1:  # the pool's capacity per group (a request holds blocks in each)
         sizing = dataclasses.replace(sizing, groups=group_capacity(
             kv, max_model_len, max_num_batched_tokens, block_size))
     cc = CacheConfig(block_size=block_size, num_gpu_blocks=sizing.num_blocks,
                      enable_prefix_caching=enable_prefix_caching,
-                     gpu_memory_utilization=gpu_memory_utilization)
+                     gpu_memory_utilization=gpu_memory_utilization, cache_dtype=kv_cache_dtype)
     scheduler = (AsyncScheduler if async_scheduling else Scheduler)(sc, kv, cc)
     runner = ModelRunner(model, kv, sc, cc, device=device, seed=seed, enforce_eager=not graphs,
                          cuda_graph_sizes=cuda_graph_sizes)

@@ -96,6 +96,9 @@ class KVCacheSizing:
     # per KV-cache group (``group_capacity``): what one max-length request holds in it;
     # empty: one full-attention group
     groups: tuple = ()
+    # the attention caches' dtype (torch names, e.g. "bfloat16" or "float8_e4m3fn"; several
+    # joined by "+"; "" when not given)
+    kv_cache_dtype: str = ""
 
     @property
     def num_usable_blocks(self) -> int:
@@ -132,9 +135,10 @@ class KVCacheSizing:
         return d
 
     def describe(self) -> str:
+        dtype = f"{self.kv_cache_dtype}, " if self.kv_cache_dtype else ""
         return (
             f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens "
-            f"({self.kv_cache_bytes / GiB:.2f} GiB, {self.token_capacity} tokens, "
+            f"({dtype}{self.kv_cache_bytes / GiB:.2f} GiB, {self.token_capacity} tokens, "
             f"max concurrency {self.max_concurrency:.2f} at max_model_len {self.max_model_len}; "
             f"sized by {self.source})" + self._describe_groups()
         )

@@ -103,7 +103,7 @@ class KVPool:
         for p in self.pages:
             p.index_fill_(0, block_ids, 0)
         for t in self.plain:
-            t.index_fill_(kv_block_dim(t), block_ids, 0)
+            _bytes_if_fp8(t).index_fill_(kv_block_dim(t), block_ids, 0)
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Block ``dst[i]`` becomes a copy of block ``src[i]`` in every slot (sources are read
@@ -112,7 +112,8 @@ class KVPool:
             p.index_copy_(0, dst, p.index_select(0, src))
         for t in self.plain:
             d = kv_block_dim(t)
-            t.index_copy_(d, dst, t.index_select(d, src))
+            b = _bytes_if_fp8(t)
+            b.index_copy_(d, dst, b.index_select(d, src))
 
     @property
     def nbytes(self) -> int:
@@ -171,6 +172,12 @@ def allocate_kv_pool(
             t.fill_(fill)
         tensors.append(t)
     return KVPool([tensors[slots[name]] for name in layer_names], [], tensors)
+
+
+def _bytes_if_fp8(t: torch.Tensor) -> torch.Tensor:
+    """An FP8 slot as its bytes (same shape; zero bytes are 0.0): torch has no index_fill_ /
+    index_copy_ for float8 tensors on the CPU; other tensors as they are."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
 
 
 def _torch_dtype(name: str) -> torch.dtype:

@@ -64,7 +64,7 @@ import numpy as np
 import torch
 
 from pagedkv.attention.backend import AttentionBackend, AttentionLayout, StepAttention
-from pagedkv.config import CacheConfig, SchedulerConfig
+from pagedkv.config import CacheConfig, SchedulerConfig, kv_cache_dtype_name
 from pagedkv.core.output import ModelRunnerOutput, SchedulerOutput
 from pagedkv.core.spec import (
     FullAttentionSpec,
@@ -73,6 +73,7 @@ from pagedkv.core.spec import (
     MambaCacheMode,
     MambaSpec,
     MLAAttentionSpec,
+    with_kv_cache_dtype,
 )
 from pagedkv.errors import ConfigError, InvariantError
 from pagedkv.sampling.metadata import SamplingMetadata
@@ -127,9 +128,23 @@ def kv_cache_spec_for(model: Any, block_size: int) -> FullAttentionSpec:
     )
 
 
+def served_kv_cache_specs(model: Any, block_size: int, kv_cache_dtype: str = "auto") -> dict:
+    """``model.kv_cache_specs(block_size)`` as the engine serves them with the option
+    ``kv_cache_dtype`` (``pagedkv.config.KV_CACHE_DTYPES``): "auto" as declared (the model's
+    dtype), "fp8" with the attention layers' paged K/V in ``float8_e4m3fn``
+    (``with_kv_cache_dtype``: latent and state layers keep theirs)."""
+    dtype = kv_cache_dtype_name(kv_cache_dtype)
+    specs = model.kv_cache_specs(block_size)
+    if dtype is None:
+        return specs
+    return {name: with_kv_cache_dtype(s, dtype) for name, s in specs.items()}
+
+
 def kv_cache_groups_for(model: Any, block_size: int, *, max_model_len: int | None = None,
-                        enable_prefix_caching: bool = False) -> list[KVCacheGroupSpec]:
-    """The model's KV-cache groups: each cache layer's spec (``model.kv_cache_specs``, in the
+                        enable_prefix_caching: bool = False,
+                        kv_cache_dtype: str = "auto") -> list[KVCacheGroupSpec]:
+    """The model's KV-cache groups: each cache layer's spec (:func:`served_kv_cache_specs`:
+    ``model.kv_cache_specs`` with the attention caches in ``kv_cache_dtype``, in the
     model's cache-layer order) formed into groups by the planner
     (``pagedkv.core.planning.get_kv_cache_groups``: equal specs share one group; full and
     sliding-window layers form a hybrid of several groups). A state-space hybrid's specs are
@@ -138,7 +153,7 @@ def kv_cache_groups_for(model: Any, block_size: int, *, max_model_len: int | Non
     size raised so its page holds a state page); ``max_model_len`` is then required."""
     from pagedkv.core.planning import get_kv_cache_groups, hybrid_state_specs
 
-    specs = model.kv_cache_specs(block_size)
+    specs = served_kv_cache_specs(model, block_size, kv_cache_dtype)
     if any(isinstance(s, MambaSpec) for s in specs.values()):
         if max_model_len is None:
             raise ConfigError("a model with state layers needs max_model_len to plan its groups")
@@ -204,6 +219,8 @@ class ModelRunner:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.kv_cache_config = kv_cache_config
+        # the attention caches' dtype option (the specs' dtype; "auto": the model's)
+        self.kv_cache_dtype = cache_config.cache_dtype if cache_config is not None else "auto"
         self.layer_names = cache_layer_names(model)
         self._check_kv_cache_config(kv_cache_config)
         groups = kv_cache_config.kv_cache_groups
@@ -288,8 +305,9 @@ class ModelRunner:
     def _check_kv_cache_config(self, kv: KVCacheConfig) -> None:
         """Every cache layer of the model in exactly one group, each group's spec (a
         ``UniformTypeKVCacheSpecs`` group's member spec) the one the model declares for its
-        layers (``model.kv_cache_specs``; a state layer's up to the block size, mode and page
-        the engine chose)."""
+        layers (``model.kv_cache_specs`` in the cache config's ``cache_dtype``,
+        :func:`served_kv_cache_specs`; a state layer's up to the block size, mode and page the
+        engine chose)."""
         groups = kv.kv_cache_groups
         if not groups:
             raise ConfigError("the KV-cache config has no group; the model's cache layers "
@@ -301,7 +319,7 @@ class ModelRunner:
                 f"cache layers (cache_layer_names) exactly once, got {names[:3]}...")
         for gid, g in enumerate(groups):
             spec = g.kv_cache_spec
-            want = self.model.kv_cache_specs(spec.block_size)
+            want = served_kv_cache_specs(self.model, spec.block_size, self.kv_cache_dtype)
             bad = [n for n in g.layer_names if not _same_layer_spec(want[n], g.layer_spec(n))]
             if bad:
                 raise ConfigError(
@@ -707,5 +725,6 @@ __all__ = [
     "attention_layer_names",
     "kv_cache_groups_for",
     "kv_cache_spec_for",
+    "served_kv_cache_specs",
     "profile_peak_memory",
 ]
