@@ -53,6 +53,8 @@ def record(llm):
 
 
 def generate(path, cascade, prompts, max_tokens, **kw):
+    """Greedy tokens of ``prompts`` with cascade ``cascade`` (``kw``: engine options, e.g. the
+    device: the CPU through the interpreter, or CUDA natively)."""
     llm = make_llm(path, attention_backend=TritonAttentionBackend(cascade=cascade), **kw)
     calls = record(llm)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -72,10 +74,10 @@ def test_cascade_prefix_lens_by_hand():
     assert cascade_prefix_lens([5, 10], [32, 16], np.array([100])) == [96, 96]
 
 
-def test_w3_like_batch_cascade_on_equals_off(tiny_dir):
+def test_w3_like_batch_cascade_on_equals_off(tiny_dir, kernel_device):
     path = tiny_dir("qwen3")
     prompts = w3_prompts(6)
-    kw = dict(max_num_seqs=8, max_num_batched_tokens=256)
+    kw = dict(max_num_seqs=8, max_num_batched_tokens=256, device=kernel_device)
     on, calls_on, llm = generate(path, TINY, prompts, 8, **kw)
     off, calls_off, _ = generate(path, None, prompts, 8, **kw)
     assert calls_on["cascade"] > 0 and calls_off["cascade"] == 0
@@ -87,18 +89,18 @@ def test_w3_like_batch_cascade_on_equals_off(tiny_dir):
     assert llm.runner.attn_backend.cascade is TINY
 
 
-def test_cascade_with_async_scheduling(tiny_dir):
+def test_cascade_with_async_scheduling(tiny_dir, kernel_device):
     """Async scheduling (step k enqueued before step k-1's tokens reach the host): the
     runner's prefix lengths from its own batch; cascade on == off (synchronous)."""
     path = tiny_dir("qwen3")
     prompts = w3_prompts(5, seed=3)
-    kw = dict(max_num_seqs=8, max_num_batched_tokens=256)
+    kw = dict(max_num_seqs=8, max_num_batched_tokens=256, device=kernel_device)
     on, calls, _ = generate(path, TINY, prompts, 6, async_scheduling=True, **kw)
     off, _, _ = generate(path, None, prompts, 6, **kw)
     assert calls["cascade"] > 0 and on == off
 
 
-def test_cascade_decode_graph_variant_on_cpu(tiny_dir):
+def test_cascade_decode_graph_variant_on_cpu(tiny_dir, kernel_device):
     """Decode steps replay the CASCADE graph (CPU stand-in capture, re-planned from the
     capture metadata at every replay: use_cascade baked, the prefix read from the group's
     device scalar the runner writes), for prefixes of 3 and then 2 blocks; tokens equal the
@@ -108,7 +110,9 @@ def test_cascade_decode_graph_variant_on_cpu(tiny_dir):
     from pagedkv.worker.cuda_graphs import CudaGraphManager
 
     path = tiny_dir("qwen3")
-    kw = dict(max_num_seqs=4, max_num_batched_tokens=256)
+    # eager: the engine captures no graphs of its own (on CUDA); the stand-in's are the test's
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=256, device=kernel_device,
+              enforce_eager=True)
     llm = make_llm(path, attention_backend=TritonAttentionBackend(cascade=TINY), **kw)
     runner = llm.runner
     mgr = CudaGraphManager(runner, [2, 4], graph_capture=EagerReplay())
