@@ -26,6 +26,7 @@ Usage on the H200::
     python bench/bench_w1.py --json w1.json                 # pagedkv only
     python bench/bench_w1.py --with-hf --hf-static --json w1.json
     python bench/bench_w1.py --num-requests 32 --scale 0.25  # quick variant
+    python bench/bench_w1.py --kv-cache-dtype fp8 --workload w2 --json w2_fp8.json
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def build_pagedkv(args) -> tuple[LLM, str]:
         attention_backend=args.attention_backend,
         async_scheduling=args.async_scheduling,
         compile_model=args.compile_model,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     if args.no_cascade:  # the Triton backend with cascade (shared-prefix) attention off
         from pagedkv.attention.triton_backend import TritonAttentionBackend
@@ -232,6 +234,8 @@ def main(argv=None) -> int:
                    help="torch.compile the norm/RoPE/MLP regions (default: LLM's, on with "
                         "CUDA; falls back to eager with a warning if compilation fails)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="the attention KV cache: auto (the model's dtype) or fp8 (e4m3)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch_ref", "triton"])
     p.add_argument("--no-cascade", action="store_true",
                    help="the Triton backend without cascade (shared-prefix) attention")

@@ -637,7 +637,8 @@ class LLMEngine:
         if self.sizing is not None:
             d.update(token_capacity=self.sizing.token_capacity,
                      max_concurrency=self.sizing.max_concurrency,
-                     kv_cache_bytes=self.sizing.kv_cache_bytes, sized_by=self.sizing.source)
+                     kv_cache_bytes=self.sizing.kv_cache_bytes, sized_by=self.sizing.source,
+                     kv_cache_dtype=self.sizing.kv_cache_dtype)
         return d
 
 

@@ -216,8 +216,8 @@ def run_throughput(llm, workload: Workload, *, temperature: float = 0.0, warmup:
         peak_kv_usage=after["peak_usage"],
         cuda_graph_steps=after["cuda_graph_steps"] - before["cuda_graph_steps"],
         engine={k: after[k] for k in ("num_blocks", "block_size", "token_capacity", "max_concurrency",
-                                      "sized_by", "cuda_graph_sizes", "async_scheduling",
-                                      "compiled_model") if k in after},
+                                      "sized_by", "kv_cache_dtype", "cuda_graph_sizes",
+                                      "async_scheduling", "compiled_model") if k in after},
     )
 
 

@@ -328,3 +328,22 @@ def test_gpu_qwen3_0_6b_shape_bf16_fp8_cache(tiny_cache):
     # rounding (3 mantissa bits) moves more logits across near-ties
     assert agree >= 0.7 and rel < 0.1
     assert exact >= 0.7 * len(margins) and max(margins) < 0.5
+
+
+def test_cli_bench_w2_variant_fp8(tiny_dir, tmp_path, capsys):
+    """``pagedkv bench --kv-cache-dtype fp8`` (a small W2 variant on the CPU): the sizing line
+    and the JSON say the cache's dtype, every requested token comes out."""
+    import json
+
+    from pagedkv.cli import main
+
+    out_json = tmp_path / "bench.json"
+    rc = main(["bench", "--workload", "w2", "--model", tiny_dir("qwen3"), "--num-requests", "2",
+               "--scale", "0.01", "--device", "cpu", "--dtype", "float32", "--max-model-len",
+               "256", "--kv-cache-memory-bytes", "2000000", "--kv-cache-dtype", "fp8",
+               "--quiet", "--json", str(out_json)])
+    assert rc == 0
+    assert "float8_e4m3fn" in capsys.readouterr().out
+    res = json.loads(out_json.read_text())["result"]
+    assert res["engine"]["kv_cache_dtype"] == "float8_e4m3fn"
+    assert res["output_tokens"] == res["requested_output_tokens"] > 0
