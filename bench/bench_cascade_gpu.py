@@ -167,12 +167,13 @@ def reference_error(step: Step, out: torch.Tensor, sample: int) -> float:
 
 
 def bench_case(shape: Shape, generated: int, layers: int, dtype, device: str, cuda: bool,
-               sweep: bool = False) -> dict:
+               sweep: bool = False, force: bool = False) -> dict:
+    """One step's plain and cascade layers (``force``: cascade thresholds off, for the tiny
+    shapes; else the default ``CascadeConfig``, which W3's step passes)."""
     step = Step(shape, generated, layers, dtype, device, seed=generated)
     plain_b = TritonAttentionBackend(cascade=None)
-    cascade_b = TritonAttentionBackend(cascade=CascadeConfig() if cuda else
-                                       CascadeConfig(min_prefix_tokens=1, min_reqs=1,
-                                                     min_saved_us=0.0))
+    cascade_b = TritonAttentionBackend(cascade=CascadeConfig(
+        min_prefix_tokens=1, min_reqs=1, min_saved_us=0.0) if force else CascadeConfig())
     plan = cascade_b.plan(step.meta, step.layout)
     res = {"shape": shape.name, "generated": generated, "num_reqs": shape.num_reqs,
            "shared": shape.shared, "layers": layers, "mean_seq_len":
@@ -215,7 +216,7 @@ def bench_case(shape: Shape, generated: int, layers: int, dtype, device: str, cu
     res["speedup"] = res["plain_us"] / res["cascade_us"]
     res["ok"] = (plan.cascade and res["rel_err_vs_plain"] < TOL and res["rel_err_vs_ref"] < TOL)
     if sweep:
-        res["prefix_sweep"] = sweep_prefix(step, parts, cuda)
+        res["prefix_sweep"] = sweep_prefix(step, parts, cuda, tiny=force)
     return res
 
 
@@ -226,12 +227,12 @@ PREFIX_SPLITS = (1, 2, 4, 8)
 TINY_TILES = ((16, 16, 1, 1),)
 
 
-def sweep_prefix(step: Step, parts, cuda: bool) -> list[dict]:
+def sweep_prefix(step: Step, parts, cuda: bool, tiny: bool = False) -> list[dict]:
     """The prefix piece alone under each tile config and split count (fastest first), each
     merged result checked against the default's."""
     q, cache, scale = step.q, step.caches[0], step.scale
     n = q.shape[0]
-    tiles = PREFIX_TILES if cuda else TINY_TILES
+    tiles = TINY_TILES if tiny else PREFIX_TILES
     rows = []
     for bm, bn, w, st in tiles:
         cfg = PrefillConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
@@ -315,7 +316,8 @@ def main(argv=None) -> dict:
     t0 = time.time()
     for g in gens:
         try:
-            r = bench_case(shape, g, layers, dtype, device, cuda, sweep=args.sweep_prefix)
+            r = bench_case(shape, g, layers, dtype, device, cuda, sweep=args.sweep_prefix,
+                           force=args.tiny)
         except Exception as e:  # keep the other cases
             r = {"shape": shape.name, "generated": g, "error": f"{type(e).__name__}: {e}"}
         log(json.dumps(r, default=str))
