@@ -43,6 +43,26 @@ class HFReference:
         return self.model(torch.tensor([list(ids)])).logits[0].float()
 
 
+def greedy(n: int):
+    """Greedy sampling of exactly ``n`` tokens (EOS ignored)."""
+    from pagedkv import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def check_greedy(llm, ref: HFReference, prompts, n: int):
+    """``llm`` generates ``n`` greedy tokens for each prompt: each output equals transformers'
+    greedy ``generate`` (``ref``), finished by length, and the pool is idle afterwards. Returns
+    the outputs."""
+    outs = llm.generate(prompts, greedy(n), use_tqdm=False)
+    for o in outs:
+        assert o.outputs[0].token_ids == ref.greedy(o.prompt_token_ids, n), \
+            f"prompt of {len(o.prompt_token_ids)} tokens"
+        assert o.finished and o.outputs[0].finish_reason == "length"
+    assert pool_is_idle(llm)
+    return outs
+
+
 def make_llm(path: str, **kw):
     """An engine on CPU, fp32, torch reference attention, a small KV pool by default, with the
     sanitizer checking every invariant on every step."""
@@ -90,3 +110,18 @@ def teacher_forced_agreement(hf_model, prompts, outs) -> tuple[int, int, float]:
         exact, total = exact + tf.exact, total + len(tf.margins)
         worst = max(worst, tf.max_margin)
     return exact, total, worst
+
+
+def check_bf16_teacher_forced(llm, path: str, prompts, label: str, n: int = 24):
+    """The bf16 GPU check of the hybrid and MoE families: ``llm`` (bf16 on CUDA) generates ``n``
+    greedy tokens per prompt; transformers' model at ``path`` in bf16 on CUDA, fed our own
+    tokens, has at least 90% of them as its top-1 and every one within a logit margin of 1.0 of
+    its top-1 (the agreement is printed). Returns the outputs."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16).to("cuda").eval()
+    outs = llm.generate(prompts, greedy(n), use_tqdm=False)
+    exact, total, worst = teacher_forced_agreement(hf, [o.prompt_token_ids for o in outs], outs)
+    print(f"{label} bf16 teacher-forced top-1 agreement {exact}/{total} = {exact / total:.3f}, "
+          f"largest margin {worst:.3f}")
+    assert exact / total >= 0.9 and worst < 1.0
+    return outs

@@ -11,9 +11,8 @@ import os
 
 import pytest
 import torch
-from engine_helpers import TEXTS, log_scheduled_steps, make_llm, pool_is_idle
+from engine_helpers import TEXTS, check_greedy, log_scheduled_steps, make_llm
 
-from pagedkv import SamplingParams
 from pagedkv.attention.mla_torch_ref import TorchRefMLABackend
 from pagedkv.attention.mla_triton_backend import TritonMLABackend
 from pagedkv.config import SchedulerConfig
@@ -35,20 +34,6 @@ VARIANTS = {
 }
 
 
-def greedy(n=12):
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-
-
-def check(llm, ref, prompts, n=12):
-    outs = llm.generate(prompts, greedy(n), use_tqdm=False)
-    for o in outs:
-        assert o.outputs[0].token_ids == ref.greedy(o.prompt_token_ids, n), \
-            f"prompt of {len(o.prompt_token_ids)} tokens"
-        assert o.finished and o.outputs[0].finish_reason == "length"
-    assert pool_is_idle(llm)
-    return outs
-
-
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_batched_greedy_matches_transformers(tiny_dir, hf_ref, name):
     path = tiny_dir("deepseek_v3", **VARIANTS[name])
@@ -56,7 +41,7 @@ def test_batched_greedy_matches_transformers(tiny_dir, hf_ref, name):
     model = llm.engine.model
     assert isinstance(model.attn_backend, TorchRefMLABackend)
     assert [layer.sparse for layer in model.layers] == list(model.config.moe.sparse_layers)
-    outs = check(llm, hf_ref(path), TEXTS)
+    outs = check_greedy(llm, hf_ref(path), TEXTS, 12)
     assert [o.prompt for o in outs] == TEXTS
     assert len({len(o.prompt_token_ids) for o in outs}) == len(TEXTS)
 
@@ -84,7 +69,8 @@ def test_chunked_prefill_prefix_hits_and_block_sizes(tiny_dir, hf_ref, block_siz
     llm = make_llm(path, block_size=block_size, max_num_batched_tokens=16, max_num_seqs=4)
     steps = log_scheduled_steps(llm.scheduler)
     long = TEXTS[3]
-    check(llm, ref, [long, TEXTS[2], long + " And more after the shared part.", TEXTS[1]])
+    prompts = [long, TEXTS[2], long + " And more after the shared part.", TEXTS[1]]
+    check_greedy(llm, ref, prompts, 12)
     assert all(sum(s.values()) <= 16 for s in steps)
     # some step mixed decode tokens with a prompt chunk
     assert any(1 in s.values() and max(s.values()) > 1 for s in steps)
@@ -96,7 +82,7 @@ def test_preemption_with_a_small_pool(tiny_dir, hf_ref):
     path = tiny_dir("deepseek_v3")
     n = 40
     llm = make_llm(path, num_gpu_blocks_override=13, max_model_len=192, kv_cache_memory_bytes=None)
-    outs = check(llm, hf_ref(path), TEXTS, n)
+    outs = check_greedy(llm, hf_ref(path), TEXTS, n)
     stats = llm.get_kv_stats()
     assert stats["preemptions"] > 0
     assert sum(o.metrics.num_preemptions for o in outs) == stats["preemptions"]
@@ -142,7 +128,7 @@ def test_triton_mla_backend(tiny_dir, hf_ref, monkeypatch):
     path = tiny_dir("deepseek_v3")
     llm = make_llm(path, attention_backend="triton", max_num_batched_tokens=16, max_num_seqs=4)
     assert isinstance(llm.engine.model.attn_backend, TritonMLABackend)
-    check(llm, hf_ref(path), TEXTS[:3], 8)
+    check_greedy(llm, hf_ref(path), TEXTS[:3], 8)
     assert calls
 
 
@@ -155,5 +141,5 @@ def test_gpu_fp32_engine_with_cuda_graphs_matches_transformers(tiny_dir, hf_ref,
     llm = make_llm(path, device="cuda", attention_backend="triton", max_num_seqs=8,
                    max_num_batched_tokens=64)
     assert isinstance(llm.engine.model.attn_backend, TritonMLABackend)
-    check(llm, hf_ref(path), TEXTS + TEXTS[:3], 16)
+    check_greedy(llm, hf_ref(path), TEXTS + TEXTS[:3], 16)
     assert llm.get_kv_stats()["cuda_graph_steps"] > 0

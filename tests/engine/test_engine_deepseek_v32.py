@@ -13,8 +13,7 @@ import os
 
 import pytest
 import torch
-from engine_helpers import TEXTS, log_scheduled_steps, make_llm
-from test_engine_deepseek_v3 import check
+from engine_helpers import TEXTS, check_greedy, log_scheduled_steps, make_llm
 
 from pagedkv.attention.mla_sparse import DSABackend
 from pagedkv.config import SchedulerConfig
@@ -88,7 +87,7 @@ def test_batched_greedy_matches_transformers(tiny_dir, hf_ref, name):
     assert type(model).__name__ == "DeepseekV32ForCausalLM"
     assert isinstance(model.attn_backend, DSABackend) and model.attn_backend.kernels == "ref"
     steps = TopkCheck(llm)
-    outs = check(llm, hf_ref(path), TEXTS)
+    outs = check_greedy(llm, hf_ref(path), TEXTS, 12)
     assert len({len(o.prompt_token_ids) for o in outs}) == len(TEXTS)
     assert steps.calls and steps.sparse > 20  # tokens whose top-k drops positions
 
@@ -142,7 +141,8 @@ def test_chunked_prefill_prefix_hits_and_block_sizes(tiny_dir, hf_ref, block_siz
     steps = log_scheduled_steps(llm.scheduler)
     topk = TopkCheck(llm)
     long = TEXTS[3]
-    check(llm, hf_ref(path), [long, TEXTS[2], long + " And more after the shared part.", TEXTS[1]])
+    prompts = [long, TEXTS[2], long + " And more after the shared part.", TEXTS[1]]
+    check_greedy(llm, hf_ref(path), prompts, 12)
     assert all(sum(s.values()) <= 16 for s in steps)
     assert any(1 in s.values() and max(s.values()) > 1 for s in steps)
     assert llm.get_kv_stats()["prefix_cache_hits"] >= block_size
@@ -154,7 +154,7 @@ def test_preemption_with_a_small_pool(tiny_dir, hf_ref):
     n = 40
     llm = make_llm(path, num_gpu_blocks_override=13, max_model_len=192, kv_cache_memory_bytes=None)
     topk = TopkCheck(llm)
-    outs = check(llm, hf_ref(path), TEXTS, n)
+    outs = check_greedy(llm, hf_ref(path), TEXTS, n)
     stats = llm.get_kv_stats()
     assert stats["preemptions"] > 0
     assert sum(o.metrics.num_preemptions for o in outs) == stats["preemptions"]
@@ -182,7 +182,7 @@ def test_triton_kernels_in_the_engine(tiny_dir, hf_ref, monkeypatch):
     backend = llm.engine.model.attn_backend
     assert isinstance(backend, DSABackend) and backend.kernels == "auto"
     backend.kernels = "kernel"
-    check(llm, hf_ref(path), TEXTS[:3], 8)
+    check_greedy(llm, hf_ref(path), TEXTS[:3], 8)
     assert calls
 
 
@@ -196,4 +196,4 @@ def test_gpu_fp32_engine_matches_transformers(tiny_dir, hf_ref, name):
                    max_num_batched_tokens=64)
     backend = llm.engine.model.attn_backend
     assert isinstance(backend, DSABackend) and backend.kernels == "auto"
-    check(llm, hf_ref(path), TEXTS + TEXTS[:3], 16)
+    check_greedy(llm, hf_ref(path), TEXTS + TEXTS[:3], 16)

@@ -8,27 +8,22 @@ preemption on a small pool, block sizes 16 and 32, with the torch reference atte
 Triton kernels (interpreted)."""
 
 import pytest
-from engine_helpers import TEXTS, log_scheduled_steps, make_llm, pool_is_idle
-
-from pagedkv import SamplingParams
+from engine_helpers import (
+    TEXTS,
+    check_bf16_teacher_forced,
+    check_greedy,
+    greedy,
+    log_scheduled_steps,
+    make_llm,
+    pool_is_idle,
+)
 
 W = 8
-GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def path(tiny_dir):
     return tiny_dir("gpt_oss", sliding_window=W)
-
-
-def _check(llm, ref, prompts, params=GREEDY):
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    for o in outs:
-        assert o.outputs[0].token_ids == ref.greedy(o.prompt_token_ids, params.max_tokens), \
-            f"prompt of {len(o.prompt_token_ids)} tokens"
-        assert o.finished and o.outputs[0].finish_reason == "length"
-    assert pool_is_idle(llm)
-    return outs
 
 
 @pytest.mark.parametrize("backend", ["torch_ref", "triton"])
@@ -42,7 +37,7 @@ def test_greedy_matches_transformers_across_the_window(path, hf_ref, backend):
     steps = log_scheduled_steps(llm.scheduler)
     lengths = [len(llm.tokenizer.encode(t)) for t in TEXTS]
     assert len(set(lengths)) == len(TEXTS) and max(lengths) > 3 * W
-    _check(llm, hf_ref(path), TEXTS)
+    check_greedy(llm, hf_ref(path), TEXTS, 16)
     # prompts were cut into chunks of at most 16 tokens (crossing the window's edge W = 8),
     # and some step mixed decode tokens with a prompt chunk
     assert all(sum(s.values()) <= 16 for s in steps)
@@ -58,7 +53,7 @@ def test_prefix_hits_preemption_and_block_sizes(path, hf_ref, block_size):
     # be preempted
     llm = make_llm(path, block_size=block_size, max_num_batched_tokens=16, max_num_seqs=4,
                    num_gpu_blocks_override=1 + 2 * -(-96 // block_size), max_model_len=96)
-    _check(llm, ref, prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    check_greedy(llm, ref, prompts, 20)
     s = llm.get_kv_stats()
     assert s["block_size"] == block_size
     assert s["prefix_cache_hits"] > 0, s
@@ -71,8 +66,7 @@ def test_triton_backend_prefix_hits_and_preemption(path, hf_ref):
     long = TEXTS[3]
     llm = make_llm(path, attention_backend="triton", block_size=16, max_num_batched_tokens=16,
                    max_num_seqs=3, num_gpu_blocks_override=1 + 2 * 6, max_model_len=96)
-    _check(llm, hf_ref(path), [long, long + " And more.", TEXTS[2]],
-           SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    check_greedy(llm, hf_ref(path), [long, long + " And more.", TEXTS[2]], 20)
     s = llm.get_kv_stats()
     assert s["prefix_cache_hits"] > 0 and s["preemptions"] > 0, s
 
@@ -82,7 +76,7 @@ def test_window_releases_blocks_while_decoding(path, hf_ref):
     entries of its table are the null block; the full layers' group holds every block."""
     llm = make_llm(path, block_size=4)
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    params = greedy(30)
     rid = engine.add_request(TEXTS[3], params)
     groups = llm.scheduler.kv_cache_config.kv_cache_groups
     swa = next(i for i, g in enumerate(groups) if type(g.kv_cache_spec).__name__ == "SlidingWindowSpec")
@@ -119,7 +113,7 @@ def test_gpu_fp32_engine_matches_transformers(path, hf_ref, monkeypatch):
     monkeypatch.setattr(fm, "fused_moe", counted)
     llm = make_llm(path, device="cuda", attention_backend="triton", max_num_seqs=8,
                    max_num_batched_tokens=64)
-    _check(llm, hf_ref(path), TEXTS + TEXTS[:3])
+    check_greedy(llm, hf_ref(path), TEXTS + TEXTS[:3], 16)
     assert llm.get_kv_stats()["cuda_graph_steps"] > 0
     assert calls and all(a is not None and a.name == "swiglu_clamp" for a in calls)
 
@@ -129,22 +123,12 @@ def test_gpu_bf16_engine_matches_transformers_teacher_forced(tiny_cache):
     """bf16 through the default engine (Triton attention, decode CUDA graphs, the fused-MoE
     kernel): our tokens are transformers' bf16 argmax on our own sequence nearly everywhere
     (the bound of the MoE families' bf16 test: a routing near-tie may flip one expert)."""
-    import torch
-    import transformers
-
     from pagedkv import LLM
-    from pagedkv.models.harness import teacher_forced_check
     from pagedkv.models.tiny import build_tiny_checkpoint
 
     p = build_tiny_checkpoint("gpt_oss", tiny_cache, dtype="bfloat16", sliding_window=W)
     prompts = [list(range(3, 3 + n)) for n in (5, 40, 100)]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(p, dtype=torch.bfloat16).cuda().eval()
     llm = LLM(p, dtype="bfloat16", device="cuda", max_model_len=256, max_num_seqs=8,
               max_num_batched_tokens=64, num_gpu_blocks_override=256, sanitize=True)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-                        use_tqdm=False)
+    check_bf16_teacher_forced(llm, p, prompts, "gpt_oss")
     assert llm.get_kv_stats()["cuda_graph_steps"] > 0
-    margins = [m for q, o in zip(prompts, outs)
-               for m in teacher_forced_check(hf, q, o.outputs[0].token_ids).margins]
-    print("gpt_oss bf16 margins", sum(m == 0.0 for m in margins), len(margins), max(margins))
-    assert max(margins) < 1.0 and sum(m == 0.0 for m in margins) >= 0.9 * len(margins)

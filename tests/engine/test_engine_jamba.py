@@ -12,13 +12,12 @@ import sys
 import pytest
 from engine_helpers import (
     TEXTS,
+    check_bf16_teacher_forced,
+    check_greedy,
     log_scheduled_steps,
     make_llm,
-    pool_is_idle,
-    teacher_forced_agreement,
 )
 
-from pagedkv import SamplingParams
 from pagedkv.core.spec import FullAttentionSpec, MambaCacheMode, MambaSpec
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
@@ -30,20 +29,6 @@ LONG = TEXTS[3]
 @pytest.fixture(scope="module")
 def jamba(tiny_cache):
     return build_tiny_jamba(tiny_cache)
-
-
-def greedy(n):
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-
-
-def check(llm, ref, prompts, n=10):
-    outs = llm.generate(prompts, greedy(n), use_tqdm=False)
-    for o in outs:
-        assert o.outputs[0].token_ids == ref.greedy(o.prompt_token_ids, n), \
-            f"prompt of {len(o.prompt_token_ids)} tokens"
-        assert o.finished and o.outputs[0].finish_reason == "length"
-    assert pool_is_idle(llm)
-    return outs
 
 
 def _state_modes(llm):
@@ -58,14 +43,14 @@ def _state_modes(llm):
 def test_batched_greedy_matches_transformers(jamba, hf_ref, prefix_caching):
     llm = make_llm(jamba, enable_prefix_caching=prefix_caching)
     assert _state_modes(llm) == {MambaCacheMode.ALIGN if prefix_caching else MambaCacheMode.NONE}
-    outs = check(llm, hf_ref(jamba), TEXTS)
+    outs = check_greedy(llm, hf_ref(jamba), TEXTS, 10)
     assert len({len(o.prompt_token_ids) for o in outs}) == len(TEXTS)
 
 
 def test_chunked_prefill_mixes_decodes_and_chunks(jamba, hf_ref):
     llm = make_llm(jamba, max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=False)
     steps = log_scheduled_steps(llm.scheduler)
-    check(llm, hf_ref(jamba), [LONG, TEXTS[2], TEXTS[1], TEXTS[0]])
+    check_greedy(llm, hf_ref(jamba), [LONG, TEXTS[2], TEXTS[1], TEXTS[0]], 10)
     assert all(sum(s.values()) <= 16 for s in steps)
     # some step mixed decode tokens with a prompt chunk; the long prompt took several chunks
     assert any(1 in s.values() and max(s.values()) > 1 for s in steps)
@@ -78,7 +63,7 @@ def test_preemption_with_a_small_pool(jamba, hf_ref):
     n = 24
     llm = make_llm(jamba, num_gpu_blocks_override=12, max_model_len=192,
                    kv_cache_memory_bytes=None, enable_prefix_caching=False)
-    check(llm, hf_ref(jamba), TEXTS, n)
+    check_greedy(llm, hf_ref(jamba), TEXTS, n)
     assert llm.get_kv_stats()["preemptions"] > 0
 
 
@@ -89,9 +74,9 @@ def test_prefix_hit_resumes_from_the_state_checkpoint(jamba, hf_ref):
     block = llm.get_kv_stats()["block_size"]
     assert block == 32 and _state_modes(llm) == {MambaCacheMode.ALIGN}
     ref = hf_ref(jamba)
-    check(llm, ref, [LONG])
+    check_greedy(llm, ref, [LONG], 10)
     assert llm.get_kv_stats()["prefix_cache_hits"] == 0
-    check(llm, ref, [LONG + " And more after the shared part.", LONG[:70]])
+    check_greedy(llm, ref, [LONG + " And more after the shared part.", LONG[:70]], 10)
     assert llm.get_kv_stats()["prefix_cache_hits"] >= 2 * block
 
 
@@ -101,8 +86,8 @@ def test_prefix_hit_after_chunks_on_a_budget_that_is_not_a_block_multiple(jamba,
     their ends and the hit resumes correctly (without the split, tokens differ)."""
     llm = make_llm(jamba, max_num_batched_tokens=40, max_num_seqs=4)
     ref = hf_ref(jamba)
-    check(llm, ref, [LONG])
-    check(llm, ref, [LONG + " And more after the shared part.", LONG[:70]])
+    check_greedy(llm, ref, [LONG], 10)
+    check_greedy(llm, ref, [LONG + " And more after the shared part.", LONG[:70]], 10)
     assert llm.get_kv_stats()["prefix_cache_hits"] > 0
 
 
@@ -117,7 +102,7 @@ def test_gpu_fp32_engine_with_cuda_graphs_matches_transformers(jamba, hf_ref):
     transformers' on the CPU."""
     llm = make_llm(jamba, device="cuda", attention_backend="triton", max_num_seqs=8,
                    max_num_batched_tokens=64)
-    check(llm, hf_ref(jamba), TEXTS + TEXTS[:3], 16)
+    check_greedy(llm, hf_ref(jamba), TEXTS + TEXTS[:3], 16)
     assert llm.get_kv_stats()["cuda_graph_steps"] > 0
 
 
@@ -130,18 +115,9 @@ def test_gpu_bf16_teacher_forced_top1(tiny_cache, variant):
     in bf16 on the GPU fed our own tokens: the fraction of our greedy tokens that are
     transformers' top-1 (printed; at least 0.9), every token within a logit margin of 1.0 of
     its top-1 (MoE routing near-ties flip under one bf16 rounding)."""
-    import torch
-    import transformers
-
     path = build_tiny_jamba(tiny_cache, dtype="bfloat16", **variant)
     llm = make_llm(path, device="cuda", dtype="bfloat16", attention_backend="triton",
                    max_num_seqs=8, max_num_batched_tokens=64)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.bfloat16).to("cuda").eval()
     prompts = [list(range(3, 3 + n)) for n in (5, 40, 100)]
-    outs = llm.generate(prompts, greedy(24), use_tqdm=False)
+    check_bf16_teacher_forced(llm, path, prompts, f"jamba {variant or 'default'}")
     assert llm.get_kv_stats()["cuda_graph_steps"] > 0
-    exact, total, worst = teacher_forced_agreement(hf, prompts, outs)
-    print(f"jamba {variant or 'default'} bf16 teacher-forced top-1 agreement {exact}/{total} = "
-          f"{exact / total:.3f}, largest margin {worst:.3f}")
-    assert exact / total >= 0.9 and worst < 1.0

@@ -10,16 +10,15 @@ a state page. On a GPU (not run here): bf16 parity (teacher-forced top-1 agreeme
 tokens with decode CUDA graphs."""
 
 import pytest
-import torch
 from engine_helpers import (
     TEXTS,
+    check_bf16_teacher_forced,
+    check_greedy,
+    greedy,
     log_scheduled_steps,
     make_llm,
-    pool_is_idle,
-    teacher_forced_agreement,
 )
 
-from pagedkv import SamplingParams
 from pagedkv.core.spec import FullAttentionSpec, MambaCacheMode, MambaSpec
 
 FAMILIES = {
@@ -42,20 +41,6 @@ def checkpoint(tiny_dir, name):
     return tiny_dir(name.split("-")[0], **FAMILIES[name])
 
 
-def greedy(n=10):
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-
-
-def check(llm, ref, prompts, n=10):
-    outs = llm.generate(prompts, greedy(n), use_tqdm=False)
-    for o in outs:
-        assert o.outputs[0].token_ids == ref.greedy(o.prompt_token_ids, n), \
-            f"prompt of {len(o.prompt_token_ids)} tokens"
-        assert o.finished and o.outputs[0].finish_reason == "length"
-    assert pool_is_idle(llm)
-    return outs
-
-
 def state_groups(llm):
     groups = llm.scheduler.kv_cache_config.kv_cache_groups
     return [g for g in groups if isinstance(g.kv_cache_spec, MambaSpec)]
@@ -68,7 +53,7 @@ def test_batched_greedy_matches_transformers(tiny_dir, hf_ref, name):
     model = llm.engine.model
     assert type(model).__name__ == ("FalconH1ForCausalLM" if name.startswith("falcon")
                                     else "BambaForCausalLM")
-    outs = check(llm, hf_ref(path), TEXTS)
+    outs = check_greedy(llm, hf_ref(path), TEXTS, 10)
     assert len({len(o.prompt_token_ids) for o in outs}) == len(TEXTS)
     # every mixer in a state group, every attention layer in an attention group
     groups = llm.scheduler.kv_cache_config.kv_cache_groups
@@ -94,13 +79,13 @@ def test_chunked_prefill_and_prefix_hits_in_align_mode(tiny_dir, hf_ref, name):
     steps = log_scheduled_steps(llm.scheduler)
     long = TEXTS[3]
     prompts = [long, TEXTS[2], long + " And more after the shared part.", TEXTS[1]]
-    check(llm, ref, prompts)
+    check_greedy(llm, ref, prompts, 10)
     assert all(sum(s.values()) <= 16 for s in steps)
     assert any(1 in s.values() and max(s.values()) > 1 for s in steps)  # decodes beside chunks
     hits = llm.get_kv_stats()["prefix_cache_hits"]
     assert hits >= block, hits
     # the same prompt again: a hit, the same tokens
-    check(llm, ref, [long + " And more after the shared part."])
+    check_greedy(llm, ref, [long + " And more after the shared part."], 10)
     assert llm.get_kv_stats()["prefix_cache_hits"] >= hits + block
 
 
@@ -116,7 +101,7 @@ def test_align_mode_hit_after_a_chunk_across_a_block_boundary(tiny_dir, hf_ref):
     llm.generate([TEXTS[0], long], [greedy(30), greedy(2)], use_tqdm=False)
     assert [s.get("1") for s in steps[:5]] == [14, 15, 15, 4, 9]
     hits = llm.get_kv_stats()["prefix_cache_hits"]
-    check(llm, ref, [long + " And more after the shared part."])
+    check_greedy(llm, ref, [long + " And more after the shared part."], 10)
     assert llm.get_kv_stats()["prefix_cache_hits"] == hits + 48
 
 
@@ -127,7 +112,7 @@ def test_prefix_caching_off_mode_none(tiny_dir, hf_ref, name):
     for g in state_groups(llm):
         assert g.kv_cache_spec.mamba_cache_mode == MambaCacheMode.NONE
         assert g.kv_cache_spec.block_size == 128  # one state block covers max_model_len
-    check(llm, hf_ref(path), TEXTS + [TEXTS[3]])
+    check_greedy(llm, hf_ref(path), TEXTS + [TEXTS[3]], 10)
     assert llm.get_kv_stats()["prefix_cache_hits"] == 0
 
 
@@ -137,7 +122,7 @@ def test_preemption_with_a_small_pool(tiny_dir, hf_ref, prefix, blocks):
     n = 40
     llm = make_llm(path, num_gpu_blocks_override=blocks, max_model_len=144,
                    kv_cache_memory_bytes=None, enable_prefix_caching=prefix)
-    outs = check(llm, hf_ref(path), TEXTS, n)
+    outs = check_greedy(llm, hf_ref(path), TEXTS, n)
     stats = llm.get_kv_stats()
     assert stats["preemptions"] > 0
     assert sum(o.metrics.num_preemptions for o in outs) == stats["preemptions"]
@@ -152,7 +137,7 @@ def test_gpu_fp32_engine_with_cuda_graphs_matches_transformers(tiny_dir, hf_ref,
     path = checkpoint(tiny_dir, name)
     llm = make_llm(path, device="cuda", attention_backend="triton", max_num_seqs=8,
                    max_num_batched_tokens=64)
-    check(llm, hf_ref(path), TEXTS + TEXTS[:3], 16)
+    check_greedy(llm, hf_ref(path), TEXTS + TEXTS[:3], 16)
     assert llm.get_kv_stats()["cuda_graph_steps"] > 0
 
 
@@ -163,16 +148,7 @@ def test_gpu_bf16_teacher_forced_top1(tiny_dir, name):
     transformers in bf16 on the GPU fed our own tokens: the fraction of our greedy tokens that
     are transformers' top-1 (printed; at least 0.9), and every token within a small logit
     margin (1.0) of its top-1."""
-    import transformers
-
     path = checkpoint(tiny_dir, name)
     llm = make_llm(path, device="cuda", dtype="bfloat16", attention_backend="triton",
                    max_num_seqs=8, max_num_batched_tokens=64)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.bfloat16).to("cuda").eval()
-    outs = llm.generate(TEXTS, greedy(24), use_tqdm=False)
-    exact, total, worst = teacher_forced_agreement(
-        hf, [o.prompt_token_ids for o in outs], outs)
-    print(f"{name} bf16 teacher-forced top-1 agreement {exact}/{total} = {exact / total:.3f}, "
-          f"largest margin {worst:.3f}")
-    assert exact / total >= 0.9 and worst < 1.0
+    check_bf16_teacher_forced(llm, path, TEXTS, name)

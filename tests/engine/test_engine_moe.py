@@ -9,9 +9,8 @@ q/k-norm + RoPE + KV-write kernel (interpreted)."""
 import os
 
 import pytest
-from engine_helpers import TEXTS, log_scheduled_steps, make_llm, pool_is_idle
+from engine_helpers import TEXTS, check_greedy, greedy, log_scheduled_steps, make_llm
 
-from pagedkv import SamplingParams
 from pagedkv.models.moe_decoder import MoeDecoderLayer
 
 MOE = ["qwen3_moe", "mixtral"]
@@ -26,20 +25,6 @@ VARIANTS = {
 }
 
 
-def greedy(n=12):
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-
-
-def check(llm, ref, prompts, n=12):
-    outs = llm.generate(prompts, greedy(n), use_tqdm=False)
-    for o in outs:
-        assert o.outputs[0].token_ids == ref.greedy(o.prompt_token_ids, n), \
-            f"prompt of {len(o.prompt_token_ids)} tokens"
-        assert o.finished and o.outputs[0].finish_reason == "length"
-    assert pool_is_idle(llm)
-    return outs
-
-
 def _variant(tiny_dir, name):
     return tiny_dir(name.split("-")[0], **VARIANTS[name])
 
@@ -51,7 +36,7 @@ def test_batched_greedy_matches_transformers(tiny_dir, hf_ref, name):
     model = llm.engine.model
     cfg = model.config
     assert [isinstance(layer, MoeDecoderLayer) for layer in model.layers] == list(cfg.moe.sparse_layers)
-    outs = check(llm, hf_ref(path), TEXTS)
+    outs = check_greedy(llm, hf_ref(path), TEXTS, 12)
     assert [o.prompt for o in outs] == TEXTS
     assert len({len(o.prompt_token_ids) for o in outs}) == len(TEXTS)
 
@@ -64,7 +49,8 @@ def test_chunked_prefill_prefix_hits_and_block_sizes(tiny_dir, hf_ref, family, b
     llm = make_llm(path, block_size=block_size, max_num_batched_tokens=16, max_num_seqs=4)
     steps = log_scheduled_steps(llm.scheduler)
     long = TEXTS[3]
-    check(llm, ref, [long, TEXTS[2], long + " And more after the shared part.", TEXTS[1]])
+    prompts = [long, TEXTS[2], long + " And more after the shared part.", TEXTS[1]]
+    check_greedy(llm, ref, prompts, 12)
     assert all(sum(s.values()) <= 16 for s in steps)
     # some step mixed decode tokens with a prompt chunk
     assert any(1 in s.values() and max(s.values()) > 1 for s in steps)
@@ -77,7 +63,7 @@ def test_preemption_with_a_small_pool(tiny_dir, hf_ref, family):
     path = tiny_dir(family)
     n = 40
     llm = make_llm(path, num_gpu_blocks_override=13, max_model_len=192, kv_cache_memory_bytes=None)
-    outs = check(llm, hf_ref(path), TEXTS, n)
+    outs = check_greedy(llm, hf_ref(path), TEXTS, n)
     stats = llm.get_kv_stats()
     assert stats["preemptions"] > 0
     assert sum(o.metrics.num_preemptions for o in outs) == stats["preemptions"]
@@ -90,7 +76,7 @@ def test_mixtral_sliding_window(tiny_dir, hf_ref):
     llm = make_llm(path, block_size=16, max_num_batched_tokens=16)
     groups = llm.scheduler.kv_cache_config.kv_cache_groups
     assert [type(g.kv_cache_spec).__name__ for g in groups] == ["SlidingWindowSpec"]
-    check(llm, hf_ref(path), TEXTS, 16)
+    check_greedy(llm, hf_ref(path), TEXTS, 16)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -100,7 +86,7 @@ def test_triton_backend_and_fused_kv_write(tiny_dir, hf_ref):
     llm = make_llm(path, attention_backend="triton", max_num_batched_tokens=16, max_num_seqs=4)
     model = llm.engine.model
     assert model.fused_kv_write_usable(llm.engine.runner.kv_caches[0])
-    check(llm, hf_ref(path), TEXTS[:3], 8)
+    check_greedy(llm, hf_ref(path), TEXTS[:3], 8)
 
 
 # ---- on a CUDA GPU: the fused-MoE Triton kernel in the engine
@@ -130,7 +116,7 @@ def test_gpu_fp32_engine_uses_the_kernel_and_matches_transformers(tiny_dir, hf_r
     path = tiny_dir(family)
     llm = make_llm(path, device="cuda", attention_backend="triton", max_num_seqs=8,
                    max_num_batched_tokens=64)
-    check(llm, hf_ref(path), TEXTS + TEXTS[:3], 16)
+    check_greedy(llm, hf_ref(path), TEXTS + TEXTS[:3], 16)
     assert llm.get_kv_stats()["cuda_graph_steps"] > 0
     assert calls and len(calls) % llm.engine.model.config.moe.num_sparse_layers == 0
 

@@ -10,9 +10,13 @@ their torch twins here (``twins``), and once through the Triton interpreter. On 
 run here): fp32 tokens with decode CUDA graphs and bf16 parity (teacher-forced top-1)."""
 
 import pytest
-import torch
-from engine_helpers import TEXTS, log_scheduled_steps, make_llm
-from test_engine_moe import check, greedy
+from engine_helpers import (
+    TEXTS,
+    check_bf16_teacher_forced,
+    check_greedy,
+    log_scheduled_steps,
+    make_llm,
+)
 
 from pagedkv.core.spec import FullAttentionSpec, MambaCacheMode, MambaSpec
 
@@ -51,7 +55,7 @@ def test_batched_greedy_matches_transformers(tiny_dir, hf_ref, twins, name):
     llm = make_llm(path)
     model = llm.engine.model
     assert type(model).__name__ == "Qwen3NextForCausalLM"
-    outs = check(llm, hf_ref(path), TEXTS)
+    outs = check_greedy(llm, hf_ref(path), TEXTS, 12)
     assert len({len(o.prompt_token_ids) for o in outs}) == len(TEXTS)
     state, attn = groups_of(llm)
     assert sorted(n for g in state for n in g.layer_names) == sorted(
@@ -82,9 +86,9 @@ def test_prefix_hit_in_align_mode(tiny_dir, hf_ref, twins):
     path = tiny_dir("qwen3_next")
     ref = hf_ref(path)
     llm, block = align_llm(path)
-    check(llm, ref, [LONG])
+    check_greedy(llm, ref, [LONG], 12)
     assert llm.get_kv_stats()["prefix_cache_hits"] == 0
-    check(llm, ref, [LONGER])
+    check_greedy(llm, ref, [LONGER], 12)
     assert llm.get_kv_stats()["prefix_cache_hits"] == block
 
 
@@ -96,13 +100,13 @@ def test_chunked_prefill_and_prefix_hits_in_align_mode(tiny_dir, hf_ref, twins):
     ref = hf_ref(path)
     llm, block = align_llm(path)
     steps = log_scheduled_steps(llm.scheduler)
-    check(llm, ref, [LONG, TEXTS[2], LONGER, TEXTS[1]])
+    check_greedy(llm, ref, [LONG, TEXTS[2], LONGER, TEXTS[1]], 12)
     assert all(sum(s.values()) <= 16 for s in steps)
     assert any(1 in s.values() and max(s.values()) > 1 for s in steps)  # decodes beside chunks
     hits = llm.get_kv_stats()["prefix_cache_hits"]
     assert hits >= block, hits
     # the same prompt again: a hit, the same tokens
-    check(llm, ref, [LONGER])
+    check_greedy(llm, ref, [LONGER], 12)
     assert llm.get_kv_stats()["prefix_cache_hits"] >= hits + block
 
 
@@ -116,7 +120,7 @@ def test_prefix_caching_off_mode_none(tiny_dir, hf_ref, twins):
     for g in state:
         assert g.kv_cache_spec.mamba_cache_mode == MambaCacheMode.NONE
         assert g.kv_cache_spec.block_size == 128  # one state block covers max_model_len
-    check(llm, hf_ref(path), TEXTS + [TEXTS[3]])
+    check_greedy(llm, hf_ref(path), TEXTS + [TEXTS[3]], 12)
     assert llm.get_kv_stats()["prefix_cache_hits"] == 0
 
 
@@ -126,7 +130,7 @@ def test_preemption_with_a_small_pool(tiny_dir, hf_ref, twins, prefix):
     n = 40
     llm = make_llm(path, num_gpu_blocks_override=12, max_model_len=144,
                    kv_cache_memory_bytes=None, enable_prefix_caching=prefix)
-    outs = check(llm, hf_ref(path), TEXTS, n)
+    outs = check_greedy(llm, hf_ref(path), TEXTS, n)
     stats = llm.get_kv_stats()
     assert stats["preemptions"] > 0
     assert sum(o.metrics.num_preemptions for o in outs) == stats["preemptions"]
@@ -141,7 +145,7 @@ def test_interpreted_kernels_in_the_engine(tiny_dir, hf_ref):
         pytest.skip("the kernels on CPU tensors need the Triton interpreter")
     path = tiny_dir("qwen3_next")
     llm = make_llm(path, max_num_batched_tokens=12, max_num_seqs=2)
-    check(llm, hf_ref(path), [TEXTS[0], TEXTS[1]], 4)
+    check_greedy(llm, hf_ref(path), [TEXTS[0], TEXTS[1]], 4)
 
 
 # ---- on a CUDA GPU
@@ -155,7 +159,7 @@ def test_gpu_fp32_engine_with_cuda_graphs_matches_transformers(tiny_dir, hf_ref)
     path = tiny_dir("qwen3_next")
     llm = make_llm(path, device="cuda", attention_backend="triton", max_num_seqs=8,
                    max_num_batched_tokens=64)
-    check(llm, hf_ref(path), TEXTS + TEXTS[:3], 16)
+    check_greedy(llm, hf_ref(path), TEXTS + TEXTS[:3], 16)
     assert llm.get_kv_stats()["cuda_graph_steps"] > 0
 
 
@@ -167,25 +171,11 @@ def test_gpu_bf16_teacher_forced_top1(tiny_cache, name):
     transformers' top-1 (printed; at least 0.9), every token within a logit margin of 1.0 of
     its top-1 (the MoE bound of test_engine_moe: a near-tie of two experts' router
     probabilities flips under one bf16 rounding)."""
-    import transformers
-
-    from pagedkv.models.harness import teacher_forced_check
     from pagedkv.models.tiny import build_tiny_checkpoint
 
     path = build_tiny_checkpoint("qwen3_next", tiny_cache, dtype="bfloat16", **VARIANTS[name])
     llm = make_llm(path, device="cuda", dtype="bfloat16", attention_backend="triton",
                    max_num_seqs=8, max_num_batched_tokens=64)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.bfloat16).to("cuda").eval()
     prompts = [list(range(3, 3 + n)) for n in (5, 40, 100)]
-    outs = llm.generate(prompts, greedy(24), use_tqdm=False)
+    check_bf16_teacher_forced(llm, path, prompts, f"qwen3_next {name}")
     assert llm.get_kv_stats()["cuda_graph_steps"] > 0
-    exact = total = 0
-    worst = 0.0
-    for p, o in zip(prompts, outs):
-        tf = teacher_forced_check(hf, p, o.outputs[0].token_ids)
-        exact, total = exact + tf.exact, total + len(tf.margins)
-        worst = max(worst, tf.max_margin)
-    print(f"qwen3_next {name} bf16 teacher-forced top-1 agreement {exact}/{total} = "
-          f"{exact / total:.3f}, largest margin {worst:.3f}")
-    assert exact / total >= 0.9 and worst < 1.0

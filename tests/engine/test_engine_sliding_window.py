@@ -13,9 +13,8 @@ backends (the Triton kernels through the interpreter); blocks the window left be
 released while a request runs."""
 
 import pytest
-from engine_helpers import TEXTS, make_llm, pool_is_idle
+from engine_helpers import TEXTS, check_greedy, greedy, make_llm, pool_is_idle
 
-from pagedkv import SamplingParams
 from pagedkv.core.spec import FullAttentionSpec, SlidingWindowSpec
 
 W = 8
@@ -33,16 +32,6 @@ GROUP_KINDS = {
     "gemma3": ["FullAttentionSpec"] + ["SlidingWindowSpec"] * 6,
     "cohere2": ["FullAttentionSpec"] + ["SlidingWindowSpec"] * 3,
 }
-GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-
-
-def _check(llm, ref, prompts, params=GREEDY):
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    for o in outs:
-        assert o.outputs[0].token_ids == ref.greedy(o.prompt_token_ids, params.max_tokens), \
-            f"prompt of {len(o.prompt_token_ids)} tokens"
-    assert pool_is_idle(llm)
-    return outs
 
 
 @pytest.mark.parametrize("backend", ["torch_ref", "triton"])
@@ -55,7 +44,8 @@ def test_greedy_matches_transformers_across_the_window(tiny_dir, hf_ref, family,
     assert kinds == GROUP_KINDS[family]  # hybrids: one pool, one block table per group
     assert llm.runner.input_batch.block_table.num_groups == len(groups)
     assert max(len(llm.tokenizer.encode(t)) for t in TEXTS) > 3 * W
-    _check(llm, hf_ref(path), TEXTS)  # lengths 3..58 against W = 8; chunks of 16 cross it
+    # lengths 3..58 against W = 8; chunks of 16 cross it
+    check_greedy(llm, hf_ref(path), TEXTS, 16)
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -69,7 +59,7 @@ def test_prefix_hits_preemption_and_block_sizes(tiny_dir, hf_ref, family, block_
     # the smallest pool one max-length request fits in: the others must wait or be preempted
     llm = make_llm(path, block_size=block_size, max_num_batched_tokens=16, max_num_seqs=4,
                    num_gpu_blocks_override=1 + groups * -(-96 // block_size), max_model_len=96)
-    _check(llm, ref, prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    check_greedy(llm, ref, prompts, 20)
     s = llm.get_kv_stats()
     assert s["prefix_cache_hits"] > 0, s
     assert s["preemptions"] > 0, s
@@ -82,7 +72,7 @@ def test_window_releases_blocks_while_decoding(tiny_dir, hf_ref):
     path = tiny_dir("mistral", **FAMILIES["mistral"])
     llm = make_llm(path, block_size=4)
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    params = greedy(40)
     rid = engine.add_request(TEXTS[3], params)
     live, nulls, final = [], [], None
     while engine.has_unfinished_requests():
