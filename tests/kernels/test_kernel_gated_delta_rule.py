@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_helpers import check_state_rows, prefill_pieces, rel_close, varlen_state_batch
 
 from pagedkv.errors import ConfigError
 from pagedkv.kernels.gated_delta_rule import (
@@ -21,11 +22,11 @@ from pagedkv.kernels.gated_delta_rule import (
 
 
 def _case(device, dtype, lens, hk, hv, kd, vd, seed, pad=(), init=None, l2=True,
-          a_max=2.0, n_seqs=None):
+          a_max=2.0):
     """Tokens of ``lens`` sequences; q/k/v are views into one projection buffer (as the mixer's
     split gives them); g and beta as the model computes them."""
     gen = torch.Generator().manual_seed(seed)
-    n = len(lens) if n_seqs is None else n_seqs
+    n = len(lens)
     t = sum(lens)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     slots = n + 3
@@ -39,39 +40,13 @@ def _case(device, dtype, lens, hk, hv, kd, vd, seed, pad=(), init=None, l2=True,
     dt_bias = r(hv)
     g = -A * F.softplus(r(t, hv) + dt_bias)
     beta = torch.sigmoid(r(t, hv))
-    perm = torch.randperm(slots, generator=gen)[:n].tolist()
-    idx = torch.tensor([-1 if i in pad else perm[i] for i in range(n)], dtype=torch.int32)
-    qsl = torch.tensor([0] + torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist(),
-                       dtype=torch.int32)
-    if init is None:
-        init = torch.rand(n, generator=gen) < 0.5
-    if not isinstance(init, torch.Tensor):
-        init = torch.tensor(init, dtype=torch.bool)
+    qsl, idx, init = varlen_state_batch(gen, lens, slots, pad=pad, init=init)
     state, proj, g, beta, idx, qsl, init = (x.to(device) for x in (state, proj, g, beta, idx,
                                                                    qsl, init))
     q = proj[:, :hk * kd].view(t, hk, kd)
     k = proj[:, hk * kd:2 * hk * kd].view(t, hk, kd)
     v = proj[:, 2 * hk * kd:2 * hk * kd + hv * vd].view(t, hv, vd)
     return state, q, k, v, g, beta, qsl, idx, init
-
-
-def _rel_close(got, want, tol, what):
-    scale = want.float().abs().max().clamp_min(1e-6)
-    err = (got.float() - want.float()).abs().max() / scale
-    assert err < tol, f"{what}: max error {float(err):.3g} of the largest value"
-
-
-def _check_untouched(state_before, state_after, out, qsl, idx):
-    used = {i for i in idx.tolist() if i >= 0}
-    for s in range(state_before.shape[0]):
-        if s not in used:
-            assert torch.equal(state_after[s], state_before[s])  # other slots untouched
-    q = qsl.tolist()
-    for b, i in enumerate(idx.tolist()):
-        if i < 0:
-            assert torch.isnan(out[q[b]:q[b + 1]]).all()  # padded rows' outputs untouched
-        else:
-            assert not torch.isnan(out[q[b]:q[b + 1]]).any()
 
 
 def _hf():
@@ -114,7 +89,7 @@ def test_recurrent_kernel_equals_twin(kernel_device, shape, dtype, l2):
                                                                              rtol=2e-3)
         torch.testing.assert_close(o1, o2, equal_nan=True, **tol)
         torch.testing.assert_close(s1, s2, atol=1e-5, rtol=1e-5)
-    _check_untouched(state, s1, o1, torch.arange(n + 1, dtype=torch.int32), idx)
+    check_state_rows(state, s1, o1, torch.arange(n + 1, dtype=torch.int32), idx)
 
 
 @pytest.mark.parametrize("l2", [True, False])
@@ -152,11 +127,11 @@ def test_chunk_kernel_equals_twin(kernel_device, dtype, chunk, lens):
     o2 = torch.full_like(v, float("nan"))
     chunk_gated_delta_rule(s1, q, k, v, g, beta, qsl, idx, init, chunk_size=chunk, out=o1)
     chunk_gated_delta_rule_ref(s2, q, k, v, g, beta, qsl, idx, init, out=o2)
-    _check_untouched(state, s1, o1, qsl, idx)
+    check_state_rows(state, s1, o1, qsl, idx)
     if kernel_device == "cuda" and dtype != torch.float32:  # TF32 products on the GPU
         ok = ~torch.isnan(o2)
-        _rel_close(o1[ok], o2[ok], 5e-3, "o")
-        _rel_close(s1, s2, 5e-3, "state")
+        rel_close(o1[ok], o2[ok], 5e-3, "o")
+        rel_close(s1, s2, 5e-3, "state")
         return
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(o1, o2, equal_nan=True, **tol)
@@ -236,17 +211,7 @@ def test_chunked_prefill_split_anywhere_equals_the_whole(kernel_device, cuts):
     o_whole = chunk_gated_delta_rule(s_whole, q, k, v, g, beta, qsl, idx, init, chunk_size=16)
     s_part = state.clone()
     o_part = torch.full_like(v, float("nan"))
-    starts = qsl.tolist()
-    bounds = [0, *cuts, max(lens)]
-    for piece, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
-        rows, sub_lens = [], []
-        for b, n in enumerate(lens):
-            a, e = min(lo, n), min(hi, n)
-            rows.append(torch.arange(starts[b] + a, starts[b] + e, device=v.device))
-            sub_lens.append(e - a)
-        rows = torch.cat(rows)
-        sub_qsl = torch.tensor([0] + torch.tensor(sub_lens).cumsum(0).tolist(),
-                               dtype=torch.int32, device=v.device)
+    for piece, rows, sub_qsl in prefill_pieces(qsl, lens, cuts):
         sub_init = init if piece == 0 else torch.ones_like(init)
         o = chunk_gated_delta_rule(s_part, q[rows].contiguous(), k[rows].contiguous(),
                                    v[rows].contiguous(), g[rows].contiguous(),
@@ -346,9 +311,9 @@ def test_gpu_chunk_qwen3_next_shape_bf16(lens, init, chunk):
     chunk_gated_delta_rule(s1, q, k, v, g, beta, qsl, idx, init, chunk_size=chunk, out=o1)
     chunk_gated_delta_rule_ref(s2, q, k, v, g, beta, qsl, idx, init, out=o2)
     assert not torch.isnan(o1).any()
-    _rel_close(o1, o2, 2e-2, "o")
-    _rel_close(s1, s2, 5e-3, "state")
-    _check_untouched(state, s1, o1, qsl, idx)
+    rel_close(o1, o2, 2e-2, "o")
+    rel_close(s1, s2, 5e-3, "state")
+    check_state_rows(state, s1, o1, qsl, idx)
 
 
 @pytest.mark.gpu
@@ -358,8 +323,8 @@ def test_gpu_chunk_fp32_equals_twin():
     s1, s2 = state.clone(), state.clone()
     o1 = chunk_gated_delta_rule(s1, q, k, v, g, beta, qsl, idx, init)
     o2 = chunk_gated_delta_rule_ref(s2, q, k, v, g, beta, qsl, idx, init)
-    _rel_close(o1, o2, 1e-4, "o")
-    _rel_close(s1, s2, 1e-4, "state")
+    rel_close(o1, o2, 1e-4, "o")
+    rel_close(s1, s2, 1e-4, "state")
 
 
 @pytest.mark.gpu
@@ -373,9 +338,9 @@ def test_gpu_recurrent_qwen3_next_shape_bf16():
     recurrent_gated_delta_rule(s1, q, k, v, g, beta, idx, out=o1)
     recurrent_gated_delta_rule_ref(s2, q, k, v, g, beta, idx, out=o2)
     ok = ~torch.isnan(o2)
-    _rel_close(o1[ok], o2[ok], 1e-2, "o")
-    _rel_close(s1, s2, 1e-5, "state")
-    _check_untouched(state, s1, o1, torch.arange(n + 1, dtype=torch.int32), idx)
+    rel_close(o1[ok], o2[ok], 1e-2, "o")
+    rel_close(s1, s2, 1e-5, "state")
+    check_state_rows(state, s1, o1, torch.arange(n + 1, dtype=torch.int32), idx)
 
 
 def test_strided_per_sequence_vectors(kernel_device):
@@ -391,11 +356,11 @@ def test_strided_per_sequence_vectors(kernel_device):
     s1, s2 = state.clone(), state.clone()
     o1 = chunk_gated_delta_rule(s1, q, k, v, g, beta, qsl2, wide[:, 0], init2, chunk_size=16)
     o2 = chunk_gated_delta_rule_ref(s2, q, k, v, g, beta, qsl, idx, init, chunk_size=16)
-    _rel_close(o1, o2, 1e-4, "chunk outputs")
-    _rel_close(s1, s2, 1e-4, "chunk states")
+    rel_close(o1, o2, 1e-4, "chunk outputs")
+    rel_close(s1, s2, 1e-4, "chunk states")
     n = idx.shape[0]
     s1, s2 = state.clone(), state.clone()
     o1 = recurrent_gated_delta_rule(s1, q[:n], k[:n], v[:n], g[:n], beta[:n], wide[:, 0])
     o2 = recurrent_gated_delta_rule_ref(s2, q[:n], k[:n], v[:n], g[:n], beta[:n], idx)
-    _rel_close(o1, o2, 1e-4, "decode outputs")
-    _rel_close(s1, s2, 1e-4, "decode states")
+    rel_close(o1, o2, 1e-4, "decode outputs")
+    rel_close(s1, s2, 1e-4, "decode states")

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from kernel_helpers import check_state_rows, prefill_pieces, rel_close, varlen_state_batch
 
 from pagedkv.errors import ConfigError
 from pagedkv.kernels.selective_state_update import selective_state_update_ref
@@ -33,14 +34,7 @@ def _case(device, dtype, lens, nh, hd, ds, ng, seed, pad=(), init=None, realisti
         A = -torch.exp(r(nh))
         dt_bias = r(nh)
     D = r(nh)
-    qsl = torch.tensor([0] + torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist(),
-                       dtype=torch.int32)
-    perm = torch.randperm(slots, generator=g)[:n].tolist()
-    idx = torch.tensor([-1 if i in pad else perm[i] for i in range(n)], dtype=torch.int32)
-    if init is None:
-        init = torch.rand(n, generator=g) < 0.5
-    if not isinstance(init, torch.Tensor):
-        init = torch.tensor(init, dtype=torch.bool)
+    qsl, idx, init = varlen_state_batch(g, lens, slots, pad=pad, init=init)
     mv = lambda *ts: [v.to(device) for v in ts]  # noqa: E731
     state, proj, A, dt_bias, D, qsl, idx, init = mv(state, proj, A, dt_bias, D, qsl, idx, init)
     x = proj[:, :nh * hd].view(t, nh, hd)
@@ -49,25 +43,6 @@ def _case(device, dtype, lens, nh, hd, ds, ng, seed, pad=(), init=None, realisti
     B = proj[:, o:o + ng * ds].view(t, ng, ds)
     C = proj[:, o + ng * ds:o + 2 * ng * ds].view(t, ng, ds)
     return state, x, dt, dt_bias, A, B, C, D, qsl, idx, init
-
-
-def _check_untouched(state_before, state_after, out, qsl, idx):
-    used = {i for i in idx.tolist() if i >= 0}
-    for s in range(state_before.shape[0]):
-        if s not in used:
-            assert torch.equal(state_after[s], state_before[s])  # other slots untouched
-    q = qsl.tolist()
-    for b, i in enumerate(idx.tolist()):
-        if i < 0:
-            assert torch.isnan(out[q[b]:q[b + 1]]).all()  # padded rows' outputs untouched
-        else:
-            assert not torch.isnan(out[q[b]:q[b + 1]]).any()
-
-
-def _rel_close(got, want, tol, what):
-    scale = want.float().abs().max().clamp_min(1e-6)
-    err = (got.float() - want.float()).abs().max() / scale
-    assert err < tol, f"{what}: max error {float(err):.3g} of the largest value"
 
 
 LENS = [[0, 1, 15, 16, 17, 33, 70, 5], [70], [3, 0, 0, 2]]
@@ -86,13 +61,13 @@ def test_kernel_equals_twin(kernel_device, dtype, chunk, lens):
     o2 = torch.full_like(x, float("nan"))
     ssd_chunk_scan(s1, x, dt, dt_bias, A, B, C, D, qsl, idx, init, chunk_size=chunk, out=o1)
     ssd_chunk_scan_ref(s2, x, dt, dt_bias, A, B, C, D, qsl, idx, init, out=o2)
-    _check_untouched(state, s1, o1, qsl, idx)
+    check_state_rows(state, s1, o1, qsl, idx)
     if kernel_device == "cuda" and dtype != torch.float32:
         # TF32 products on the GPU: relative to the largest value (a CPU emulation of TF32
         # rounding of the kernel's products measured <= 1e-3 for y and 4e-4 for the state)
         ok = ~torch.isnan(o2)
-        _rel_close(o1[ok], o2[ok], 5e-3, "y")
-        _rel_close(s1, s2, 2e-3, "state")
+        rel_close(o1[ok], o2[ok], 5e-3, "y")
+        rel_close(s1, s2, 2e-3, "state")
         return
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-3, rtol=5e-3)
     torch.testing.assert_close(o1, o2, equal_nan=True, **tol)
@@ -195,17 +170,7 @@ def test_chunked_prefill_split_anywhere_equals_the_whole(kernel_device, cuts):
                              chunk_size=16)
     s_part = state.clone()
     y_part = torch.full_like(x, float("nan"))
-    q = qsl.tolist()
-    bounds = [0, *cuts, max(lens)]
-    for piece, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
-        rows, sub_lens = [], []
-        for b, n in enumerate(lens):
-            a, e = min(lo, n), min(hi, n)
-            rows.append(torch.arange(q[b] + a, q[b] + e, device=x.device))
-            sub_lens.append(e - a)
-        rows = torch.cat(rows)
-        sub_qsl = torch.tensor([0] + torch.tensor(sub_lens).cumsum(0).tolist(),
-                               dtype=torch.int32, device=x.device)
+    for piece, rows, sub_qsl in prefill_pieces(qsl, lens, cuts):
         sub_init = init if piece == 0 else torch.ones_like(init)
         y = ssd_chunk_scan(s_part, x[rows].contiguous(), dt[rows].contiguous(), dt_bias, A,
                            B[rows].contiguous(), C[rows].contiguous(), D, sub_qsl, idx,
@@ -260,11 +225,11 @@ def test_gpu_realistic_shape_bf16(lens, init, chunk):
     ssd_chunk_scan(s1, x, dt, dt_bias, A, B, C, D, qsl, idx, init, chunk_size=chunk, out=o1)
     ssd_chunk_scan_ref(s2, x, dt, dt_bias, A, B, C, D, qsl, idx, init, out=o2)
     assert not torch.isnan(o1).any()
-    _rel_close(o1, o2, 2e-2, "y")
+    rel_close(o1, o2, 2e-2, "y")
     torch.testing.assert_close(o1.float(), o2.float(), atol=2e-2 * o2.float().abs().max().item(),
                                rtol=2e-2)
-    _rel_close(s1, s2, 5e-3, "state")
-    _check_untouched(state, s1, o1, qsl, idx)
+    rel_close(s1, s2, 5e-3, "state")
+    check_state_rows(state, s1, o1, qsl, idx)
 
 
 @pytest.mark.gpu
@@ -277,8 +242,8 @@ def test_gpu_realistic_shape_fp32_groups():
     s1, s2 = state.clone(), state.clone()
     o1 = ssd_chunk_scan(s1, x, dt, dt_bias, A, B, C, D, qsl, idx, init)
     o2 = ssd_chunk_scan_ref(s2, x, dt, dt_bias, A, B, C, D, qsl, idx, init)
-    _rel_close(o1, o2, 1e-4, "y")
-    _rel_close(s1, s2, 1e-4, "state")
+    rel_close(o1, o2, 1e-4, "y")
+    rel_close(s1, s2, 1e-4, "state")
 
 
 def test_bamba_mixer_forward_through_the_kernels():
