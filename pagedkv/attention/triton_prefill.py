@@ -161,8 +161,10 @@ def _attend_tile(
     return acc, l_i, m_new
 
 
-# keys per split of the non-causal mode come in multiples of this many (any tile size)
-KV_SPLIT_GRANULE = 16
+# keys per split of the non-causal mode come in multiples of this many (any tile size); a
+# constexpr so the compiled kernel may read it (the interpreter also reads plain globals)
+KV_SPLIT_GRANULE_TOKENS = 16
+KV_SPLIT_GRANULE = tl.constexpr(KV_SPLIT_GRANULE_TOKENS)
 
 
 @triton.jit(do_not_specialize=["num_reqs", "skip_decode", "window", "kv_splits"])
@@ -500,7 +502,7 @@ def _split_keys_ref(q, kv_cache, block_table, query_start_loc, seq_lens, num_req
     group = q.shape[1] // num_kv_heads
     qsl = [int(x) for x in query_start_loc[: num_reqs + 1].cpu()]
     lens = [int(x) for x in seq_lens[:num_reqs].cpu()]
-    g = KV_SPLIT_GRANULE
+    g = KV_SPLIT_GRANULE_TOKENS
     for r in range(num_reqs):
         start, end, n = qsl[r], qsl[r + 1], lens[r]
         if end == start:
