@@ -15,6 +15,7 @@ import sys
 
 import pytest
 import torch
+import transformers
 from engine_helpers import TEXTS, log_scheduled_steps, make_llm, pool_is_idle
 
 pytest.importorskip("transformers.models.deepseek_v4")  # transformers >= 5.24
@@ -238,6 +239,9 @@ def test_interpreted_kernels_in_the_engine(dsv4_dir, hf_ref):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(
+    tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 24),
+    reason="transformers < 5.24: its DeepSeek-V4 fails in bf16 inside its own forward (H200, 5.17)")
 @pytest.mark.parametrize("name", ["default", "hca-128"])
 def test_gpu_engine_matches_transformers(dsv4_dir, hf_ref, name):
     """On the GPU: fp32 tokens equal transformers' on the CPU (Triton index kernels, KV

@@ -11,6 +11,7 @@ tokens with decode CUDA graphs."""
 
 import pytest
 from engine_helpers import (
+    needs_reference_transformers,
     TEXTS,
     check_bf16_teacher_forced,
     check_greedy,
@@ -130,6 +131,26 @@ def test_preemption_with_a_small_pool(tiny_dir, hf_ref, prefix, blocks):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["bamba", "falcon_h1-multipliers"])
+def test_gpu_engine_equals_the_cpu_engine(tiny_dir, name):
+    """fp32 on the GPU (Triton attention, the Mamba-2 kernels natively, decode CUDA graphs)
+    gives the CPU engine's greedy tokens (the CPU engine equals transformers 5.24's, tested
+    above), whatever transformers the GPU machine has."""
+    from pagedkv import SamplingParams
+
+    path = checkpoint(tiny_dir, name)
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = TEXTS + TEXTS[:3]
+    want = [o.outputs[0].token_ids for o in make_llm(path).generate(prompts, p, use_tqdm=False)]
+    llm = make_llm(path, device="cuda", attention_backend="triton", max_num_seqs=8,
+                   max_num_batched_tokens=64)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)]
+    assert got == want
+    assert llm.get_kv_stats()["cuda_graph_steps"] > 0
+
+
+@pytest.mark.gpu
+@needs_reference_transformers
+@pytest.mark.parametrize("name", ["bamba", "falcon_h1-multipliers"])
 def test_gpu_fp32_engine_with_cuda_graphs_matches_transformers(tiny_dir, hf_ref, name):
     """fp32 on the GPU: the Triton attention backend, the Mamba-2 kernels natively, decode
     CUDA graphs (padded rows skipped by state index -1); greedy tokens equal transformers' on
@@ -142,6 +163,7 @@ def test_gpu_fp32_engine_with_cuda_graphs_matches_transformers(tiny_dir, hf_ref,
 
 
 @pytest.mark.gpu
+@needs_reference_transformers
 @pytest.mark.parametrize("name", ["bamba", "falcon_h1-multipliers"])
 def test_gpu_bf16_teacher_forced_top1(tiny_dir, name):
     """bf16 on the GPU (Triton attention, native Mamba-2 kernels, CUDA graphs) against

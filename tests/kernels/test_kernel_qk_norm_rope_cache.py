@@ -317,6 +317,9 @@ def _assert_fp8_cache_matches(kv, kv_ref, slots, NB, BS):
     assert _same_bits(flat[1, written], flat_ref[1, written])
     a = flat[0, written].contiguous().view(torch.uint8).to(torch.int16)
     b = flat_ref[0, written].contiguous().view(torch.uint8).to(torch.int16)
+    # -0 (0x80) and +0 are the same value (a tiny K rounds to either sign of zero: the H200's
+    # conversion and the twin differ there, 128 codes at T=2049)
+    a, b = a.masked_fill(a == 0x80, 0), b.masked_fill(b == 0x80, 0)
     assert int((a - b).abs().max()) <= 1 and float((a != b).float().mean()) <= 0.02
 
 

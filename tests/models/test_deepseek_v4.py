@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+import transformers
 from deepseek_v4_helpers import CSA, HCA, SWA, Dsv4Driver, build_tiny_dsv4, use_twins
 
 from pagedkv.attention.dsv4 import Dsv4Backend
@@ -539,6 +540,9 @@ def test_bf16_is_as_close_as_transformers_bf16(ref, twins, name):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(
+    tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 24),
+    reason="transformers < 5.24: its DeepSeek-V4 fails in bf16 inside its own forward (H200, 5.17)")
 @pytest.mark.parametrize("name", ["default", "hca-128"])
 def test_gpu_fp32_and_bf16_match_transformers(ref, name):
     """On the GPU: fp32 logits equal transformers' on the CPU (the Triton index kernels, the
