@@ -6,8 +6,8 @@ builds from ``config`` (a dict of its config class's keys), its weights set by `
 seed)``, cast to ``dtype`` and saved with ``save_pretrained`` (``save_original_format=False``:
 transformers' module names), plus the tiny llama checkpoint's byte-level BPE tokenizer
 (``pagedkv.models.tiny``). Built in a temporary directory and renamed into place, so
-concurrent builders are safe. (``jamba_helpers.build_tiny_jamba`` does the same for Jamba and
-could call this.)
+concurrent builders are safe. ``copy_without_tensor`` copies a checkpoint with one tensor
+dropped (the strict loader's tests).
 """
 
 from __future__ import annotations
@@ -61,3 +61,16 @@ def build_hf_checkpoint(cache_dir: str, name: str, architecture: str, config: di
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def copy_without_tensor(src, dst, name: str):
+    """A copy of the checkpoint directory ``src`` at ``dst`` whose ``model.safetensors`` lacks
+    the tensor ``name``; returns ``dst``."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    f = os.path.join(dst, "model.safetensors")
+    tensors = load_file(f)
+    del tensors[name]
+    save_file(tensors, f, metadata={"format": "pt"})
+    return dst

@@ -1,6 +1,6 @@
 """Tiny random Jamba checkpoints for the model and engine tests, written by transformers' own
 ``JambaForCausalLM`` (``save_pretrained``), with the tiny llama checkpoint's byte-level BPE
-tokenizer (``pagedkv.models.tiny``).
+tokenizer (``pagedkv.models.tiny``), through ``checkpoint_helpers.build_hf_checkpoint``.
 
 Weights come from one seeded generator in parameter-name order: matrices ~ N(0, 0.1), biases
 ~ N(0, 0.1), norm weights and ``D`` 1 + N(0, 0.1), and for the mixers values that make their
@@ -12,15 +12,8 @@ routing). Built once per option set into the test cache (keyed by a hash of the 
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import shutil
-import tempfile
-
 import torch
-
-from pagedkv.models.tiny import build_tiny_checkpoint
+from checkpoint_helpers import build_hf_checkpoint
 
 # a 4-layer Jamba: layer 0 mixer + MLP, 1 mixer + MoE, 2 attention + MLP, 3 mixer + MoE
 JAMBA_TINY = dict(
@@ -30,7 +23,6 @@ JAMBA_TINY = dict(
     mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4, mamba_conv_bias=True,
     mamba_proj_bias=False, max_position_embeddings=512, rms_norm_eps=1e-6,
     tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-_MARKER = "pagedkv_tiny_jamba.json"
 
 
 def _fill(model, seed: int) -> None:
@@ -58,34 +50,6 @@ def build_tiny_jamba(cache_dir: str, *, seed: int = 0, dtype: str = "float32",
                      save_original_format: bool = True, **config) -> str:
     """Path of the tiny Jamba checkpoint with ``JambaConfig`` keys ``config`` over
     :data:`JAMBA_TINY` (``save_original_format=False``: transformers' stacked experts layout)."""
-    import transformers
-
-    cfg = {**JAMBA_TINY, **config}
-    blob = json.dumps([cfg, seed, dtype, save_original_format, transformers.__version__],
-                      sort_keys=True).encode()
-    target = os.path.join(cache_dir, "jamba-" + hashlib.sha256(blob).hexdigest()[:12])
-    if os.path.isfile(os.path.join(target, _MARKER)):
-        return target
-    os.makedirs(cache_dir, exist_ok=True)
-    tok_dir = build_tiny_checkpoint("llama", cache_dir, vocab_size=cfg["vocab_size"],
-                                    num_layers=1, hidden_size=16, num_heads=2, num_kv_heads=1,
-                                    head_dim=8, intermediate_size=16)
-    tmp = tempfile.mkdtemp(prefix=".jamba-building-", dir=cache_dir)
-    try:
-        model = transformers.JambaForCausalLM(transformers.JambaConfig(**cfg))
-        _fill(model, seed)
-        model = model.to(getattr(torch, dtype))
-        model.save_pretrained(tmp, **({} if save_original_format
-                                      else {"save_original_format": False}))
-        for f in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(os.path.join(tok_dir, f), tmp)
-        with open(os.path.join(tmp, _MARKER), "w", encoding="utf-8") as fh:
-            json.dump({"config": cfg, "seed": seed, "dtype": dtype}, fh)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not os.path.isfile(os.path.join(target, _MARKER)):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return build_hf_checkpoint(cache_dir, "jamba", "JambaForCausalLM", {**JAMBA_TINY, **config},
+                               _fill, seed=seed, dtype=dtype,
+                               save_original_format=save_original_format)

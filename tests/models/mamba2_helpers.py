@@ -47,6 +47,24 @@ class Pair:
         """(pagedkv's, transformers') mixer of ``layer``."""
         return self.model.layers[layer].mamba, self.hf.model.layers[layer].mamba
 
+    def check_parameter_count(self) -> None:
+        """pagedkv's parameter count of the config equals transformers' model's."""
+        assert self.model.config.num_parameters() == sum(t.numel() for t in self.hf.parameters())
+
+
+class Pairs:
+    """A test module's tiny checkpoints by variant name: ``pairs(name)`` is the :class:`Pair`
+    of ``build(name)`` (a checkpoint path), loaded once (a module-scoped fixture holds it)."""
+
+    def __init__(self, build):
+        self._build = build
+        self._pairs: dict = {}
+
+    def __call__(self, name: str) -> Pair:
+        if name not in self._pairs:
+            self._pairs[name] = Pair(self._build(name))
+        return self._pairs[name]
+
 
 def mamba_metadata(query_lens, computed, slots, *, pad_rows: int = 0,
                    device="cpu") -> MambaMetadata:
@@ -132,7 +150,13 @@ class HybridHarness(PagedHarness):
                          num_blocks=num_blocks, **kw)
 
 
-# ---- checks shared by test_bamba.py and test_falcon_h1.py
+# ---- checks shared by test_bamba.py, test_falcon_h1.py and test_jamba.py
+
+# two sequences step by step: seq 1 starts with a one-token chunk (a decode row from its zeroed
+# state), continues with a prefill chunk while seq 0 decodes; then both prefill, then both decode
+MIXED_SCHEDULE = [[(1, 1), (0, 12)], [(0, 1), (1, 19)], [(0, 17), (1, 5)], [(0, 1), (1, 1)],
+                  [(0, 1), (1, 1)], [(1, 1), (0, 1)]]
+
 
 @torch.no_grad()
 def check_mixer_varlen_batch(pair: Pair, layer: int = 0, lens=(9, 1, 20, 33), seed: int = 0):
@@ -227,10 +251,14 @@ def check_decode_steps(pair: Pair, prompt, steps: int = 6, block_size: int = 16)
 
 def check_batched_greedy(pair: Pair, new_tokens: int = 10, **kw):
     """Batched greedy decoding through the harness (``kw``: chunk_size, token_budget,
-    pad_tokens) equals transformers' ``generate`` per prompt."""
+    pad_tokens) equals transformers' ``generate`` per prompt; with ``chunk_size``, some step
+    mixed decodes with a later chunk of a prompt."""
     block = kw.pop("block_size", 16)
     need = sum(-(-(len(p) + new_tokens) // block) for p in pair.prompts)
     harness = HybridHarness(pair.model, block_size=block, num_blocks=need + 3)
     got = harness.greedy_generate(pair.prompts, new_tokens, **kw)
     assert got == [pair.generate(p, new_tokens) for p in pair.prompts]
+    if "chunk_size" in kw:
+        assert any(any(done >= plen for _, done, _, plen in s)
+                   and any(0 < done < plen for _, done, _, plen in s) for s in harness.step_log)
     return harness

@@ -8,16 +8,10 @@ projection and attention biases, tied embeddings, a time-step limit)."""
 
 import math
 
+import mamba2_helpers as mh
 import pytest
 import torch
-from mamba2_helpers import (
-    Pair,
-    check_batched_greedy,
-    check_decode_steps,
-    check_mixer_steps,
-    check_mixer_varlen_batch,
-    check_prompt_logits,
-)
+from checkpoint_helpers import copy_without_tensor
 
 from pagedkv.core.spec import FullAttentionSpec, MambaSpec
 from pagedkv.errors import CheckpointError, ConfigError
@@ -48,18 +42,9 @@ VARIANTS = {
     "time-step-limit": dict(num_layers=2, mamba_options={"time_step_limit": [0.05, 0.5]}),
 }
 
-_PAIRS: dict = {}
-
-
 @pytest.fixture(scope="module")
 def pair(tiny_dir):
-    def get(name):
-        if name not in _PAIRS:
-            _PAIRS[name] = Pair(tiny_dir("bamba", **VARIANTS[name]))
-        return _PAIRS[name]
-
-    yield get
-    _PAIRS.clear()
+    return mh.Pairs(lambda name: tiny_dir("bamba", **VARIANTS[name]))
 
 
 def test_bamba_9b_config():
@@ -139,33 +124,21 @@ def test_cache_layers_and_specs(pair):
 
 
 def test_parameter_count_and_strict_loading(pair, tmp_path):
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
     for name in VARIANTS:
-        p = pair(name)
-        assert p.model.config.num_parameters() == sum(t.numel() for t in p.hf.parameters())
-    src = pair("default").path
-    dst = tmp_path / "no-dt-bias"
-    shutil.copytree(src, dst)
-    tensors = load_file(str(dst / "model.safetensors"))
-    del tensors["model.layers.2.mamba.dt_bias"]
-    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+        pair(name).check_parameter_count()
+    dst = copy_without_tensor(pair("default").path, tmp_path / "no-dt-bias",
+                              "model.layers.2.mamba.dt_bias")
     with pytest.raises(CheckpointError, match="model.layers.2.mamba.dt_bias"):
         load_checkpoint(dst)
 
 
 @pytest.mark.parametrize("lens", [(9, 1, 20, 33), (1, 1, 37, 5)])
 def test_mixer_varlen_batch_matches_transformers(pair, lens):
-    check_mixer_varlen_batch(pair("default"), layer=0, lens=lens)
+    mh.check_mixer_varlen_batch(pair("default"), layer=0, lens=lens)
 
 
 SCHEDULES = {
-    # seq 1 starts with a one-token chunk (a decode row from its zeroed state), continues with
-    # a prefill chunk while seq 0 decodes; then both prefill, then both decode
-    "mixed": [[(1, 1), (0, 12)], [(0, 1), (1, 19)], [(0, 17), (1, 5)], [(0, 1), (1, 1)],
-              [(0, 1), (1, 1)], [(1, 1), (0, 1)]],
+    "mixed": mh.MIXED_SCHEDULE,
     # chunks crossing the kernel's 64-token chunks, a one-token continuation chunk
     "long": [[(0, 70)], [(0, 1)], [(0, 60), (1, 3)], [(0, 1), (1, 1)]],
 }
@@ -173,7 +146,7 @@ SCHEDULES = {
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_mixer_chunked_prefill_and_decodes_equal_one_pass(pair, name):
-    check_mixer_steps(pair("default"), SCHEDULES[name], layer=2)
+    mh.check_mixer_steps(pair("default"), SCHEDULES[name], layer=2)
 
 
 def test_mixer_time_step_limit_in_prefill(pair):
@@ -181,27 +154,24 @@ def test_mixer_time_step_limit_in_prefill(pair):
     # length >= 2 continue the clamped scan exactly
     p = pair("time-step-limit")
     assert p.model.config.mamba.time_step_limit == (0.05, 0.5)
-    check_mixer_varlen_batch(p, layer=0, lens=(9, 20, 33))
-    check_mixer_steps(p, [[(0, 10), (1, 4)], [(0, 7), (1, 30)]], layer=0)
+    mh.check_mixer_varlen_batch(p, layer=0, lens=(9, 20, 33))
+    mh.check_mixer_steps(p, [[(0, 10), (1, 4)], [(0, 7), (1, 30)]], layer=0)
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_prompt_logits_match_transformers(pair, name):
-    check_prompt_logits(pair(name))
+    mh.check_prompt_logits(pair(name))
 
 
 @pytest.mark.parametrize("name", ["default", "biases-1group-w3-tied"])
 def test_decode_step_logits_match_transformers(pair, name):
     p = pair(name)
-    check_decode_steps(p, p.prompts[2], steps=6)
+    mh.check_decode_steps(p, p.prompts[2], steps=6)
 
 
 def test_batched_greedy_with_chunked_prefill_matches_generate(pair):
-    h = check_batched_greedy(pair("default"), 10, chunk_size=7, token_budget=16, pad_tokens=3)
-    # some step mixed decodes with a later chunk of a prompt
-    assert any(any(done >= plen for _, done, _, plen in s)
-               and any(0 < done < plen for _, done, _, plen in s) for s in h.step_log)
+    mh.check_batched_greedy(pair("default"), 10, chunk_size=7, token_budget=16, pad_tokens=3)
 
 
 def test_batched_greedy_block_32_matches_generate(pair):
-    check_batched_greedy(pair("biases-1group-w3-tied"), 8, block_size=32)
+    mh.check_batched_greedy(pair("biases-1group-w3-tied"), 8, block_size=32)

@@ -10,16 +10,9 @@ projection biases, a head_dim that is not hidden / heads and a mixer width from
 
 import math
 
+import mamba2_helpers as mh
 import pytest
 import torch
-from mamba2_helpers import (
-    Pair,
-    check_batched_greedy,
-    check_decode_steps,
-    check_mixer_steps,
-    check_mixer_varlen_batch,
-    check_prompt_logits,
-)
 
 from pagedkv.core.spec import FullAttentionSpec, MambaSpec
 from pagedkv.errors import ConfigError
@@ -42,18 +35,9 @@ VARIANTS = {
         "mamba_proj_bias": True, "projectors_bias": True, "mamba_n_groups": 1, **MULTIPLIERS}),
 }
 
-_PAIRS: dict = {}
-
-
 @pytest.fixture(scope="module")
 def pair(tiny_dir):
-    def get(name):
-        if name not in _PAIRS:
-            _PAIRS[name] = Pair(tiny_dir("falcon_h1", **VARIANTS[name]))
-        return _PAIRS[name]
-
-    yield get
-    _PAIRS.clear()
+    return mh.Pairs(lambda name: tiny_dir("falcon_h1", **VARIANTS[name]))
 
 
 BASE = {"architectures": ["FalconH1ForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
@@ -130,33 +114,32 @@ def test_two_cache_layers_per_layer(pair):
 
 def test_parameter_count(pair):
     for name in VARIANTS:
-        p = pair(name)
-        assert p.model.config.num_parameters() == sum(t.numel() for t in p.hf.parameters())
+        pair(name).check_parameter_count()
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_mixer_varlen_batch_matches_transformers(pair, name):
-    check_mixer_varlen_batch(pair(name), layer=1, lens=(1, 9, 20, 33))
+    mh.check_mixer_varlen_batch(pair(name), layer=1, lens=(1, 9, 20, 33))
 
 
 @pytest.mark.parametrize("name", ["default", "multipliers"])
 def test_mixer_chunked_prefill_and_decodes_equal_one_pass(pair, name):
     schedule = [[(1, 1), (0, 12)], [(0, 1), (1, 19)], [(0, 17), (1, 5)], [(0, 1), (1, 1)],
                 [(1, 1), (0, 1)]]
-    check_mixer_steps(pair(name), schedule, layer=0)
+    mh.check_mixer_steps(pair(name), schedule, layer=0)
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_prompt_logits_match_transformers(pair, name):
-    check_prompt_logits(pair(name))
+    mh.check_prompt_logits(pair(name))
 
 
 @pytest.mark.parametrize("name", ["default", "multipliers"])
 def test_decode_step_logits_match_transformers(pair, name):
     p = pair(name)
-    check_decode_steps(p, p.prompts[1], steps=6)
+    mh.check_decode_steps(p, p.prompts[1], steps=6)
 
 
 @pytest.mark.parametrize("name", ["rms-norm", "multipliers"])
 def test_batched_greedy_with_chunked_prefill_matches_generate(pair, name):
-    check_batched_greedy(pair(name), 10, chunk_size=7, token_budget=16, pad_tokens=3)
+    mh.check_batched_greedy(pair(name), 10, chunk_size=7, token_budget=16, pad_tokens=3)

@@ -10,19 +10,12 @@ layout). On CPU the mixer's kernels (causal_conv1d, selective_scan) run through 
 interpreter."""
 
 import dataclasses
-import shutil
 
+import mamba2_helpers as mh
 import pytest
 import torch
+from checkpoint_helpers import copy_without_tensor
 from jamba_helpers import build_tiny_jamba
-from mamba2_helpers import (
-    Pair,
-    check_batched_greedy,
-    check_decode_steps,
-    check_mixer_steps,
-    check_mixer_varlen_batch,
-    check_prompt_logits,
-)
 
 from pagedkv.core.spec import FullAttentionSpec, MambaSpec
 from pagedkv.errors import CheckpointError, ConfigError
@@ -61,18 +54,9 @@ VARIANTS = {
                             save_original_format=False),
 }
 
-_PAIRS: dict = {}
-
-
 @pytest.fixture(scope="module")
 def pair(tiny_cache):
-    def get(name):
-        if name not in _PAIRS:
-            _PAIRS[name] = Pair(build_tiny_jamba(tiny_cache, **VARIANTS[name]))
-        return _PAIRS[name]
-
-    yield get
-    _PAIRS.clear()
+    return mh.Pairs(lambda name: build_tiny_jamba(tiny_cache, **VARIANTS[name]))
 
 
 def _hf_parameter_count(d: dict) -> int:
@@ -161,17 +145,10 @@ def test_cache_layers_and_specs(pair):
 
 
 def test_parameter_count_and_strict_loading(pair, tmp_path):
-    from safetensors.torch import load_file, save_file
-
     for name in VARIANTS:
-        p = pair(name)
-        assert p.model.config.num_parameters() == sum(t.numel() for t in p.hf.parameters())
-    src = pair("default").path
-    dst = tmp_path / "no-b-norm"
-    shutil.copytree(src, dst)
-    tensors = load_file(str(dst / "model.safetensors"))
-    del tensors["model.layers.3.mamba.b_layernorm.weight"]
-    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+        pair(name).check_parameter_count()
+    dst = copy_without_tensor(pair("default").path, tmp_path / "no-b-norm",
+                              "model.layers.3.mamba.b_layernorm.weight")
     with pytest.raises(CheckpointError, match=r"model\.layers\.3\.mamba\.b_layernorm\.weight"):
         load_checkpoint(dst)
     with pytest.raises(ConfigError, match="Mamba-1"):
@@ -211,14 +188,11 @@ def test_moe_block_matches_transformers():
 
 @pytest.mark.parametrize("layer", [0, 1, 3])
 def test_mixer_varlen_batch_matches_transformers(pair, layer):
-    check_mixer_varlen_batch(pair("default"), layer=layer, lens=(9, 1, 20, 33))
+    mh.check_mixer_varlen_batch(pair("default"), layer=layer, lens=(9, 1, 20, 33))
 
 
 SCHEDULES = {
-    # seq 1 starts with a one-token chunk (a decode row from its zeroed state), continues with
-    # a prefill chunk while seq 0 decodes; then both prefill, then both decode
-    "mixed": [[(1, 1), (0, 12)], [(0, 1), (1, 19)], [(0, 17), (1, 5)], [(0, 1), (1, 1)],
-              [(0, 1), (1, 1)], [(1, 1), (0, 1)]],
+    "mixed": mh.MIXED_SCHEDULE,
     # chunks across the kernel's 16-token chunks, a one-token continuation chunk
     "long": [[(0, 40)], [(0, 1)], [(0, 17), (1, 3)], [(0, 1), (1, 1)]],
 }
@@ -226,7 +200,7 @@ SCHEDULES = {
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_mixer_chunked_prefill_and_decodes_equal_one_pass(pair, name):
-    check_mixer_steps(pair("default"), SCHEDULES[name], layer=1)
+    mh.check_mixer_steps(pair("default"), SCHEDULES[name], layer=1)
 
 
 def test_the_step_check_sees_a_dropped_state(pair, monkeypatch):
@@ -243,28 +217,25 @@ def test_the_step_check_sees_a_dropped_state(pair, monkeypatch):
 
     monkeypatch.setattr(MambaMixer, "forward", forgetful)
     with pytest.raises(AssertionError):
-        check_mixer_steps(pair("default"), SCHEDULES["mixed"], layer=1)
+        mh.check_mixer_steps(pair("default"), SCHEDULES["mixed"], layer=1)
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_prompt_logits_match_transformers(pair, name):
-    check_prompt_logits(pair(name))
+    mh.check_prompt_logits(pair(name))
 
 
 @pytest.mark.parametrize("name", ["default", "attn-first-dense-biases"])
 def test_decode_step_logits_match_transformers(pair, name):
     p = pair(name)
-    check_decode_steps(p, p.prompts[2], steps=6)
+    mh.check_decode_steps(p, p.prompts[2], steps=6)
 
 
 def test_batched_greedy_with_chunked_prefill_matches_generate(pair):
     p = pair("default")
     assert [len(x) for x in p.prompts] == sorted({len(x) for x in p.prompts})  # 4 lengths
-    h = check_batched_greedy(p, 10, chunk_size=7, token_budget=16, pad_tokens=3)
-    # some step mixed decodes with a later chunk of a prompt
-    assert any(any(done >= plen for _, done, _, plen in s)
-               and any(0 < done < plen for _, done, _, plen in s) for s in h.step_log)
+    mh.check_batched_greedy(p, 10, chunk_size=7, token_budget=16, pad_tokens=3)
 
 
 def test_batched_greedy_block_32_matches_generate(pair):
-    check_batched_greedy(pair("stacked-experts"), 8, block_size=32)
+    mh.check_batched_greedy(pair("stacked-experts"), 8, block_size=32)
