@@ -27,11 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedkv.kernels.causal_conv1d import causal_conv1d
 from pagedkv.kernels.selective_state_update import selective_state_update
 from pagedkv.kernels.ssd_chunk_scan import ssd_chunk_scan
 from pagedkv.models.config import MambaConfig
 from pagedkv.models.layers import Linear
+from pagedkv.models.mamba_common import MambaMixerBase, conv_rows, has_prefill_rows
 
 
 def gated_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -63,7 +63,7 @@ def mup_vector(mc: MambaConfig) -> torch.Tensor | None:
     return torch.cat([torch.full((n,), float(m)) for n, m in zip(sizes, mc.ssm_multipliers)])
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(MambaMixerBase):
     """One layer's Mamba-2 mixer (HF module ``model.layers.{i}.mamba``); see the module
     docstring. Parameters keep the checkpoint's shapes (``conv1d.weight`` ``[conv_dim, 1,
     d_conv]``)."""
@@ -89,14 +89,8 @@ class Mamba2Mixer(nn.Module):
         mup = mup_vector(mc)
         self.register_buffer("mup", None if mup is None else mup.to(**kw), persistent=False)
 
-    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Per-slot shapes of the conv state and the SSM state."""
-        return self.mc.conv_state_shape, self.mc.ssm_state_shape
-
     def forward(self, hidden: torch.Tensor, states: tuple[torch.Tensor, torch.Tensor],
                 meta) -> torch.Tensor:
-        """The mixer's output ``[T, hidden]`` for the normed input ``hidden [T, hidden]``;
-        updates the rows' states in ``states`` (see the module docstring)."""
         mc = self.mc
         conv_state, ssm_state = states
         t = hidden.shape[0]
@@ -108,12 +102,8 @@ class Mamba2Mixer(nn.Module):
             proj = proj * self.mup
         gate, xbc, dt = proj.split([inter, mc.conv_dim, nh], dim=-1)
 
-        n, nd = meta.num_reqs, meta.num_decodes
-        qsl = meta.query_start_loc[: n + 1]
-        slots = meta.state_indices[:n, 0].contiguous()
-        init = meta.has_initial_state[:n]
-        xbc = causal_conv1d(xbc, conv_state, self.conv_weight[:, 0], self.conv_bias, qsl, slots,
-                            init, "silu")
+        nd = meta.num_decodes
+        xbc, qsl, slots, init = conv_rows(xbc, conv_state, self.conv_weight, self.conv_bias, meta)
         x, B, C = xbc.split([inter, ng * ds, ng * ds], dim=-1)
         x, B, C = x.view(t, nh, mc.head_dim), B.view(t, ng, ds), C.view(t, ng, ds)
 
@@ -124,7 +114,7 @@ class Mamba2Mixer(nn.Module):
         if nd:
             selective_state_update(ssm_state, x[:nd], dt[:nd], self.dt_bias, A, B[:nd], C[:nd],
                                    self.D, slots[:nd], dt_softplus=True, out=y[:nd])
-        if meta.num_prefills or (nd == 0 and n):  # (no split given: every row a prefill)
+        if has_prefill_rows(meta):
             lo, hi = mc.time_step_limit
             ssd_chunk_scan(ssm_state, x, dt, self.dt_bias, A, B, C, self.D, qsl[nd:],
                            slots[nd:], init[nd:], dt_softplus=True, dt_min=lo, dt_max=hi,

@@ -29,13 +29,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.errors import ConfigError
-from pagedkv.kernels.causal_conv1d import causal_conv1d
 from pagedkv.kernels.selective_scan import selective_scan, selective_scan_update
 from pagedkv.models.config import MambaConfig
 from pagedkv.models.layers import Linear, RMSNorm
+from pagedkv.models.mamba_common import MambaMixerBase, conv_rows, has_prefill_rows
 
 
-class MambaMixer(nn.Module):
+class MambaMixer(MambaMixerBase):
     """One layer's Mamba-1 mixer (HF module ``model.layers.{i}.mamba``); see the module
     docstring. Parameters keep the checkpoint's names and shapes (``conv1d.weight``
     ``[intermediate_size, 1, d_conv]``, ``A_log [intermediate_size, d_state]``)."""
@@ -65,25 +65,15 @@ class MambaMixer(nn.Module):
         self.c_layernorm = RMSNorm(ds, eps, **kw)
         self.out_proj = Linear(inter, hidden_size, bias=mc.out_proj_bias, **kw)
 
-    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Per-slot shapes of the conv state and the SSM state."""
-        return self.mc.conv_state_shape, self.mc.ssm_state_shape
-
     def forward(self, hidden: torch.Tensor, states: tuple[torch.Tensor, torch.Tensor],
                 meta) -> torch.Tensor:
-        """The mixer's output ``[T, hidden]`` for the normed input ``hidden [T, hidden]``;
-        updates the rows' states in ``states`` (see the module docstring)."""
         mc = self.mc
         conv_state, ssm_state = states
         t, inter, ds = hidden.shape[0], mc.intermediate_size, mc.d_state
         x, gate = self.in_proj(hidden).split([inter, inter], dim=-1)
 
-        n, nd = meta.num_reqs, meta.num_decodes
-        qsl = meta.query_start_loc[: n + 1]
-        slots = meta.state_indices[:n, 0].contiguous()
-        init = meta.has_initial_state[:n]
-        x = causal_conv1d(x, conv_state, self.conv_weight[:, 0], self.conv_bias, qsl, slots,
-                          init, "silu")
+        nd = meta.num_decodes
+        x, qsl, slots, init = conv_rows(x, conv_state, self.conv_weight, self.conv_bias, meta)
         dt, B, C = self.x_proj(x).split([mc.dt_rank, ds, ds], dim=-1)
         dt = F.linear(self.dt_layernorm(dt), self.dt_proj.weight)
         B, C = self.b_layernorm(B), self.c_layernorm(C)
@@ -95,7 +85,7 @@ class MambaMixer(nn.Module):
         if nd:
             selective_scan_update(ssm_state, x[:nd], dt[:nd], bias, A, B[:nd], C[:nd], self.D,
                                   gate[:nd], slots[:nd], out=y[:nd])
-        if meta.num_prefills or (nd == 0 and n):  # (no split given: every row a prefill)
+        if has_prefill_rows(meta):
             selective_scan(ssm_state, x, dt, bias, A, B, C, self.D, gate, qsl[nd:], slots[nd:],
                            init[nd:], out=y)
         return self.out_proj(y)
