@@ -9,7 +9,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
   cat COMMIT 2>/dev/null; } | tee "$OUT/env.txt"
 timeout ${T1:-280} python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests/kernels tests/attention \
-  tests/sampling tests/worker tests/models tests/core tests/property -rfE 2>&1 > "$OUT/suite_kernels_models.log"; tail -12 "$OUT/suite_kernels_models.log"
+  tests/sampling tests/worker tests/models tests/core tests/property -rfE > "$OUT/suite_kernels_models.log" 2>&1; tail -12 "$OUT/suite_kernels_models.log"
 timeout ${T2:-280} python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests/engine tests/entrypoints \
   tests/conformance tests/test_sanitizer.py -k "not test_qwen3_0_6b_shape_w1_variant" -rfE \
-  2>&1 > "$OUT/suite_engine.log"; tail -12 "$OUT/suite_engine.log"
+  > "$OUT/suite_engine.log" 2>&1; tail -12 "$OUT/suite_engine.log"
