@@ -23,17 +23,16 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.attention.backend import AttentionBackend, StepAttention
-from pagedkv.attention.kv_cache import allocate_layer_caches
 from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.models.config import ModelArchConfig
 from pagedkv.models.decoder import Attention, DecoderForCausalLM, attention_hf_entries
+from pagedkv.models.eager_decoder import EagerLayers
 from pagedkv.models.layers import GatedMLP, RMSNorm
 from pagedkv.models.mamba2_mixer import Mamba2Mixer
-from pagedkv.models.rotary import RotaryEmbedding, tokens_seq_lens
+from pagedkv.models.rotary import RotaryEmbedding
 
 
 class BambaLayer(nn.Module):
@@ -83,14 +82,10 @@ class BambaLayer(nn.Module):
 
     def feed_forward_hf_entries(self, prefix: str, layout: str | None = None) -> dict:
         """The gated MLP's tensors (``feed_forward.{gate,up,down}_proj``; one layout)."""
-        ff = self.feed_forward
-        m = ff.gate_up_proj.hf_entries_of_shards(
-            {"gate": prefix + "feed_forward.gate_proj", "up": prefix + "feed_forward.up_proj"})
-        m.update(ff.down_proj.hf_entries(prefix + "feed_forward.down_proj"))
-        return m
+        return self.feed_forward.hf_entries(prefix + "feed_forward")
 
 
-class BambaForCausalLM(DecoderForCausalLM):
+class BambaForCausalLM(EagerLayers, DecoderForCausalLM):
     """Bamba (see the module docstring); the engine-facing interface of
     :class:`DecoderForCausalLM` with state layers among its cache layers."""
 
@@ -120,6 +115,11 @@ class BambaForCausalLM(DecoderForCausalLM):
         # (layer index, "mamba" | "self_attn") of each kv_caches / plans entry
         self.cache_layers = tuple((i, kind) for i, layer in enumerate(self.layers)
                                   for kind in layer.cache_kinds)
+        # each layer's [start, end) of the kv_caches / plans entries
+        ends = [0]
+        for layer in self.layers:
+            ends.append(ends[-1] + len(layer.cache_kinds))
+        self._cache_slices = tuple(zip(ends[:-1], ends[1:]))
 
     # ---- the engine's interface
     def kv_cache_specs(self, block_size: int) -> dict:
@@ -165,40 +165,19 @@ class BambaForCausalLM(DecoderForCausalLM):
         tensor ``[2, num_blocks, block_size, Hkv, D]``, a state layer's ``(conv [num_blocks,
         d_conv - 1, conv_dim], ssm [num_blocks, H, P, N] float32)``; the KV and the conv state
         in the model dtype."""
-        if dtype is not None and dtype != self.dtype:
-            raise ConfigError(f"the caches of {self.config.architecture} take the model dtype "
-                              f"({self.dtype}), not {dtype}")
-        return allocate_layer_caches(self.kv_cache_specs(block_size).values(), num_blocks,
-                                     device=device or self.device, fill=fill)
-
-    def fused_kv_write_usable(self, kv_cache) -> bool:
-        return False
-
-    def compile_regions(self, **kwargs) -> bool:
-        """No compiled regions for the Mamba-2 hybrids yet: the layers stay eager."""
-        return False
-
-    @property
-    def compiled(self) -> bool:
-        return False
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.embed_tokens)
+        return self.allocate_spec_caches(num_blocks, block_size, dtype=dtype, device=device,
+                                         fill=fill)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence,
                 attn) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm (see the module docstring)."""
-        self.check_inputs(input_ids, positions, kv_caches)
-        attn = self.step_attention(attn)
-        seq_lens = tokens_seq_lens(attn.metadata, input_ids.shape[0]) if self.rotary.is_dynamic else None
-        cos, sin = self._rope(positions, seq_lens)
-        hidden = self.embed(input_ids)
-        plans, backend, k = attn.plans, self.attn_backend, 0
-        for layer in self.layers:
-            n = len(layer.cache_kinds)
-            hidden = layer(hidden, cos, sin, kv_caches[k:k + n], plans[k:k + n], backend)
-            k += n
-        return self.norm(hidden)
+        return self.forward_layer_modules(input_ids, positions, kv_caches, attn)
+
+    def layer_caches(self, i: int, kv_caches: Sequence, plans: Sequence) -> tuple:
+        """Layer ``i``'s cache layers: its entries of ``kv_caches`` and ``plans``, in
+        ``cache_kinds`` order."""
+        a, b = self._cache_slices[i]
+        return kv_caches[a:b], plans[a:b]
 
     # ---- weights
     def hf_weight_map(self, layout: str | None = None) -> dict:

@@ -31,9 +31,9 @@ from pagedkv.attention.backend import (
     AttentionPlan,
     StepAttention,
 )
-from pagedkv.attention.kv_cache import allocate_kv_caches
+from pagedkv.attention.kv_cache import allocate_kv_caches, allocate_layer_caches
 from pagedkv.attention.torch_ref import TorchRefBackend
-from pagedkv.errors import InvalidRequestError
+from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.models.config import ModelArchConfig
 from pagedkv.models.layers import GatedMLP, Linear, QKVProjection, RMSNorm, rms_norm, silu_and_mul
 from pagedkv.models.rotary import RotaryEmbedding, apply_rotary, tokens_seq_lens
@@ -235,9 +235,7 @@ class DecoderLayer(nn.Module):
         m = {prefix + "input_layernorm.weight": (self.input_layernorm.weight, None),
              prefix + "post_attention_layernorm.weight": (self.post_attention_layernorm.weight, None)}
         m.update(attention_hf_entries(prefix, attn.qkv_proj, attn.o_proj, attn.q_norm, attn.k_norm))
-        m.update(mlp.gate_up_proj.hf_entries_of_shards(
-            {"gate": prefix + "mlp.gate_proj", "up": prefix + "mlp.up_proj"}))
-        m.update(mlp.down_proj.hf_entries(prefix + "mlp.down_proj"))
+        m.update(mlp.hf_entries(prefix + "mlp"))
         return m
 
     def forward_split(self, hidden, delta, cos, sin, kv_cache, plan, backend,
@@ -391,17 +389,27 @@ class DecoderForCausalLM(nn.Module):
                               kv_caches: Sequence, attn) -> torch.Tensor:
         """The eager forward of the families whose layers are one module call each
         (``layer(hidden, cos, sin, cache, plan, backend) -> hidden``, ``cache`` and ``plan``
-        the layer's entries of ``kv_caches`` and ``attn.plans``): embeddings, the layers in
-        order, the final norm."""
+        the layer's entries of ``kv_caches`` and ``attn.plans``, :meth:`layer_caches`):
+        :meth:`embed`, the layers in order, the final norm."""
         self.check_inputs(input_ids, positions, kv_caches)
         attn = self.step_attention(attn)
         seq_lens = tokens_seq_lens(attn.metadata, input_ids.shape[0]) if self.rotary.is_dynamic else None
         cos, sin = self._rope(positions, seq_lens)
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = self.embed(input_ids)
         backend = self.attn_backend
-        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
-            hidden = layer(hidden, cos, sin, cache, attn.plans[i], backend)
+        for i, layer in enumerate(self.layers):
+            cache, plan = self.layer_caches(i, kv_caches, attn.plans)
+            hidden = layer(hidden, cos, sin, cache, plan, backend)
         return self.norm(hidden)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings of :meth:`forward_layer_modules`."""
+        return F.embedding(input_ids, self.embed_tokens)
+
+    def layer_caches(self, i: int, kv_caches: Sequence, plans: Sequence) -> tuple:
+        """``(cache, plan)`` of layer ``i`` in :meth:`forward_layer_modules`: here its entry
+        of the cache layers (a family with several cache layers a layer gives them all)."""
+        return kv_caches[i], plans[i]
 
     def check_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor,
                      kv_caches: Sequence[torch.Tensor]) -> None:
@@ -565,6 +573,20 @@ class DecoderForCausalLM(nn.Module):
             self.config.num_key_value_heads, self.config.head_dim,
             dtype=dtype or self.dtype, device=device or self.device, fill=fill,
         )
+
+    def allocate_spec_caches(self, num_blocks: int, block_size: int, *,
+                             dtype: torch.dtype | None = None,
+                             device: str | torch.device | None = None,
+                             fill: float | None = 0.0) -> list:
+        """Unshared caches, one per cache layer of ``kv_cache_specs(block_size)``, each in its
+        spec's layout and dtype (``attention.kv_cache.allocate_layer_caches``): the
+        ``allocate_kv_caches`` of families whose specs are not all one attention layout. The
+        specs carry the model dtype: another ``dtype`` is refused."""
+        if dtype is not None and dtype != self.dtype:
+            raise ConfigError(f"the caches of {self.config.architecture} take the model dtype "
+                              f"({self.dtype}), not {dtype}")
+        return allocate_layer_caches(self.kv_cache_specs(block_size).values(), num_blocks,
+                                     device=device or self.device, fill=fill)
 
     # ---- weights
     def hf_weight_map(self, layout: str | None = None) -> dict[str, tuple[torch.Tensor, tuple[int, int] | None]]:

@@ -22,17 +22,17 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.attention.backend import AttentionBackend, AttentionLayout
 from pagedkv.attention.mla import MLABackend, allocate_mla_kv_caches, mla_backend_for
 from pagedkv.models.config import ModelArchConfig
 from pagedkv.models.decoder import DecoderForCausalLM
+from pagedkv.models.eager_decoder import EagerLayers
 from pagedkv.models.layers import GatedMLP, RMSNorm
 from pagedkv.models.mla_attention import MLAttention
 from pagedkv.models.moe import LAYOUTS, SparseMoeBlock
-from pagedkv.models.rotary import RotaryEmbedding, tokens_seq_lens
+from pagedkv.models.rotary import RotaryEmbedding
 
 
 class DeepseekV3Layer(nn.Module):
@@ -63,13 +63,11 @@ class DeepseekV3Layer(nn.Module):
         if self.sparse:
             m.update(self.mlp.hf_entries(prefix, layout))
         else:
-            m.update(self.mlp.gate_up_proj.hf_entries_of_shards(
-                {"gate": prefix + "mlp.gate_proj", "up": prefix + "mlp.up_proj"}))
-            m.update(self.mlp.down_proj.hf_entries(prefix + "mlp.down_proj"))
+            m.update(self.mlp.hf_entries(prefix + "mlp"))
         return m
 
 
-class DeepseekV3ForCausalLM(DecoderForCausalLM):
+class DeepseekV3ForCausalLM(EagerLayers, DecoderForCausalLM):
     """DeepSeek-V3 (see the module docstring); the engine-facing interface of
     :class:`DecoderForCausalLM` (KV specs per layer, plans, logits, weights, random init)."""
 
@@ -130,35 +128,11 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
                                       self.config.mla.latent_dim, dtype=dtype or self.dtype,
                                       device=device or self.device, fill=fill)
 
-    def fused_kv_write_usable(self, kv_cache: torch.Tensor) -> bool:
-        return False
-
-    def compile_regions(self, **kwargs) -> bool:
-        """No compiled regions for DeepSeek-V3 yet: the layers stay eager."""
-        return False
-
-    @property
-    def compiled(self) -> bool:
-        return False
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: Sequence[torch.Tensor], attn) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` after the final norm (see ``DecoderForCausalLM``)."""
-        self.check_inputs(input_ids, positions, kv_caches)
-        attn = self.step_attention(attn)
-        seq_lens = tokens_seq_lens(attn.metadata, input_ids.shape[0]) if self.rotary.is_dynamic else None
-        cos, sin = self._rope(positions, seq_lens)
-        hidden = F.embedding(input_ids, self.embed_tokens)
-        backend = self.attn_backend
-        for i, layer in enumerate(self.layers):
-            kv_cache, plan = self.layer_caches(i, kv_caches, attn.plans)
-            hidden = layer(hidden, cos, sin, kv_cache, plan, backend)
-        return self.norm(hidden)
-
-    def layer_caches(self, i: int, kv_caches: Sequence[torch.Tensor], plans: Sequence) -> tuple:
-        """``(cache, plan)`` of layer ``i``'s attention: its entry of the cache layers
-        (DeepSeek-V3.2: a pair, latent and indexer keys)."""
-        return kv_caches[i], plans[i]
+        """Hidden states ``[T, hidden]`` after the final norm (``forward_layer_modules``; the
+        layer's cache: ``layer_caches``, DeepSeek-V3.2's a pair, latent and indexer keys)."""
+        return self.forward_layer_modules(input_ids, positions, kv_caches, attn)
 
     # ---- weights
     def hf_weight_map(self, layout: str | None = None) -> dict:

@@ -1,5 +1,6 @@
 """A decoder whose layers are whole eager modules: the common frame of families with their own
-layer structure (GPT-OSS, Cohere2).
+layer structure (GPT-OSS, Cohere2); :class:`EagerLayers`, what every model with eager layers
+says to the engine (also Bamba, DeepSeek-V3, Gemma, Qwen3-Next).
 
 Each layer is called as ``layer(hidden, cos, sin, kv_cache, plan, backend) -> hidden`` (the
 residual adds inside) and names its Hugging Face tensors with ``layer.hf_entries(prefix)``; the
@@ -20,7 +21,23 @@ from pagedkv.models.config import ModelArchConfig
 from pagedkv.models.decoder import DecoderForCausalLM
 
 
-class EagerDecoderForCausalLM(DecoderForCausalLM):
+class EagerLayers:
+    """A :class:`DecoderForCausalLM` (listed after this among the bases) whose layers stay
+    eager: no compiled regions, no fused KV-write kernel."""
+
+    def fused_kv_write_usable(self, kv_cache) -> bool:
+        return False
+
+    def compile_regions(self, **kwargs) -> bool:
+        """No compiled regions: the layers stay eager."""
+        return False
+
+    @property
+    def compiled(self) -> bool:
+        return False
+
+
+class EagerDecoderForCausalLM(EagerLayers, DecoderForCausalLM):
     """See the module docstring; a subclass gives ``make_layer`` (and its final norm)."""
 
     def __init__(self, config: ModelArchConfig, *, backend: AttentionBackend | None = None,
@@ -39,14 +56,6 @@ class EagerDecoderForCausalLM(DecoderForCausalLM):
             hidden = layer(hidden, cos, sin, kv_cache, plan, self.attn_backend)
         return self.norm(hidden)
 
-    def compile_regions(self, **kwargs) -> bool:
-        """No compiled regions: the layers stay eager."""
-        return False
-
-    @property
-    def compiled(self) -> bool:
-        return False
-
     def hf_weight_map(self, layout: str | None = None) -> dict:
         """The checkpoint's tensors (one layout): embeddings, final norm, lm_head unless tied,
         each layer's ``hf_entries``."""
@@ -59,4 +68,4 @@ class EagerDecoderForCausalLM(DecoderForCausalLM):
         return m
 
 
-__all__ = ["EagerDecoderForCausalLM"]
+__all__ = ["EagerDecoderForCausalLM", "EagerLayers"]

@@ -33,7 +33,8 @@ from torch import nn
 from pagedkv.attention.backend import AttentionBackend, AttentionLayout
 from pagedkv.models.config import ModelArchConfig
 from pagedkv.models.decoder import DecoderForCausalLM, attention_hf_entries
-from pagedkv.models.layers import Linear, MergedLinear, QKVProjection
+from pagedkv.models.eager_decoder import EagerLayers
+from pagedkv.models.layers import Linear, MergedLinear, QKVProjection, gated_mlp_hf_entries
 from pagedkv.models.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -92,7 +93,7 @@ class GemmaLayer(nn.Module):
         return hidden + self.post_feedforward_layernorm(mlp)
 
 
-class GemmaForCausalLM(DecoderForCausalLM):
+class GemmaForCausalLM(EagerLayers, DecoderForCausalLM):
     """Gemma 2 / Gemma 3 text over a paged KV cache (see the module docstring). Shares the
     engine-facing interface of :class:`DecoderForCausalLM` (KV specs per layer, plans per layer,
     logits of the sampled rows, weight map, random init)."""
@@ -131,14 +132,6 @@ class GemmaForCausalLM(DecoderForCausalLM):
                                self.dtype, self.device,
                                sliding_window=getattr(spec, "sliding_window", None),
                                logits_soft_cap=cfg.attn_logit_softcap)
-
-    def compile_regions(self, **kwargs) -> bool:
-        """No compiled regions for Gemma yet: the layers stay eager."""
-        return False
-
-    @property
-    def compiled(self) -> bool:
-        return False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: Sequence[torch.Tensor], attn) -> torch.Tensor:
@@ -195,9 +188,7 @@ class GemmaForCausalLM(DecoderForCausalLM):
                 m[p + f"{name}.weight"] = (getattr(layer, name).weight, None)
             m.update(attention_hf_entries(p, layer.qkv_proj, layer.o_proj, layer.q_norm,
                                           layer.k_norm))
-            m.update(layer.gate_up_proj.hf_entries_of_shards(
-                {"gate": p + "mlp.gate_proj", "up": p + "mlp.up_proj"}))
-            m.update(layer.down_proj.hf_entries(p + "mlp.down_proj"))
+            m.update(gated_mlp_hf_entries(p + "mlp", layer.gate_up_proj, layer.down_proj))
         return m
 
     @torch.no_grad()

@@ -30,7 +30,7 @@ from pagedkv.attention.backend import AttentionBackend
 from pagedkv.errors import ConfigError
 from pagedkv.models.bamba import BambaForCausalLM, BambaLayer
 from pagedkv.models.config import ModelArchConfig
-from pagedkv.models.decoder import Attention, DecoderForCausalLM, attention_hf_entries
+from pagedkv.models.decoder import Attention, DecoderForCausalLM
 from pagedkv.models.layers import GatedMLP, RMSNorm
 from pagedkv.models.mamba_mixer import MambaMixer
 from pagedkv.models.moe import LAYOUTS, SparseMoeBlock
@@ -68,23 +68,12 @@ class JambaLayer(BambaLayer):
     def make_attention(self, cfg: ModelArchConfig, layer_idx: int, **kw) -> nn.Module:
         return JambaAttention(cfg, layer_idx, **kw)
 
-    def hf_entries(self, prefix: str, layout: str | None = None) -> dict:
-        """This layer's Hugging Face tensors (``prefix`` = ``model.layers.{i}.``); the sparse
-        block's in ``layout`` (default per expert)."""
-        m = {prefix + "input_layernorm.weight": (self.input_layernorm.weight, None),
-             prefix + "pre_ff_layernorm.weight": (self.pre_ff_layernorm.weight, None)}
-        ff = self.feed_forward
+    def feed_forward_hf_entries(self, prefix: str, layout: str | None = None) -> dict:
+        """The sparse block's tensors in ``layout`` (default per expert), or the gated MLP's
+        (Bamba's layer names the rest: ``hf_entries``)."""
         if self.sparse:
-            m.update(ff.hf_entries(prefix, layout or LAYOUTS[0]))
-        else:
-            m.update(ff.gate_up_proj.hf_entries_of_shards(
-                {"gate": prefix + "feed_forward.gate_proj", "up": prefix + "feed_forward.up_proj"}))
-            m.update(ff.down_proj.hf_entries(prefix + "feed_forward.down_proj"))
-        if self.mamba is not None:
-            m.update(self.mamba.hf_entries(prefix + "mamba."))
-        if self.self_attn is not None:
-            m.update(attention_hf_entries(prefix, self.self_attn.qkv_proj, self.self_attn.o_proj))
-        return m
+            return self.feed_forward.hf_entries(prefix, layout or LAYOUTS[0])
+        return super().feed_forward_hf_entries(prefix, layout)
 
 
 class JambaForCausalLM(BambaForCausalLM):

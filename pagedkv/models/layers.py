@@ -154,13 +154,18 @@ class GatedMLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
     def hf_entries(self, name: str) -> dict:
-        """The Hugging Face tensors ``{name}.gate_proj`` / ``.up_proj`` (rows of the fused
-        ``gate_up_proj``) and ``{name}.down_proj`` (``name``: e.g. ``model.layers.{i}.mlp``)."""
-        m = self.gate_up_proj.hf_entries_of_shards({"gate": name + ".gate_proj",
-                                                    "up": name + ".up_proj"})
-        m.update(self.down_proj.hf_entries(name + ".down_proj"))
-        return m
+        """The Hugging Face tensors of this MLP (:func:`gated_mlp_hf_entries`)."""
+        return gated_mlp_hf_entries(name, self.gate_up_proj, self.down_proj)
 
 
-__all__ = ["GatedMLP", "Linear", "MergedLinear", "QKVProjection", "RMSNorm", "rms_norm", "rms_norm_fp32",
-           "silu_and_mul", "unweighted_rms_norm"]
+def gated_mlp_hf_entries(name: str, gate_up_proj: MergedLinear, down_proj: Linear) -> dict:
+    """The Hugging Face tensors of a gated MLP: ``{name}.gate_proj`` / ``.up_proj`` (rows of
+    the fused ``gate_up_proj``) and ``{name}.down_proj`` (``name``: e.g.
+    ``model.layers.{i}.mlp``)."""
+    m = gate_up_proj.hf_entries_of_shards({"gate": name + ".gate_proj", "up": name + ".up_proj"})
+    m.update(down_proj.hf_entries(name + ".down_proj"))
+    return m
+
+
+__all__ = ["GatedMLP", "Linear", "MergedLinear", "QKVProjection", "RMSNorm", "gated_mlp_hf_entries",
+           "rms_norm", "rms_norm_fp32", "silu_and_mul", "unweighted_rms_norm"]

@@ -31,10 +31,10 @@ import torch
 from torch import nn
 
 from pagedkv.attention.backend import AttentionBackend, AttentionLayout, StepAttention
-from pagedkv.attention.kv_cache import allocate_layer_caches
 from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.models.config import ModelArchConfig
 from pagedkv.models.decoder import DecoderForCausalLM, attention_hf_entries
+from pagedkv.models.eager_decoder import EagerLayers
 from pagedkv.models.gated_deltanet import GatedDeltaNet
 from pagedkv.models.gemma import GemmaRMSNorm
 from pagedkv.models.layers import GatedMLP, Linear, MergedLinear
@@ -115,7 +115,7 @@ class Qwen3NextLayer(nn.Module):
         return m
 
 
-class Qwen3NextForCausalLM(DecoderForCausalLM):
+class Qwen3NextForCausalLM(EagerLayers, DecoderForCausalLM):
     """Qwen3-Next (see the module docstring); the engine-facing interface of
     :class:`DecoderForCausalLM` with state layers among its cache layers."""
 
@@ -176,15 +176,8 @@ class Qwen3NextForCausalLM(DecoderForCausalLM):
         """Per cache layer, unshared (``allocate_layer_caches``): an attention layer's KV
         tensor, a state layer's ``(conv [num_blocks, W - 1, conv_dim] in the model dtype,
         recurrent [num_blocks, HV, K, V] float32)``."""
-        if dtype is not None and dtype != self.dtype:
-            raise ConfigError(f"Qwen3-Next keeps its caches in the model dtype ({self.dtype}), "
-                              f"got dtype={dtype}")
-        return allocate_layer_caches(self.kv_cache_specs(block_size).values(), num_blocks,
-                                     device=device or self.device, fill=fill)
-
-    def compile_regions(self, **kwargs) -> bool:
-        """No compiled regions for Qwen3-Next yet: the layers stay eager."""
-        return False
+        return self.allocate_spec_caches(num_blocks, block_size, dtype=dtype, device=device,
+                                         fill=fill)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: Sequence, attn) -> torch.Tensor:
