@@ -128,10 +128,7 @@ class Mamba2Mixer(MambaMixerBase):
 
     def hf_entries(self, prefix: str) -> dict:
         """This mixer's Hugging Face tensors (``prefix`` = ``model.layers.{i}.mamba.``)."""
-        m = self.in_proj.hf_entries(prefix + "in_proj")
-        m[prefix + "conv1d.weight"] = (self.conv_weight, None)
-        if self.conv_bias is not None:
-            m[prefix + "conv1d.bias"] = (self.conv_bias, None)
+        m = self.in_conv_hf_entries(prefix)
         for name in ("dt_bias", "A_log", "D"):
             m[prefix + name] = (getattr(self, name), None)
         if self.norm_weight is not None:

@@ -28,6 +28,15 @@ class MambaMixerBase(nn.Module):
         ``MambaMetadata`` (see the mixer's module docstring)."""
         raise NotImplementedError
 
+    def in_conv_hf_entries(self, prefix: str) -> dict:
+        """The Hugging Face tensors of ``in_proj`` and the conv (``conv1d.weight``, and
+        ``conv1d.bias`` when the mixer has one) under ``prefix``."""
+        m = self.in_proj.hf_entries(prefix + "in_proj")
+        m[prefix + "conv1d.weight"] = (self.conv_weight, None)
+        if self.conv_bias is not None:
+            m[prefix + "conv1d.bias"] = (self.conv_bias, None)
+        return m
+
 
 def conv_rows(x: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor,
               conv_bias: torch.Tensor | None, meta):

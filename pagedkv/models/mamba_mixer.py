@@ -92,10 +92,7 @@ class MambaMixer(MambaMixerBase):
 
     def hf_entries(self, prefix: str) -> dict:
         """This mixer's Hugging Face tensors (``prefix`` = ``model.layers.{i}.mamba.``)."""
-        m = self.in_proj.hf_entries(prefix + "in_proj")
-        m[prefix + "conv1d.weight"] = (self.conv_weight, None)
-        if self.conv_bias is not None:
-            m[prefix + "conv1d.bias"] = (self.conv_bias, None)
+        m = self.in_conv_hf_entries(prefix)
         for name in ("x_proj", "dt_proj", "out_proj"):
             m.update(getattr(self, name).hf_entries(prefix + name))
         for name in ("A_log", "D"):
