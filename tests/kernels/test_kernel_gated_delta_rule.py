@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_helpers import check_state_rows, prefill_pieces, rel_close, varlen_state_batch
+from kernel_helpers import check_state_rows, prefill_pieces, rel_close, to, varlen_state_batch
 
 from pagedkv.errors import ConfigError
 from pagedkv.kernels.gated_delta_rule import (
@@ -41,8 +41,7 @@ def _case(device, dtype, lens, hk, hv, kd, vd, seed, pad=(), init=None, l2=True,
     g = -A * F.softplus(r(t, hv) + dt_bias)
     beta = torch.sigmoid(r(t, hv))
     qsl, idx, init = varlen_state_batch(gen, lens, slots, pad=pad, init=init)
-    state, proj, g, beta, idx, qsl, init = (x.to(device) for x in (state, proj, g, beta, idx,
-                                                                   qsl, init))
+    state, proj, g, beta, idx, qsl, init = to(device, state, proj, g, beta, idx, qsl, init)
     q = proj[:, :hk * kd].view(t, hk, kd)
     k = proj[:, hk * kd:2 * hk * kd].view(t, hk, kd)
     v = proj[:, 2 * hk * kd:2 * hk * kd + hv * vd].view(t, hv, vd)

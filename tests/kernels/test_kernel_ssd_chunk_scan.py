@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from kernel_helpers import check_state_rows, prefill_pieces, rel_close, varlen_state_batch
+from kernel_helpers import check_state_rows, prefill_pieces, rel_close, to, varlen_state_batch
 
 from pagedkv.errors import ConfigError
 from pagedkv.kernels.selective_state_update import selective_state_update_ref
@@ -35,8 +35,7 @@ def _case(device, dtype, lens, nh, hd, ds, ng, seed, pad=(), init=None, realisti
         dt_bias = r(nh)
     D = r(nh)
     qsl, idx, init = varlen_state_batch(g, lens, slots, pad=pad, init=init)
-    mv = lambda *ts: [v.to(device) for v in ts]  # noqa: E731
-    state, proj, A, dt_bias, D, qsl, idx, init = mv(state, proj, A, dt_bias, D, qsl, idx, init)
+    state, proj, A, dt_bias, D, qsl, idx, init = to(device, state, proj, A, dt_bias, D, qsl, idx, init)
     x = proj[:, :nh * hd].view(t, nh, hd)
     dt = proj[:, nh * hd:nh * hd + nh]
     o = nh * hd + nh

@@ -7,7 +7,7 @@ chunked prefill split anywhere equals the whole prompt; typed errors."""
 
 import pytest
 import torch
-from kernel_helpers import check_state_rows, prefill_pieces, rel_close, varlen_state_batch
+from kernel_helpers import check_state_rows, prefill_pieces, rel_close, to, varlen_state_batch
 
 from pagedkv.errors import ConfigError
 from pagedkv.kernels.selective_scan import (
@@ -41,8 +41,7 @@ def _case(device, dtype, lens, dim, ds, seed, pad=(), init=None, realistic=False
         dt_bias = r(dim)
     D = r(dim)
     qsl, idx, init = varlen_state_batch(g, lens, slots, pad=pad, init=init)
-    mv = lambda *ts: [v.to(device) for v in ts]  # noqa: E731
-    pool, proj, A, dt_bias, D, qsl, idx, init = mv(pool, proj, A, dt_bias, D, qsl, idx, init)
+    pool, proj, A, dt_bias, D, qsl, idx, init = to(device, pool, proj, A, dt_bias, D, qsl, idx, init)
     state = pool[:, :dim * ds].view(slots, dim, ds)
     x, dt, z = proj[:, :dim], proj[:, dim:2 * dim], proj[:, 2 * dim:3 * dim]
     B = proj[:, 3 * dim:3 * dim + ds]
