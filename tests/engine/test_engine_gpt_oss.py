@@ -15,6 +15,7 @@ from engine_helpers import (
     greedy,
     log_scheduled_steps,
     make_llm,
+    needs_reference_transformers,
     pool_is_idle,
 )
 
@@ -97,6 +98,23 @@ def test_window_releases_blocks_while_decoding(path, hf_ref):
 
 
 @pytest.mark.gpu
+def test_gpu_engine_equals_the_cpu_engine(path):
+    """fp32 on the GPU (Triton attention with sinks and windows, decode CUDA graphs, the
+    fused-MoE kernel) gives the CPU engine's greedy tokens (the CPU engine equals transformers
+    5.24's, tested above), whatever transformers the GPU machine has."""
+    from pagedkv import SamplingParams
+
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = TEXTS + TEXTS[:3]
+    want = [o.outputs[0].token_ids for o in make_llm(path).generate(prompts, p, use_tqdm=False)]
+    llm = make_llm(path, device="cuda", attention_backend="triton", max_num_seqs=8,
+                   max_num_batched_tokens=64)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)] == want
+    assert llm.get_kv_stats()["cuda_graph_steps"] > 0
+
+
+@pytest.mark.gpu
+@needs_reference_transformers
 def test_gpu_fp32_engine_matches_transformers(path, hf_ref, monkeypatch):
     """fp32 on the GPU (Triton attention with sinks and windows, decode CUDA graphs, the
     fused-MoE kernel with biases / interleaved gate-up / clamped SwiGLU in every layer):
@@ -119,6 +137,7 @@ def test_gpu_fp32_engine_matches_transformers(path, hf_ref, monkeypatch):
 
 
 @pytest.mark.gpu
+@needs_reference_transformers
 def test_gpu_bf16_engine_matches_transformers_teacher_forced(tiny_cache):
     """bf16 through the default engine (Triton attention, decode CUDA graphs, the fused-MoE
     kernel): our tokens are transformers' bf16 argmax on our own sequence nearly everywhere
