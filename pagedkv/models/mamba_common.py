@@ -13,20 +13,17 @@ from pagedkv.models.config import MambaConfig
 
 
 class MambaMixerBase(nn.Module):
-    """A layer's Mamba mixer over per-request state slots (``mc``: its ``MambaConfig``)."""
+    """A layer's Mamba mixer over per-request state slots (``mc``: its ``MambaConfig``).
+
+    Subclasses define ``forward(hidden, states, meta)``: the mixer's output ``[T, hidden]`` for
+    the normed input ``hidden [T, hidden]``, updating the rows' states in ``states`` (``(conv,
+    ssm)``) at the slots of ``meta``, a ``MambaMetadata`` (see each mixer's module docstring)."""
 
     mc: MambaConfig
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Per-slot shapes of the conv state and the SSM state."""
         return self.mc.conv_state_shape, self.mc.ssm_state_shape
-
-    def forward(self, hidden: torch.Tensor, states: tuple[torch.Tensor, torch.Tensor],
-                meta) -> torch.Tensor:
-        """The mixer's output ``[T, hidden]`` for the normed input ``hidden [T, hidden]``;
-        updates the rows' states in ``states`` (``(conv, ssm)``) at the slots of ``meta``, a
-        ``MambaMetadata`` (see the mixer's module docstring)."""
-        raise NotImplementedError
 
     def in_conv_hf_entries(self, prefix: str) -> dict:
         """The Hugging Face tensors of ``in_proj`` and the conv (``conv1d.weight``, and
