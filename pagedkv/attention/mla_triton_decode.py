@@ -373,9 +373,9 @@ def _mla_decode_kernel(
                  (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
     else:  # the partials layout of triton_decode's reduce kernel (L_PAD columns a head)
         part = (r.to(tl.int64) * num_heads + head64) * num_splits + s
-        first = h_ok & (vc == 0)  # one value chunk stores the softmax statistics
-        tl.store(m_ptr + part, m_i, mask=first)
-        tl.store(l_ptr + part, l_i, mask=first)
+        if vc == 0:  # one value chunk stores the softmax statistics
+            tl.store(m_ptr + part, m_i, mask=h_ok)
+            tl.store(l_ptr + part, l_i, mask=h_ok)
         tl.store(acc_ptr + part[:, None] * L_PAD + dv[None, :], acc, mask=out_mask)
 
 
