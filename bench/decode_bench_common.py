@@ -91,7 +91,10 @@ def run_pagedkv(args, device: torch.device, fields) -> dict:
         outs = llm.generate(ps, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
                             use_tqdm=False)
         _sync(device)
-        assert all(len(o.outputs[0].token_ids) == n for o in outs)
+        got = [(len(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs]
+        assert all(k == n for k, _ in got), (
+            f"asked {n} tokens per request, got (count, finish reason) {got}; "
+            f"pool {llm.kv_cache_sizing}, stats {llm.get_kv_stats()}")
         return time.perf_counter() - t0
 
     gen(2)  # warm-up (kernel compilation)
