@@ -50,6 +50,7 @@ from pagedkv.engine.heap import freeze_after_startup
 from pagedkv.engine.memory import (
     CUDA_GRAPH_RESERVE_BYTES,
     KVCacheSizing,
+    fitted_max_model_len,
     group_capacity,
     check_pool,
     kv_bytes_held_by_other_engines,
@@ -848,6 +849,9 @@ def build_engine(
     # a block's bytes over the shared tensor slots (one per layer with one group): the groups'
     # pages (K and V; one latent vector per token for MLA; a state block's padded page)
     per_block = kv_block_bytes(groups)
+    # a max_model_len request holds blocks in every group (the pool is shared)
+    need = sum(g["blocks_per_request"] for g in group_capacity(
+        groups, max_model_len, max_num_batched_tokens, block_size))
     backend = model.attn_backend
     graphs = device.type == "cuda" and not enforce_eager and backend.supports_cuda_graphs
     sizing = size_kv_cache(
@@ -863,13 +867,15 @@ def build_engine(
         graph_reserve_bytes=CUDA_GRAPH_RESERVE_BYTES if graphs else 0,
         check=user_max_model_len is not None,
         max_num_seqs=max_num_seqs,
+        blocks_per_request=need,
     )
     if device.type == "cuda":
-        warn_if_others_hold_memory(sizing, max_num_seqs * cdiv(max_model_len, block_size) + 1,
+        warn_if_others_hold_memory(sizing, max_num_seqs * need + 1,
                                    kv_bytes_held_by_other_engines(device))
-    if user_max_model_len is None and sizing.token_capacity < max_model_len:
+    if user_max_model_len is None and sizing.num_usable_blocks < need:
         # max_model_len was not given: fit it to the pool instead of failing
-        max_model_len = sizing.token_capacity
+        max_model_len = fitted_max_model_len(groups, sizing.num_usable_blocks,
+                                             max_num_batched_tokens, block_size, max_model_len)
         if max_model_len >= 2:
             sc = dataclasses.replace(sc, max_model_len=max_model_len)
             sizing = dataclasses.replace(sizing, max_model_len=max_model_len)
@@ -877,12 +883,14 @@ def build_engine(
             groups = kv_cache_groups_for(model, block_size, max_model_len=max_model_len,
                                          enable_prefix_caching=enable_prefix_caching,
                                          kv_cache_dtype=kv_cache_dtype)
-        check_pool(sizing.num_blocks, block_size, max_model_len, sizing.source)
+            need = sum(g["blocks_per_request"] for g in group_capacity(
+                groups, max_model_len, max_num_batched_tokens, block_size))
+        check_pool(sizing.num_blocks, block_size, max_model_len, sizing.source, need)
     kv = KVCacheConfig(num_blocks=sizing.num_blocks, kv_cache_groups=groups)
     sizing = dataclasses.replace(sizing, kv_cache_dtype=attention_cache_dtypes(groups))
     if len(groups) > 1:  # the pool's capacity per group (a request holds blocks in each)
         sizing = dataclasses.replace(sizing, groups=group_capacity(
-            kv, max_model_len, max_num_batched_tokens, block_size))
+            groups, max_model_len, max_num_batched_tokens, block_size))
     cc = CacheConfig(block_size=block_size, num_gpu_blocks=sizing.num_blocks,
                      enable_prefix_caching=enable_prefix_caching,
                      gpu_memory_utilization=gpu_memory_utilization, cache_dtype=kv_cache_dtype)

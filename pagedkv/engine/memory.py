@@ -11,7 +11,7 @@ Order of precedence:
 4. on a CPU: ``DEFAULT_CPU_KV_BYTES``.
 
 Sizes found by 3 and 4 are capped at ``max_num_seqs`` full-length sequences plus the null block
-(when ``max_num_seqs`` is given): more blocks could only keep prefix-cache entries longer, and
+(when ``max_num_seqs`` is given; a sequence's blocks counted over all KV-cache groups): more blocks could only keep prefix-cache entries longer, and
 every block is a Python object in the block pool (a tiny model on a large GPU would otherwise ask
 for millions). ``source`` then ends in ``"+cap"``.
 
@@ -151,10 +151,10 @@ class KVCacheSizing:
         return "; " + ", ".join(parts)
 
 
-def group_capacity(kv_cache_config, max_model_len: int, max_num_batched_tokens: int,
+def group_capacity(kv_cache_groups, max_model_len: int, max_num_batched_tokens: int,
                    block_size: int) -> tuple[dict, ...]:
-    """Per KV-cache group: its kind, layers, and the blocks one ``max_model_len`` request holds
-    in it at most (full attention: every block of the context; a sliding window ``W``: the
+    """Per KV-cache group (``kv_cache_groups``: a ``KVCacheConfig``'s groups): its kind,
+    layers, and the blocks one ``max_model_len`` request holds in it at most (full attention: every block of the context; a sliding window ``W``: the
     blocks of ``W - 1`` tokens plus a step's tokens, plus one, as the admission reservation
     counts them; chunked-local: a chunk plus a step's tokens, plus one; state groups: one)."""
     from pagedkv.core.spec import (
@@ -166,7 +166,7 @@ def group_capacity(kv_cache_config, max_model_len: int, max_num_batched_tokens: 
     )
 
     out = []
-    for gid, g in enumerate(kv_cache_config.kv_cache_groups):
+    for gid, g in enumerate(kv_cache_groups):
         spec = g.kv_cache_spec
         if isinstance(spec, UniformTypeKVCacheSpecs):
             spec = next(iter(dict(spec.specs).values()))
@@ -187,16 +187,38 @@ def group_capacity(kv_cache_config, max_model_len: int, max_num_batched_tokens: 
     return tuple(out)
 
 
+def fitted_max_model_len(kv_cache_groups, num_usable_blocks: int, max_num_batched_tokens: int,
+                         block_size: int, max_model_len: int) -> int:
+    """The longest context up to ``max_model_len`` whose request fits ``num_usable_blocks``
+    over all groups (``group_capacity``): the full-attention (and MLA) groups split what the
+    other groups' fixed shares (sliding windows, states) leave; 0 if even those do not fit."""
+    caps = group_capacity(kv_cache_groups, max_model_len, max_num_batched_tokens, block_size)
+    full = [g for g in caps if g["kind"] in ("full", "mla")]
+    fixed = sum(g["blocks_per_request"] for g in caps if g not in full)
+    if fixed > num_usable_blocks:
+        return 0
+    if not full:
+        return max_model_len
+    per_group = (num_usable_blocks - fixed) // len(full)
+    return min(max_model_len, per_group * min(g["block_size"] for g in full))
+
+
 def blocks_from_bytes(budget: int, bytes_per_block: int) -> int:
     return max(0, int(budget) // bytes_per_block)
 
 
-def check_pool(num_blocks: int, block_size: int, max_model_len: int, source: str) -> None:
-    need = cdiv(max_model_len, block_size) + 1
+def check_pool(num_blocks: int, block_size: int, max_model_len: int, source: str,
+               blocks_per_request: int | None = None) -> None:
+    """Raise unless one ``max_model_len`` request fits: ``blocks_per_request`` (over all
+    KV-cache groups; default: one full-attention group) plus the null block."""
+    if blocks_per_request is None:
+        blocks_per_request = cdiv(max_model_len, block_size)
+    need = blocks_per_request + 1
     if num_blocks < need:
         raise ConfigError(
             f"the KV-cache pool ({source}) has {num_blocks} blocks of {block_size} tokens; one "
-            f"sequence of max_model_len={max_model_len} tokens needs {need} (null block included). "
+            f"sequence of max_model_len={max_model_len} tokens needs {need} (over all KV-cache "
+            "groups, null block included). "
             "Lower max_model_len, or give the cache more memory (gpu_memory_utilization, "
             "kv_cache_memory_bytes or num_gpu_blocks_override; on the command line --max-model-len, "
             "--gpu-memory-utilization, --kv-cache-memory-bytes or --num-gpu-blocks)"
@@ -216,11 +238,16 @@ def size_kv_cache(
     graph_reserve_bytes: int = 0,
     check: bool = True,
     max_num_seqs: int | None = None,
+    blocks_per_request: int | None = None,
 ) -> KVCacheSizing:
     """Choose the pool size (see the module docstring). ``profile``: a zero-argument callable
     returning the peak activation bytes of the largest step (GPU only; called only when needed).
     ``check=False`` skips the "one max_model_len sequence fits" check (the caller may lower
-    ``max_model_len`` to the pool instead)."""
+    ``max_model_len`` to the pool instead). ``blocks_per_request``: the blocks one
+    ``max_model_len`` request holds over all KV-cache groups (``group_capacity``; default: one
+    full-attention group), for the cap and the check."""
+    if blocks_per_request is None:
+        blocks_per_request = cdiv(max_model_len, block_size)
     if bytes_per_block <= 0:
         raise ConfigError(f"bytes_per_block must be positive, got {bytes_per_block}")
     common = dict(block_size=block_size, bytes_per_block=bytes_per_block, max_model_len=max_model_len)
@@ -268,15 +295,16 @@ def size_kv_cache(
             source="cpu_default", budget_bytes=DEFAULT_CPU_KV_BYTES, **common,
         )
     if max_num_seqs is not None and sizing.source in ("gpu_profile", "cpu_default"):
-        cap = max_num_seqs * cdiv(max_model_len, block_size) + 1
+        cap = max_num_seqs * blocks_per_request + 1
         if sizing.num_blocks > cap:
             sizing = replace(sizing, num_blocks=cap, source=sizing.source + "+cap")
     if check:
-        check_pool(sizing.num_blocks, block_size, max_model_len, sizing.source)
+        check_pool(sizing.num_blocks, block_size, max_model_len, sizing.source, blocks_per_request)
     return sizing
 
 
 __all__ = [
+    "fitted_max_model_len",
     "kv_bytes_held_by_other_engines",
     "register_engine",
     "warn_if_others_hold_memory",

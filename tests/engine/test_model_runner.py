@@ -148,6 +148,42 @@ def test_sizing_precedence_and_report():
         size_kv_cache(bytes_per_block=per, block_size=16, max_model_len=16, kv_cache_memory_bytes=0)
 
 
+def test_sizing_counts_every_group_of_a_request():
+    """A request holds blocks in every KV-cache group of the shared pool: the cap is
+    max_num_seqs x (the blocks of all groups) + the null block, and the "one request fits"
+    check counts them all (a Bamba-9B-like pool, 10 state groups + 1 attention block, was
+    capped at 5 blocks for 4 requests: each needs 11, none could run)."""
+    per = 1 << 20
+    capped = size_kv_cache(bytes_per_block=per, block_size=1040, max_model_len=280, max_num_seqs=4,
+                           blocks_per_request=11)
+    assert capped.source == "cpu_default+cap" and capped.num_blocks == 4 * 11 + 1
+    with pytest.raises(ConfigError, match="needs 12 .over all KV-cache groups"):
+        size_kv_cache(bytes_per_block=per, block_size=1040, max_model_len=280,
+                      num_gpu_blocks_override=11, blocks_per_request=11)
+    assert size_kv_cache(bytes_per_block=per, block_size=1040, max_model_len=280,
+                         num_gpu_blocks_override=12, blocks_per_request=11).num_blocks == 12
+
+
+def test_fitted_max_model_len_splits_what_fixed_groups_leave():
+    from pagedkv.core.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+    from pagedkv.engine.memory import fitted_max_model_len
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype="float32")
+    swa = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=8, dtype="float32",
+                            sliding_window=32)
+    state = MambaSpec(block_size=4096, shapes=((2, 3),), dtypes=("float32",))
+    g = lambda spec, name: KVCacheGroupSpec((name,), spec)  # noqa: E731
+    # one full group: the whole pool (30 blocks of 16)
+    assert fitted_max_model_len([g(full, "a")], 30, 64, 16, 4096) == 480
+    # + a window of 32 (cdiv(31 + 64, 16) + 1 = 7 blocks) and a state (1): (30 - 8) x 16
+    assert fitted_max_model_len([g(full, "a"), g(swa, "b"), g(state, "c")], 30, 64, 16,
+                                4096) == 22 * 16
+    # two full groups split it; never longer than asked; nothing fits
+    assert fitted_max_model_len([g(full, "a"), g(full, "b")], 30, 64, 16, 4096) == 15 * 16
+    assert fitted_max_model_len([g(full, "a")], 30, 64, 16, 100) == 100
+    assert fitted_max_model_len([g(swa, "b"), g(state, "c")], 5, 64, 16, 4096) == 0
+
+
 def test_llm_sizes_pool_from_budget(tiny_dir):
     from engine_helpers import make_llm
 
@@ -362,3 +398,24 @@ def test_one_runner_serves_several_kv_cache_groups(tiny_dir, hf_ref, async_sched
     bt = runner.input_batch.block_table
     assert attn.plans[1].metadata.block_table_tensor.data_ptr() == \
         bt[1].get_device_tensor(1).data_ptr()
+
+
+def test_hybrid_pool_cap_holds_max_num_seqs_requests():
+    """A state hybrid (the tiny Bamba shape: 2 state groups + 1 attention group) sized by the
+    CPU default and capped: max_num_seqs requests run at once, each holding a block in every
+    group."""
+    from pagedkv import LLM
+
+    llm = LLM.from_shape("bamba-tiny", max_num_seqs=3, max_model_len=64,
+                         enable_prefix_caching=False)
+    s = llm.kv_cache_sizing
+    assert s.source == "cpu_default+cap" and len(s.groups) == 3
+    assert s.blocks_per_request == 1 + 1 + 2 and s.num_blocks == 3 * 4 + 1
+    sched, running = llm.scheduler, []
+    schedule = sched.schedule
+    sched.schedule = lambda: running.append(len(sched.running)) or schedule()
+    outs = llm.generate([[5, 6, 7, 8], [9, 10, 11], [12, 13]],
+                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4, 4]
+    assert max(running) == 3
+    llm.shutdown()
