@@ -207,6 +207,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch_ref", "triton"])
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="worker processes, one per rank, each holding a shard of the model "
+                        "(NCCL on GPUs, gloo on CPU)")
 
 
 def _engine_kwargs(args) -> dict:
@@ -222,6 +225,7 @@ def _engine_kwargs(args) -> dict:
         kv_cache_dtype=args.kv_cache_dtype,
         enforce_eager=args.enforce_eager,
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

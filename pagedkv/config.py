@@ -192,6 +192,10 @@ class EngineConfig:
     attention layers' paged K/V in ``float8_e4m3fn`` with per-layer scales 1.0 (vLLM's default
     without checkpoint scales); half the bytes per block, so twice the blocks for a budget.
     ``sanitize``: check every index-layer invariant on every step (slow; for debugging).
+    ``tensor_parallel_size``: worker processes, one per rank, each holding a shard of the
+    model (``pagedkv.distributed``; NCCL on GPUs, gloo on CPU); 1: the model runs in this
+    process. ``distributed_timeout_s``: how long the engine waits for a rank's reply (or a
+    collective) before it reports the rank as hung.
     """
 
     block_size: int = 16
@@ -212,6 +216,8 @@ class EngineConfig:
     allow_long_max_model_len: bool = False
     sanitize: bool = False
     seed: int = 0
+    tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, minimum=1)
@@ -234,6 +240,14 @@ class EngineConfig:
         if self.kv_cache_memory_bytes is not None:
             _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, minimum=1)
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, minimum=0)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
+        t = self.distributed_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise ConfigError(f"distributed_timeout_s must be a positive number, got {t!r}")
+        if self.tensor_parallel_size > 1 and self.sanitize:
+            raise ConfigError("sanitize=True checks the runner's tables in this process; with "
+                              "tensor_parallel_size > 1 the runners live in the worker "
+                              "processes: run the sanitizer with tensor_parallel_size=1")
         kv_cache_dtype_name(self.kv_cache_dtype)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an int, got {self.seed!r}")

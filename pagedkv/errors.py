@@ -87,3 +87,9 @@ class ModelUnavailableError(CheckpointError):
 class ChatTemplateError(PagedKVError, ValueError):
     """A chat template is missing, malformed, or refused the messages (the template called
     ``raise_exception``, e.g. for roles out of order). The message names the template's file."""
+
+
+class WorkerError(PagedKVError, RuntimeError):
+    """A tensor-parallel worker process died, raised or hung (``pagedkv.distributed``); the
+    engine stops its workers and refuses further steps with this error."""
+

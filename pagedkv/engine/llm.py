@@ -39,6 +39,22 @@ from pagedkv.errors import ConfigError, InvalidRequestError, InvariantError
 from pagedkv.sampling.params import SamplingParams
 
 
+def _tensor_parallel_engine(model, ec: EngineConfig, dtype, device, attention_backend, tokenizer):
+    """``LLM``'s engine over ``ec.tensor_parallel_size`` worker processes: the config,
+    tokenizer and generation defaults load here, the weights in each rank
+    (``pagedkv.distributed``)."""
+    from pagedkv.distributed.executor import build_tensor_parallel_engine
+    from pagedkv.models.config import load_model_config
+    from pagedkv.models.generation_config import load_generation_defaults
+    from pagedkv.models.loader import load_tokenizer
+
+    path = os.fspath(model)
+    config = load_model_config(path, max_model_len=ec.max_model_len)
+    return build_tensor_parallel_engine(
+        path, load_tokenizer(path, tokenizer), config, ec, dtype=dtype, device=device,
+        attention_backend=attention_backend, generation_defaults=load_generation_defaults(path))
+
+
 def _is_single_prompt(x: Any) -> bool:
     """A string, a ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}`` dict, or one flat list
     (tuple, array) of token ids, as opposed to a list of prompts."""
@@ -94,11 +110,16 @@ class LLM:
                 raise ConfigError("LLM takes config=EngineConfig(...) or engine options, not "
                                   f"both (got {sorted(engine_options)})")
             dev = resolve_device(device)
-            backend = make_attention_backend(attention_backend, dev)
-            torch.manual_seed(ec.seed)
-            ck = load_checkpoint(model, dtype=dtype, device=dev, backend=backend,
-                                 max_model_len=ec.max_model_len, tokenizer=tokenizer)
-            _engine = build_engine(ck.model, ck.tokenizer, ec, generation_defaults=ck.generation)
+            if ec.tensor_parallel_size > 1:
+                _engine = _tensor_parallel_engine(model, ec, dtype, dev, attention_backend,
+                                                  tokenizer)
+            else:
+                backend = make_attention_backend(attention_backend, dev)
+                torch.manual_seed(ec.seed)
+                ck = load_checkpoint(model, dtype=dtype, device=dev, backend=backend,
+                                     max_model_len=ec.max_model_len, tokenizer=tokenizer)
+                _engine = build_engine(ck.model, ck.tokenizer, ec,
+                                       generation_defaults=ck.generation)
         self.engine = _engine
         self.model_name = os.fspath(model)
         # where the chat template lives: the tokenizer's directory (tokenizer_config.json /
@@ -115,6 +136,9 @@ class LLM:
         engine, self.engine = self.__dict__.get("engine"), None
         if engine is None:
             return
+        stop = getattr(engine.runner, "shutdown", None)  # tensor-parallel worker processes
+        if stop is not None:
+            stop()
         del engine
         release_frozen()
         if torch.cuda.is_available():

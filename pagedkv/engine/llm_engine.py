@@ -799,6 +799,42 @@ def build_engine(
 
     The objects built here are frozen out of the cyclic GC at the end
     (``pagedkv.engine.heap``)."""
+    tp = config.tensor_parallel_size if config is not None else options.get(
+        "tensor_parallel_size", 1)
+    if tp != 1:
+        raise ConfigError(
+            f"tensor_parallel_size={tp} shards a checkpoint across "
+            "worker processes, each loading it: use LLM(path, tensor_parallel_size=N) (or "
+            "pagedkv serve PATH --tensor-parallel-size N), not a model built in this process")
+    plan = plan_engine(model, config, **options)
+    runner = ModelRunner(model, plan.kv, plan.sc, plan.cc, device=model.device,
+                         seed=plan.ec.seed, enforce_eager=not plan.graphs,
+                         cuda_graph_sizes=plan.ec.cuda_graph_sizes)
+    if plan.ec.compile_model and hasattr(model, "compile_regions"):
+        model.compile_regions()
+    runner.capture_cuda_graphs()
+    return assemble_engine(model, tokenizer, plan, runner, generation_defaults=generation_defaults)
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """What :func:`plan_engine` decides for a model and the engine options: the resolved
+    options (``ec``), the scheduler's config, the KV-cache groups and pool (``kv``), the cache
+    config, the pool's sizing report and whether decode steps replay CUDA graphs."""
+
+    ec: EngineConfig
+    sc: SchedulerConfig
+    kv: KVCacheConfig
+    cc: CacheConfig
+    sizing: KVCacheSizing
+    graphs: bool
+
+
+def plan_engine(model: Any, config: EngineConfig | None = None, **options) -> EnginePlan:
+    """Validate the engine options against ``model`` and size its KV-cache pool (the groups
+    of ``model.kv_cache_specs``, the block size, the sizing of ``pagedkv.engine.memory``; on a
+    GPU this profiles one step of ``model``): the part of :func:`build_engine` before the
+    scheduler and the runner exist. A tensor-parallel worker calls it on its shard."""
     device = model.device
     cfg = model.config
     if config is None:
@@ -810,10 +846,9 @@ def build_engine(
     max_num_batched_tokens, max_model_len = ec.max_num_batched_tokens, ec.max_model_len
     enable_prefix_caching, gpu_memory_utilization = ec.enable_prefix_caching, ec.gpu_memory_utilization
     num_gpu_blocks_override, kv_cache_memory_bytes = ec.num_gpu_blocks_override, ec.kv_cache_memory_bytes
-    enforce_eager, cuda_graph_sizes, seed = ec.enforce_eager, ec.cuda_graph_sizes, ec.seed
+    enforce_eager = ec.enforce_eager
     long_prefill_token_threshold = ec.long_prefill_token_threshold
-    async_scheduling, compile_model, warmup = ec.async_scheduling, ec.compile_model, ec.warmup
-    allow_long_max_model_len, sanitize = ec.allow_long_max_model_len, ec.sanitize
+    allow_long_max_model_len = ec.allow_long_max_model_len
     kv_cache_dtype = ec.kv_cache_dtype
     trained = getattr(cfg, "max_trained_len", cfg.max_position_embeddings)
     user_max_model_len = max_model_len
@@ -894,21 +929,28 @@ def build_engine(
     cc = CacheConfig(block_size=block_size, num_gpu_blocks=sizing.num_blocks,
                      enable_prefix_caching=enable_prefix_caching,
                      gpu_memory_utilization=gpu_memory_utilization, cache_dtype=kv_cache_dtype)
-    scheduler = (AsyncScheduler if async_scheduling else Scheduler)(sc, kv, cc)
-    runner = ModelRunner(model, kv, sc, cc, device=device, seed=seed, enforce_eager=not graphs,
-                         cuda_graph_sizes=cuda_graph_sizes)
-    if compile_model and hasattr(model, "compile_regions"):
-        model.compile_regions()
-    runner.capture_cuda_graphs()
-    engine = LLMEngine(model, tokenizer, scheduler, runner, sizing, async_scheduling=async_scheduling,
-                       generation_defaults=generation_defaults, sanitize=sanitize)
+    return EnginePlan(ec, sc, kv, cc, sizing, graphs)
+
+
+def assemble_engine(model: Any, tokenizer: Any, plan: EnginePlan, runner: Any, *,
+                    generation_defaults: GenerationDefaults | None = None) -> LLMEngine:
+    """The scheduler of ``plan`` and an :class:`LLMEngine` over ``runner`` (a
+    :class:`ModelRunner`, or a tensor-parallel executor with its interface), registered,
+    warmed up (``plan.ec.warmup``) and frozen out of the cyclic GC: the end of
+    :func:`build_engine`."""
+    ec, sc, kv, cc, sizing = plan.ec, plan.sc, plan.kv, plan.cc, plan.sizing
+    scheduler = (AsyncScheduler if ec.async_scheduling else Scheduler)(sc, kv, cc)
+    engine = LLMEngine(model, tokenizer, scheduler, runner, sizing,
+                       async_scheduling=ec.async_scheduling,
+                       generation_defaults=generation_defaults, sanitize=ec.sanitize)
     engine.engine_config = ec
     register_engine(engine)
-    if warmup:
-        engine.warm_up(seed)
+    if ec.warmup:
+        engine.warm_up(ec.seed)
     freeze_after_startup()
     return engine
 
 
-__all__ = ["ATTENTION_BACKENDS", "EngineStats", "LLMEngine", "build_engine", "make_attention_backend",
+__all__ = ["ATTENTION_BACKENDS", "EnginePlan", "EngineStats", "LLMEngine", "assemble_engine",
+           "build_engine", "plan_engine", "make_attention_backend",
            "resolve_device", "validate_request"]

@@ -150,13 +150,28 @@ def post_attention(
     gate_up_bias: torch.Tensor | None,
     down_weight: torch.Tensor,
     down_bias: torch.Tensor | None,
+    reduce=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer after attention: ``hidden += o_proj(attn_out)``, post-attention RMSNorm, the
     gated MLP. Returns ``(hidden, mlp_out)``; the residual add of ``mlp_out`` is done by the next
-    layer's :func:`pre_attention` (or the final norm), so it fuses with that norm."""
-    hidden = residual_add(hidden, F.linear(attn_out.reshape(hidden.shape[0], -1), o_weight, o_bias))
+    layer's :func:`pre_attention` (or the final norm), so it fuses with that norm.
+
+    ``reduce`` (a tensor-parallel shard's ``TPGroup.all_reduce``): ``o_proj`` and ``down_proj``
+    are row-parallel, their partial products summed over the ranks before the bias."""
+    hidden = residual_add(hidden, _row_linear(attn_out.reshape(hidden.shape[0], -1), o_weight,
+                                              o_bias, reduce))
     x = rms_norm(hidden, ln_weight, eps)
-    return hidden, F.linear(silu_and_mul(F.linear(x, gate_up_weight, gate_up_bias)), down_weight, down_bias)
+    return hidden, _row_linear(silu_and_mul(F.linear(x, gate_up_weight, gate_up_bias)),
+                               down_weight, down_bias, reduce)
+
+
+def _row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                reduce=None) -> torch.Tensor:
+    """``F.linear``; with ``reduce``, the product is summed over the ranks before the bias."""
+    if reduce is None:
+        return F.linear(x, weight, bias)
+    out = reduce(F.linear(x, weight))
+    return out if bias is None else out + bias
 
 
 def post_pre_qkv(
@@ -174,13 +189,14 @@ def post_pre_qkv(
     next_eps: float,
     next_qkv_weight: torch.Tensor,
     next_qkv_bias: torch.Tensor | None,
+    reduce=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Everything between two attention calls on the fused-KV-write path: layer i's
     :func:`post_attention` then layer i+1's :func:`pre_attention_qkv`. Returns ``(hidden,
     qkv)`` of layer i+1. One compiled region per layer boundary instead of two: half the
     per-call host cost of compiled regions in eager (prefill) steps."""
     hidden, delta = post_attention(hidden, attn_out, o_weight, o_bias, ln_weight, eps,
-                                   gate_up_weight, gate_up_bias, down_weight, down_bias)
+                                   gate_up_weight, gate_up_bias, down_weight, down_bias, reduce)
     return pre_attention_qkv(hidden, delta, next_ln_weight, next_eps, next_qkv_weight,
                              next_qkv_bias)
 
@@ -300,6 +316,10 @@ class DecoderForCausalLM(nn.Module):
         )
         # layers use the fused q/k-norm + RoPE + KV-write kernel when the backend allows it
         self.fuse_kv_write = True
+        # tensor parallelism (``pagedkv.distributed.shard``): this rank's group, None for the
+        # whole model; a shard's embedding / LM head hold its vocabulary rows, its layers its
+        # heads and MLP columns, and its regions all-reduce the row-parallel outputs
+        self.tp = None
 
     def make_layer(self, config: ModelArchConfig, layer_idx: int, *, dtype, device) -> nn.Module:
         """Layer ``layer_idx`` (a subclass picks per layer, e.g. sparse or dense MLP)."""
@@ -360,7 +380,7 @@ class DecoderForCausalLM(nn.Module):
         plans = attn.plans
         seq_lens = tokens_seq_lens(attn.metadata, input_ids.shape[0]) if self.rotary.is_dynamic else None
         cos, sin = self._rope(positions, seq_lens)
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = self.embed(input_ids)
         backend = self.attn_backend
         pre, post, pre_qkv, mid = self._regions
         layers = self.layers
@@ -403,7 +423,10 @@ class DecoderForCausalLM(nn.Module):
         return self.norm(hidden)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The token embeddings of :meth:`forward_layer_modules`."""
+        """The token embeddings (a tensor-parallel shard: its vocabulary rows, summed over
+        the ranks, ``TPGroup.embed``)."""
+        if self.tp is not None:
+            return self.tp.embed(input_ids, self.embed_tokens)
         return F.embedding(input_ids, self.embed_tokens)
 
     def layer_caches(self, i: int, kv_caches: Sequence, plans: Sequence) -> tuple:
@@ -438,6 +461,8 @@ class DecoderForCausalLM(nn.Module):
     # ---- torch.compile
     @property
     def _regions(self):
+        if self.tp is not None:  # a shard: regions with the row-parallel all-reduces
+            return self.tp.regions
         return self.__dict__.get("_compiled_regions") or (pre_attention, post_attention,
                                                           pre_attention_qkv, post_pre_qkv)
 
@@ -461,8 +486,8 @@ class DecoderForCausalLM(nn.Module):
         regions are run once against eager on random inputs of layer 0 (this compiles them);
         on an exception or a mismatch a warning is logged, the model stays eager and False is
         returned. Call before capturing CUDA graphs."""
-        if self.device.type != "cuda" and not allow_cpu:
-            return False
+        if (self.device.type != "cuda" and not allow_cpu) or self.tp is not None:
+            return False  # a tensor-parallel shard stays eager (its regions all-reduce)
         import logging
 
         log = logging.getLogger(__name__)
@@ -541,6 +566,8 @@ class DecoderForCausalLM(nn.Module):
                 indices = torch.tensor(list(indices), dtype=torch.int64)
             hidden = hidden.index_select(0, indices.to(device=hidden.device, dtype=torch.int64))
         logits = F.linear(hidden, self.lm_head_weight)
+        if self.tp is not None:  # a shard's vocabulary columns, gathered from every rank
+            logits = self.tp.gather_vocab(logits, self.config.vocab_size)
         return logits.to(torch.float32) if widen else logits
 
     # ---- KV cache helpers

@@ -1,0 +1,151 @@
+"""Cut a loaded ``DecoderForCausalLM`` (Llama / Qwen2 / Qwen3 / Mistral) into one rank's shard.
+
+Megatron's layout over ``N`` ranks, rank ``r``:
+
+* attention: query heads ``[r H/N, (r+1) H/N)`` (column-parallel rows of ``q_proj``; ``o_proj``
+  row-parallel: the matching input columns); KV heads ``[r Hkv/N, ...)`` when ``N`` divides
+  ``Hkv``, otherwise (``Hkv`` divides ``N``) each rank holds the one KV head its query heads
+  read, replicated on ``N / Hkv`` ranks; the KV cache of a rank holds its KV heads only;
+* MLP: intermediate columns ``[r I/N, (r+1) I/N)`` of gate and up (column-parallel),
+  ``down_proj`` row-parallel;
+* embedding and LM head: vocabulary rows ``[r V_l, (r+1) V_l)``, ``V_l = ceil(V / N)``, the
+  last shard zero-padded (``TPGroup.embed`` / ``gather_vocab``);
+* norms (and Qwen3's per-head q/k norms), biases of row-parallel layers: replicated (the bias
+  is added once, after the sum).
+
+The shard is a ``DecoderForCausalLM`` of the local sizes (``local_config``) with ``tp`` set:
+the runner, the KV-cache specs and the kernels see an ordinary model with fewer heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from pagedkv.errors import ConfigError
+from pagedkv.models.config import ModelArchConfig
+from pagedkv.models.decoder import DecoderForCausalLM
+
+
+def check_tensor_parallel(config: ModelArchConfig, world_size: int, model_class=None) -> None:
+    """Raise ``ConfigError`` unless ``world_size`` ranks can split this model: a dense
+    decoder (``DecoderForCausalLM`` itself), heads and MLP columns divisible, KV heads
+    divisible by the ranks or dividing them."""
+    if world_size == 1:
+        return
+    if model_class is None:
+        from pagedkv.models.registry import get_model_class
+
+        model_class = get_model_class(config.architecture)
+    if model_class is not DecoderForCausalLM:
+        raise ConfigError(
+            f"tensor_parallel_size={world_size}: {config.architecture} is not supported yet; "
+            "tensor parallelism covers the dense decoder families (Llama, Qwen2, Qwen3, "
+            "Mistral)")
+    h, kv, inter = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
+    if h % world_size:
+        raise ConfigError(f"tensor_parallel_size={world_size} must divide the number of "
+                          f"attention heads ({h})")
+    if kv % world_size and world_size % kv:
+        raise ConfigError(f"tensor_parallel_size={world_size} and the number of KV heads ({kv}) "
+                          "must divide one another")
+    if inter % world_size:
+        raise ConfigError(f"tensor_parallel_size={world_size} must divide the MLP's "
+                          f"intermediate size ({inter})")
+
+
+def local_kv_heads(config: ModelArchConfig, rank: int, world_size: int) -> range:
+    """The KV heads rank ``rank`` holds (split, or the one its query heads read)."""
+    kv = config.num_key_value_heads
+    if kv >= world_size:
+        n = kv // world_size
+        return range(rank * n, (rank + 1) * n)
+    head = rank * kv // world_size
+    return range(head, head + 1)
+
+
+def local_config(config: ModelArchConfig, world_size: int) -> ModelArchConfig:
+    """The sizes of one rank's layers (the vocabulary is not changed: the shard replaces its
+    embedding and LM head tensors)."""
+    kv = config.num_key_value_heads
+    return dataclasses.replace(
+        config, num_attention_heads=config.num_attention_heads // world_size,
+        num_key_value_heads=max(1, kv // world_size),
+        intermediate_size=config.intermediate_size // world_size)
+
+
+def _vocab_shard(full: torch.Tensor, rank: int, world_size: int, device) -> torch.Tensor:
+    per = -(-full.shape[0] // world_size)
+    out = torch.zeros(per, full.shape[1], dtype=full.dtype, device=device)
+    rows = full[rank * per:(rank + 1) * per]
+    out[:rows.shape[0]].copy_(rows)
+    return out
+
+
+@torch.no_grad()
+def shard_decoder(model: DecoderForCausalLM, tp, *, device=None) -> DecoderForCausalLM:
+    """Rank ``tp.rank``'s shard of ``model`` (a loaded ``DecoderForCausalLM``, any device) on
+    ``device`` (default: the model's), with ``tp`` (a ``TPGroup``) installed."""
+    cfg = model.config
+    rank, world = tp.rank, tp.world_size
+    check_tensor_parallel(cfg, world, type(model))
+    device = torch.device(device) if device is not None else model.device
+    local = DecoderForCausalLM(local_config(cfg, world), backend=model.attn_backend,
+                               dtype=model.dtype, device="meta")
+    d, hq = cfg.head_dim, cfg.num_attention_heads // world
+    q_rows = slice(rank * hq * d, (rank + 1) * hq * d)
+    kvh = local_kv_heads(cfg, rank, world)
+    kv_rows = slice(kvh.start * d, kvh.stop * d)
+    q_size, kv_size = cfg.q_size, cfg.kv_size
+    inter = cfg.intermediate_size
+    il = inter // world
+    m_rows = slice(rank * il, (rank + 1) * il)
+
+    def qkv_rows(t):
+        q, k, v = t.split([q_size, kv_size, kv_size], dim=0)
+        return torch.cat([q[q_rows], k[kv_rows], v[kv_rows]], dim=0)
+
+    def gate_up_rows(t):
+        g, u = t.split([inter, inter], dim=0)
+        return torch.cat([g[m_rows], u[m_rows]], dim=0)
+
+    def put(module, name, value):
+        value = None if value is None else torch.nn.Parameter(
+            value.to(device=device).contiguous().clone(), requires_grad=False)
+        setattr(module, name, value)
+
+    put(local, "embed_tokens", _vocab_shard(model.embed_tokens, rank, world, device))
+    if model.lm_head is not None:
+        put(local, "lm_head", _vocab_shard(model.lm_head, rank, world, device))
+    put(local.norm, "weight", model.norm.weight)
+    for src, dst in zip(model.layers, local.layers):
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            put(getattr(dst, norm), "weight", getattr(src, norm).weight)
+        a, b = src.self_attn, dst.self_attn
+        put(b.qkv_proj, "weight", qkv_rows(a.qkv_proj.weight))
+        put(b.qkv_proj, "bias", None if a.qkv_proj.bias is None else qkv_rows(a.qkv_proj.bias))
+        put(b.o_proj, "weight", a.o_proj.weight[:, q_rows])
+        put(b.o_proj, "bias", a.o_proj.bias)
+        if a.q_norm is not None:
+            put(b.q_norm, "weight", a.q_norm.weight)
+            put(b.k_norm, "weight", a.k_norm.weight)
+        gu, dn = src.mlp.gate_up_proj, src.mlp.down_proj
+        put(dst.mlp.gate_up_proj, "weight", gate_up_rows(gu.weight))
+        put(dst.mlp.gate_up_proj, "bias", None if gu.bias is None else gate_up_rows(gu.bias))
+        put(dst.mlp.down_proj, "weight", dn.weight[:, m_rows])
+        put(dst.mlp.down_proj, "bias", dn.bias)
+    # the rotary tables (buffers) were built on the meta device: rebuild them on the device
+    from pagedkv.models.rotary import RotaryEmbedding
+
+    local.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings,
+                                   device=device)
+    leftover = [n for n, p in list(local.named_parameters()) + list(local.named_buffers())
+                if p.device.type == "meta"]
+    if leftover:
+        raise AssertionError(f"shard_decoder left tensors unset: {leftover}")
+    local.tp = tp
+    return local.eval()
+
+
+__all__ = ["check_tensor_parallel", "local_config", "local_kv_heads", "shard_decoder"]
