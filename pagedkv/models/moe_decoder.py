@@ -8,24 +8,29 @@ for both families: they differ only in their config (routing, checkpoint names).
 
 Each layer computes ``hidden += attn(input_norm(hidden))`` then ``hidden += mlp(post_norm(
 hidden))`` as transformers does. No compiled regions yet (the layers stay eager).
+
+A tensor-parallel shard (``tp`` set, ``pagedkv.distributed.shard_moe``): the embedding and the
+dense layers' regions as the dense decoder's shard (``tp.embed``, ``tp.regions``); a sparse
+layer's :meth:`MoeDecoderLayer.post_moe` sums its row-parallel products over the ranks
+(``reduce``): ``o_proj`` over the rank's heads, the block over the rank's columns of every
+expert, each once, before the bias and the residual add.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from pagedkv.attention.backend import AttentionBackend
 from pagedkv.models.config import ModelArchConfig
 from pagedkv.models.decoder import (
     DecoderForCausalLM,
     DecoderLayer,
+    _row_linear,
     attention_hf_entries,
-    post_attention,
     pre_attention,
-    pre_attention_qkv,
     residual_add,
 )
 from pagedkv.models.layers import rms_norm
@@ -46,17 +51,24 @@ class MoeDecoderLayer(DecoderLayer):
         o, ln = self.self_attn.o_proj, self.post_attention_layernorm
         return (o.weight, o.bias, ln.weight, ln.eps)
 
-    def post_moe(self, hidden, attn_out, o_weight, o_bias, ln_weight, eps):
+    def post_moe(self, hidden, attn_out, o_weight, o_bias, ln_weight, eps, reduce=None):
         """``hidden += o_proj(attn_out)``, post-attention RMSNorm, the sparse block. Returns
-        ``(hidden, moe_out)`` (the caller adds ``moe_out``, as after the dense MLP)."""
-        hidden = residual_add(hidden, F.linear(attn_out.reshape(hidden.shape[0], -1), o_weight, o_bias))
-        return hidden, self.mlp(rms_norm(hidden, ln_weight, eps))
+        ``(hidden, moe_out)`` (the caller adds ``moe_out``, as after the dense MLP).
+
+        ``reduce`` (a tensor-parallel shard's ``TPGroup.all_reduce``): ``o_proj`` and the
+        block are row-parallel, their partial outputs summed over the ranks (``o_proj``'s
+        before its bias)."""
+        hidden = residual_add(hidden, _row_linear(attn_out.reshape(hidden.shape[0], -1),
+                                                  o_weight, o_bias, reduce))
+        out = self.mlp(rms_norm(hidden, ln_weight, eps))
+        return hidden, out if reduce is None else reduce(out)
 
     def forward_split(self, hidden, delta, cos, sin, kv_cache, plan, backend,
                       pre=pre_attention, post=None, pre_qkv=None):
-        """As the dense layer's, with :meth:`post_moe` after attention (``post`` is ignored)."""
+        """As the dense layer's, with ``post`` (:meth:`post_moe`'s signature; default
+        :meth:`post_moe`) after attention."""
         return super().forward_split(hidden, delta, cos, sin, kv_cache, plan, backend, pre,
-                                     self.post_moe, pre_qkv)
+                                     self.post_moe if post is None else post, pre_qkv)
 
     def hf_entries(self, prefix: str, layout: str | None = None) -> dict:
         attn = self.self_attn
@@ -90,13 +102,21 @@ class MoeForCausalLM(DecoderForCausalLM):
         attn = self.step_attention(attn)
         seq_lens = tokens_seq_lens(attn.metadata, input_ids.shape[0]) if self.rotary.is_dynamic else None
         cos, sin = self._rope(positions, seq_lens)
-        hidden = F.embedding(input_ids, self.embed_tokens)
-        pre_qkv = pre_attention_qkv if self.fused_kv_write_usable(kv_caches[0]) else None
+        hidden = self.embed(input_ids)
+        # the dense layers' regions (a shard's: with the all-reduces); a sparse layer's own
+        # post_moe, with the shard's all-reduce
+        pre, post, pre_qkv, _ = self._regions
+        reduce = None if self.tp is None else self.tp.all_reduce
+        if not self.fused_kv_write_usable(kv_caches[0]):
+            pre_qkv = None
         delta = None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            layer_post = post
+            if isinstance(layer, MoeDecoderLayer):
+                layer_post = layer.post_moe if reduce is None else partial(layer.post_moe,
+                                                                           reduce=reduce)
             hidden, delta = layer.forward_split(hidden, delta, cos, sin, kv_cache, attn.plans[i],
-                                                self.attn_backend, pre_attention, post_attention,
-                                                pre_qkv)
+                                                self.attn_backend, pre, layer_post, pre_qkv)
         return self.norm(hidden + delta)
 
     def compile_regions(self, **kwargs) -> bool:
