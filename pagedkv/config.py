@@ -195,7 +195,13 @@ class EngineConfig:
     ``tensor_parallel_size``: worker processes, one per rank, each holding a shard of the
     model (``pagedkv.distributed``; NCCL on GPUs, gloo on CPU); 1: the model runs in this
     process. ``distributed_timeout_s``: how long the engine waits for a rank's reply (or a
-    collective) before it reports the rank as hung.
+    collective) before it reports the rank as hung. ``decode_context_parallel_size`` M (it
+    divides ``tensor_parallel_size``, as in vLLM): the M ranks of a DCP group hold the same KV
+    heads and each stores only its interleaved share of every request's tokens (runs of
+    ``dcp_kv_cache_interleave_size`` positions dealt round-robin: the slot mapping's CP rule,
+    -1 for the others); attention computes a partial result per rank, merged with the
+    log-sum-exp correction across the group; a scheduler block spans ``block_size * M``
+    tokens, so the pool holds M times the tokens.
     """
 
     block_size: int = 16
@@ -217,6 +223,8 @@ class EngineConfig:
     sanitize: bool = False
     seed: int = 0
     tensor_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    dcp_kv_cache_interleave_size: int = 1
     distributed_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
@@ -244,6 +252,17 @@ class EngineConfig:
         t = self.distributed_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
             raise ConfigError(f"distributed_timeout_s must be a positive number, got {t!r}")
+        _check_int("decode_context_parallel_size", self.decode_context_parallel_size, minimum=1)
+        _check_int("dcp_kv_cache_interleave_size", self.dcp_kv_cache_interleave_size, minimum=1)
+        if self.tensor_parallel_size % self.decode_context_parallel_size:
+            raise ConfigError(
+                f"decode_context_parallel_size={self.decode_context_parallel_size} must divide "
+                f"tensor_parallel_size={self.tensor_parallel_size} (a DCP group is a set of "
+                "tensor-parallel ranks)")
+        if self.block_size % self.dcp_kv_cache_interleave_size:
+            raise ConfigError(
+                f"dcp_kv_cache_interleave_size={self.dcp_kv_cache_interleave_size} must divide "
+                f"block_size={self.block_size}")
         if self.tensor_parallel_size > 1 and self.sanitize:
             raise ConfigError("sanitize=True checks the runner's tables in this process; with "
                               "tensor_parallel_size > 1 the runners live in the worker "

@@ -200,18 +200,24 @@ INTERPRET_MLA_DECODE_CONFIG = MLADecodeConfig(
     block_h=16, tile_n=16, num_warps=1, num_stages=1,
     split=DecodeConfig(tile_n=16, num_warps=1, num_stages=1, min_split_tokens=16))
 
-# default_mla_decode_config's choice on a GPU: (most heads, config), the first that fits
+# default_mla_decode_config's choice on a GPU: (most heads, config), the first that fits.
+# From the H200 sweep (c6b42eb, bench/records/h200_session4_mla_sweep*): at 16 heads the
+# 16-a-program, two-buffer variant is the fastest at B >= 16 (53-67% of 4.27 TB/s); at 128
+# heads the 128-a-program, two-value-chunk, 8-warp variant (671.8 us at B64 / L8192, 21%)
+# beats 64 a program (997.0 us) and the first version (1,552 us) at every batch of 16 or more.
 _GPU_POLICY = (
     (32, MLADecodeConfig(16, 32, 4, 5, SPLIT_PACKED)),
-    (None, MLADecodeConfig(64, 16, 4, 3, SPLIT_PACKED, v_chunks=2)),
+    (64, MLADecodeConfig(64, 16, 4, 3, SPLIT_PACKED, v_chunks=2)),
+    (None, MLADecodeConfig(128, 32, 8, 2, SPLIT_WIDE, v_chunks=2)),
 )
 
 
 def default_mla_decode_config(device: torch.device, num_heads: int | None = None,
                               num_reqs: int | None = None) -> MLADecodeConfig:
     """The launch the kernel uses without a ``config``: on a GPU by head count (up to 32
-    heads: 16 a program, two latent buffers; more: 64 heads a program in one warp group, the
-    value columns in two chunks), with about one wave of split ranges; ``num_reqs`` is
+    heads: 16 a program, two latent buffers; up to 64: 64 heads a program in one warp group,
+    the value columns in two chunks; more: 128 heads a program in two warp groups, two value
+    chunks), with about one wave of split ranges; ``num_reqs`` is
     accepted for batch-dependent policies (none yet). Without a GPU: small tiles for the
     interpreter."""
     del num_reqs

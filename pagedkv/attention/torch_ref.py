@@ -32,6 +32,7 @@ def paged_attention_ref(
     lse: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    cp: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q [T, H, D]`` over each request's paged context (read only).
 
@@ -53,6 +54,13 @@ def paged_attention_ref(
     An FP8 cache (``float8_e4m3fn``) is dequantized after the gather: K as ``k * k_scale``,
     V as ``v * v_scale`` in float32 (``pagedkv.kernels.fp8_kv``); the scales do not apply to
     other caches.
+
+    ``cp = (world, rank, interleave)``: decode context parallelism, this cache being rank
+    ``rank``'s share (the slot mapping's CP rule, reference sec. 12): a request's local keys
+    ``j < dcp_local_seq_lens(seq_len)`` lie in table order (block ``j // B``, offset ``j % B``)
+    and sit at the global positions ``cp_global_positions``; queries sit at the global
+    positions ``seq_len - q_len ...``. A row that sees no local key gets zeros and
+    ``lse = -inf`` (the merge across the ranks weighs it 0).
     """
     check_kv_scale("paged_attention_ref", "k_scale", k_scale)
     check_kv_scale("paged_attention_ref", "v_scale", v_scale)
@@ -82,25 +90,27 @@ def paged_attention_ref(
         if q_len < 0 or (causal and seq_len < q_len):
             raise InvariantError("attention-lengths", "need 0 <= query_len <= seq_len",
                                  request=r, query_len=q_len, seq_len=seq_len)
-        num_blocks = -(-seq_len // block_size)
+        n_keys = seq_len if cp is None else _cp_local_len(seq_len, cp)
+        num_blocks = -(-n_keys // block_size)
         if num_blocks > table.shape[1]:
             raise InvariantError("attention-table-width", "sequence needs more blocks than the table has",
                                  request=r, blocks=num_blocks, width=table.shape[1])
         # first key any query of the request sees, and its block (earlier blocks are not read)
         k_lo = max(0, seq_len - q_len - sliding_window + 1) if sliding_window else 0
-        b_lo = k_lo // block_size
+        b_lo = k_lo // block_size if cp is None else 0
         blocks = table[r, b_lo:num_blocks].to(torch.int64)
         first = b_lo * block_size
         k = dequantize_ref(kv_cache[0][blocks].reshape(-1, num_kv_heads, head_dim)
-                           [: seq_len - first], k_scale)
+                           [: n_keys - first], k_scale)
         v = dequantize_ref(kv_cache[1][blocks].reshape(-1, num_kv_heads, head_dim)
-                           [: seq_len - first], v_scale)
+                           [: n_keys - first], v_scale)
         qr = q[start:end].reshape(q_len, num_kv_heads, group, head_dim).to(torch.float32)
         scores = torch.einsum("qhgd,khd->hgqk", qr, k) * scale
         if logits_soft_cap:
             scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        k_pos = torch.arange(first, seq_len, device=q.device)
+        k_pos = (torch.arange(first, seq_len, device=q.device) if cp is None
+                 else cp_global_positions(n_keys, block_size, *cp).to(q.device))
         if causal:
             visible = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # [q_len, keys]
         else:
@@ -115,6 +125,9 @@ def paged_attention_ref(
             sink = sinks.to(torch.float32).reshape(num_kv_heads, group, 1, 1)
             scores = torch.cat((scores, sink.expand(-1, -1, q_len, 1)), dim=-1)
             probs = torch.softmax(scores, dim=-1)[..., :-1]
+        elif cp is not None:  # a rank may hold no key a row sees: zeros, not NaN
+            probs = torch.exp(scores - torch.logsumexp(scores, dim=-1, keepdim=True))
+            probs = torch.nan_to_num(probs, nan=0.0)
         else:
             probs = torch.softmax(scores, dim=-1)
         if lse is not None:
@@ -123,6 +136,24 @@ def paged_attention_ref(
         o = torch.einsum("hgqk,khd->qhgd", probs, v)
         out[start:end] = o.reshape(q_len, num_heads, head_dim).to(q.dtype)
     return out
+
+
+def _cp_local_len(seq_len: int, cp: tuple[int, int, int]) -> int:
+    world, rank, inter = cp
+    base = seq_len // inter // world * inter
+    return base + min(max(seq_len - base * world - rank * inter, 0), inter)
+
+
+def cp_global_positions(n_local: int, block_size: int, world: int, rank: int,
+                        interleave: int) -> torch.Tensor:
+    """The global positions of a request's first ``n_local`` keys on CP rank ``rank`` (the
+    inverse of the slot mapping's CP rule: local index ``j`` = block ``j // B``, offset
+    ``o = j % B`` holds position ``(j // B) * B * world + (o // I) * I * world + rank * I +
+    o % I``), int64."""
+    j = torch.arange(n_local, dtype=torch.int64)
+    o = j % block_size
+    return ((j // block_size) * block_size * world + (o // interleave) * interleave * world
+            + rank * interleave + o % interleave)
 
 
 class TorchRefBackend(AttentionBackend):
@@ -140,6 +171,9 @@ class TorchRefBackend(AttentionBackend):
         if writer not in WRITERS:
             raise ConfigError(f"unknown KV writer {writer!r}; use one of {', '.join(WRITERS)}")
         self.writer = writer
+        # decode context parallelism: this rank's DCP group (``pagedkv.distributed.group``
+        # ``DCPGroup``), set by the tensor-parallel worker; None without DCP
+        self.dcp = None
 
     def forward(
         self,
@@ -160,10 +194,17 @@ class TorchRefBackend(AttentionBackend):
             write_kv(k, v, kv_cache, metadata.slot_mapping[:n], writer=self.writer,
                      k_scale=k_scale, v_scale=v_scale)
         layout = plan.layout
+        if self.dcp is not None:
+            if sinks is not None:
+                raise ConfigError("attention sinks under decode context parallelism are not "
+                                  "supported (each rank would count the sink once)")
+            return self.dcp.attend(q, kv_cache, plan, scale, sliding_window=layout.sliding_window,
+                                   logits_soft_cap=layout.logits_soft_cap, k_scale=k_scale,
+                                   v_scale=v_scale, layer_idx=layer_idx)
         return paged_attention_ref(q, kv_cache, metadata, scale,
                                    sliding_window=layout.sliding_window,
                                    logits_soft_cap=layout.logits_soft_cap, sinks=sinks,
                                    k_scale=k_scale, v_scale=v_scale)
 
 
-__all__ = ["TorchRefBackend", "paged_attention_ref"]
+__all__ = ["TorchRefBackend", "cp_global_positions", "paged_attention_ref"]

@@ -154,7 +154,12 @@ class TensorParallelExecutor:
                     except (EOFError, OSError):
                         self._fail(rank, self._died_text(rank))
                     if msg[0] == "error":
-                        self._fail(rank, msg[2], msg[4], msg[3])
+                        # a peer's death (the root cause) first: its collective partner
+                        # may notice before this process sees the exit
+                        dead = self._dead_rank(exclude=rank)
+                        text = msg[2] if dead is None else (
+                            f"{self._died_text(dead)}; then {msg[2]}")
+                        self._fail(rank, text, msg[4], msg[3])
                     if msg[1] == seq:
                         values[rank] = msg[2]
                         pending.discard(rank)
@@ -173,6 +178,17 @@ class TensorParallelExecutor:
             if not progressed:
                 self._conns[min(pending)].poll(self.POLL_S)
         return values if all_values else values[0]
+
+    def _dead_rank(self, exclude: int, grace_s: float = 0.5) -> int | None:
+        """A rank other than ``exclude`` whose process exited (waiting up to ``grace_s``)."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for r, p in enumerate(self._procs):
+                if r != exclude and p.exitcode is not None:
+                    return r
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.02)
 
     def _died_text(self, rank: int) -> str:
         p = self._procs[rank]
@@ -230,6 +246,19 @@ class TensorParallelExecutor:
         return [p.pid for p in self._procs]
 
 
+def scheduler_view_for_dcp(plan, dcp: int):
+    """A rank's plan as the driver's scheduler sees it under decode context parallelism: a
+    block spans ``block_size * dcp`` tokens (``dcp_scheduler_groups``; the rank's sizing is
+    already in those units)."""
+    from pagedkv.core.spec import KVCacheConfig
+    from pagedkv.engine.llm_engine import dcp_scheduler_groups
+
+    kv = KVCacheConfig(num_blocks=plan.kv.num_blocks,
+                       kv_cache_groups=dcp_scheduler_groups(plan.kv.kv_cache_groups, dcp))
+    cc = dataclasses.replace(plan.cc, block_size=plan.cc.block_size * dcp)
+    return dataclasses.replace(plan, kv=kv, cc=cc)
+
+
 def build_tensor_parallel_engine(model_dir: str, tokenizer, config, ec, *, dtype, device,
                                  attention_backend, generation_defaults=None):
     """An ``LLMEngine`` whose runner is a :class:`TensorParallelExecutor` over
@@ -241,8 +270,16 @@ def build_tensor_parallel_engine(model_dir: str, tokenizer, config, ec, *, dtype
     from pagedkv.distributed.worker import WorkerSpec
     from pagedkv.engine.llm_engine import assemble_engine
 
-    world = ec.tensor_parallel_size
-    check_tensor_parallel(config, world)
+    world, dcp = ec.tensor_parallel_size, ec.decode_context_parallel_size
+    check_tensor_parallel(config, world, dcp=dcp)
+    if dcp > 1 and (attention_backend == "triton" or (attention_backend == "auto"
+                                                      and device.type == "cuda")
+                    or not isinstance(attention_backend, str)):
+        from pagedkv.errors import ConfigError
+
+        raise ConfigError("decode_context_parallel_size > 1 runs the torch reference attention "
+                          "(attention_backend='torch_ref'); the Triton kernels have no DCP "
+                          "merge yet")
     if device.type == "cuda" and torch.cuda.device_count() < world:
         from pagedkv.errors import ConfigError
 
@@ -256,6 +293,8 @@ def build_tensor_parallel_engine(model_dir: str, tokenizer, config, ec, *, dtype
         # the ranks planned with the agreed block count as an override; the engine reports
         # the options it was given
         plan = dataclasses.replace(executor.plan, ec=ec.resolved(device.type))
+        if dcp > 1:
+            plan = scheduler_view_for_dcp(plan, dcp)
         return assemble_engine(RemoteModel(config), tokenizer, plan, executor,
                                generation_defaults=generation_defaults)
     except BaseException:
@@ -263,4 +302,5 @@ def build_tensor_parallel_engine(model_dir: str, tokenizer, config, ec, *, dtype
         raise
 
 
-__all__ = ["RemoteModel", "TensorParallelExecutor", "WorkerError", "build_tensor_parallel_engine"]
+__all__ = ["RemoteModel", "TensorParallelExecutor", "WorkerError", "build_tensor_parallel_engine",
+           "scheduler_view_for_dcp"]

@@ -11,9 +11,15 @@ Megatron's layout over ``N`` ranks, rank ``r``:
 * embedding and LM head: vocabulary rows ``[r V_l, (r+1) V_l)``, ``V_l = ceil(V / N)``, the
   last shard zero-padded (``TPGroup.embed`` / ``gather_vocab``);
 * norms (and Qwen3's per-head q/k norms), biases of row-parallel layers: replicated (the bias
-  is added once, after the sum).
+  is added once, after the sum);
+* decode context parallelism (``dcp`` = M): the KV heads are split over ``N / M`` shards, a
+  DCP group of M consecutive ranks sharing one (each rank stores its share of the tokens, see
+  ``DCPGroup``); query heads stay split N ways.
 
-The shard is a ``DecoderForCausalLM`` of the local sizes (``local_config``) with ``tp`` set:
+Qwen3-MoE / Mixtral (``MoeForCausalLM``): every expert's intermediate columns split as the
+MLP's, the router replicated (``pagedkv.distributed.shard_moe``).
+
+The shard is a model of the input's class and the local sizes (``local_config``) with ``tp`` set:
 the runner, the KV-cache specs and the kernels see an ordinary model with fewer heads.
 """
 
@@ -23,56 +29,71 @@ import dataclasses
 
 import torch
 
+from pagedkv.distributed.shard_moe import (
+    check_moe_tensor_parallel,
+    local_moe_config,
+    shard_sparse_block,
+)
 from pagedkv.errors import ConfigError
 from pagedkv.models.config import ModelArchConfig
 from pagedkv.models.decoder import DecoderForCausalLM
+from pagedkv.models.moe import SparseMoeBlock
+from pagedkv.models.moe_decoder import MoeForCausalLM
 
 
-def check_tensor_parallel(config: ModelArchConfig, world_size: int, model_class=None) -> None:
-    """Raise ``ConfigError`` unless ``world_size`` ranks can split this model: a dense
-    decoder (``DecoderForCausalLM`` itself), heads and MLP columns divisible, KV heads
-    divisible by the ranks or dividing them."""
+def check_tensor_parallel(config: ModelArchConfig, world_size: int, model_class=None,
+                          dcp: int = 1) -> None:
+    """Raise ``ConfigError`` unless ``world_size`` ranks (in DCP groups of ``dcp``) can split
+    this model: a dense decoder (``DecoderForCausalLM`` itself), heads and MLP columns
+    divisible, KV heads divisible by the ``world_size / dcp`` KV shards or dividing them."""
     if world_size == 1:
         return
     if model_class is None:
         from pagedkv.models.registry import get_model_class
 
         model_class = get_model_class(config.architecture)
-    if model_class is not DecoderForCausalLM:
+    if model_class not in (DecoderForCausalLM, MoeForCausalLM):
         raise ConfigError(
             f"tensor_parallel_size={world_size}: {config.architecture} is not supported yet; "
             "tensor parallelism covers the dense decoder families (Llama, Qwen2, Qwen3, "
-            "Mistral)")
+            "Mistral) and Qwen3-MoE / Mixtral")
+    if model_class is MoeForCausalLM:  # the experts' columns
+        check_moe_tensor_parallel(config, world_size)
     h, kv, inter = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
     if h % world_size:
         raise ConfigError(f"tensor_parallel_size={world_size} must divide the number of "
                           f"attention heads ({h})")
-    if kv % world_size and world_size % kv:
-        raise ConfigError(f"tensor_parallel_size={world_size} and the number of KV heads ({kv}) "
-                          "must divide one another")
+    shards = world_size // dcp
+    if kv % shards and shards % kv:
+        what = (f"tensor_parallel_size={world_size}" if dcp == 1 else
+                f"tensor_parallel_size / decode_context_parallel_size = {shards}")
+        raise ConfigError(f"{what} and the number of KV heads ({kv}) must divide one another")
     if inter % world_size:
         raise ConfigError(f"tensor_parallel_size={world_size} must divide the MLP's "
                           f"intermediate size ({inter})")
 
 
-def local_kv_heads(config: ModelArchConfig, rank: int, world_size: int) -> range:
-    """The KV heads rank ``rank`` holds (split, or the one its query heads read)."""
-    kv = config.num_key_value_heads
-    if kv >= world_size:
-        n = kv // world_size
-        return range(rank * n, (rank + 1) * n)
-    head = rank * kv // world_size
+def local_kv_heads(config: ModelArchConfig, rank: int, world_size: int, dcp: int = 1) -> range:
+    """The KV heads rank ``rank`` holds: the KV heads are split over ``world_size / dcp``
+    shards (a DCP group of ``dcp`` consecutive ranks shares one shard: the heads its ranks'
+    query heads read), or each shard holds the one head its query heads read (replicated)."""
+    kv, shards, shard = config.num_key_value_heads, world_size // dcp, rank // dcp
+    if kv >= shards:
+        n = kv // shards
+        return range(shard * n, (shard + 1) * n)
+    head = shard * kv // shards
     return range(head, head + 1)
 
 
-def local_config(config: ModelArchConfig, world_size: int) -> ModelArchConfig:
+def local_config(config: ModelArchConfig, world_size: int, dcp: int = 1) -> ModelArchConfig:
     """The sizes of one rank's layers (the vocabulary is not changed: the shard replaces its
     embedding and LM head tensors)."""
     kv = config.num_key_value_heads
     return dataclasses.replace(
         config, num_attention_heads=config.num_attention_heads // world_size,
-        num_key_value_heads=max(1, kv // world_size),
-        intermediate_size=config.intermediate_size // world_size)
+        num_key_value_heads=max(1, kv // (world_size // dcp)),
+        intermediate_size=config.intermediate_size // world_size,
+        moe=None if config.moe is None else local_moe_config(config.moe, world_size))
 
 
 def _vocab_shard(full: torch.Tensor, rank: int, world_size: int, device) -> torch.Tensor:
@@ -84,18 +105,19 @@ def _vocab_shard(full: torch.Tensor, rank: int, world_size: int, device) -> torc
 
 
 @torch.no_grad()
-def shard_decoder(model: DecoderForCausalLM, tp, *, device=None) -> DecoderForCausalLM:
+def shard_decoder(model: DecoderForCausalLM, tp, *, device=None, dcp: int = 1) -> DecoderForCausalLM:
     """Rank ``tp.rank``'s shard of ``model`` (a loaded ``DecoderForCausalLM``, any device) on
-    ``device`` (default: the model's), with ``tp`` (a ``TPGroup``) installed."""
+    ``device`` (default: the model's), with ``tp`` (a ``TPGroup``) installed; ``dcp``: the
+    decode-context-parallel group size (the KV heads of a group's shard on each of its ranks)."""
     cfg = model.config
     rank, world = tp.rank, tp.world_size
-    check_tensor_parallel(cfg, world, type(model))
+    check_tensor_parallel(cfg, world, type(model), dcp)
     device = torch.device(device) if device is not None else model.device
-    local = DecoderForCausalLM(local_config(cfg, world), backend=model.attn_backend,
-                               dtype=model.dtype, device="meta")
+    local = type(model)(local_config(cfg, world, dcp), backend=model.attn_backend,
+                        dtype=model.dtype, device="meta")
     d, hq = cfg.head_dim, cfg.num_attention_heads // world
     q_rows = slice(rank * hq * d, (rank + 1) * hq * d)
-    kvh = local_kv_heads(cfg, rank, world)
+    kvh = local_kv_heads(cfg, rank, world, dcp)
     kv_rows = slice(kvh.start * d, kvh.stop * d)
     q_size, kv_size = cfg.q_size, cfg.kv_size
     inter = cfg.intermediate_size
@@ -130,6 +152,9 @@ def shard_decoder(model: DecoderForCausalLM, tp, *, device=None) -> DecoderForCa
         if a.q_norm is not None:
             put(b.q_norm, "weight", a.q_norm.weight)
             put(b.k_norm, "weight", a.k_norm.weight)
+        if isinstance(src.mlp, SparseMoeBlock):  # MoeForCausalLM: every expert's columns
+            shard_sparse_block(src.mlp, dst.mlp, rank, world, put)
+            continue
         gu, dn = src.mlp.gate_up_proj, src.mlp.down_proj
         put(dst.mlp.gate_up_proj, "weight", gate_up_rows(gu.weight))
         put(dst.mlp.gate_up_proj, "bias", None if gu.bias is None else gate_up_rows(gu.bias))

@@ -73,10 +73,14 @@ def worker_main(rank: int, world_size: int, init_method: str, conn, spec: Worker
                                 timeout=timedelta(seconds=max(ec.distributed_timeout_s, 600)))
         tp = TPGroup(rank, world_size)
         backend = make_attention_backend(spec.attention_backend, device)
+        dcp = ec.decode_context_parallel_size
+        cp = dict(cp_world_size=dcp, cp_rank=rank % dcp, cp_interleave=ec.dcp_kv_cache_interleave_size)
+        if dcp > 1:
+            backend.dcp = _dcp_group(rank, world_size, dcp, ec.dcp_kv_cache_interleave_size)
         torch.manual_seed(ec.seed)
         full = load_model(spec.model_dir, dtype=spec.dtype, device="cpu", backend=backend,
                           max_model_len=ec.max_model_len)
-        model = shard_decoder(full, tp, device=device)
+        model = shard_decoder(full, tp, device=device, dcp=dcp)
         del full
         first = plan_engine(model, ec)
         conn.send(("ok", seq, first.sizing.num_blocks))
@@ -89,7 +93,8 @@ def worker_main(rank: int, world_size: int, init_method: str, conn, spec: Worker
             total_device_bytes=first.sizing.total_device_bytes,
             used_device_bytes=first.sizing.used_device_bytes))
         runner = ModelRunner(model, plan.kv, plan.sc, plan.cc, device=device, seed=ec.seed,
-                             enforce_eager=not plan.graphs, cuda_graph_sizes=ec.cuda_graph_sizes)
+                             enforce_eager=not plan.graphs, cuda_graph_sizes=ec.cuda_graph_sizes,
+                             **cp)
         runner.capture_cuda_graphs()
         sizes = None if runner.cuda_graphs is None else list(runner.cuda_graphs.sizes)
         conn.send(("ok", seq, (plan, runner.block_size, sizes)))
@@ -108,6 +113,22 @@ def worker_main(rank: int, world_size: int, init_method: str, conn, spec: Worker
                 dist.destroy_process_group()
         except Exception:
             pass
+
+
+def _dcp_group(rank: int, world_size: int, dcp: int, interleave: int):
+    """This rank's ``DCPGroup``: consecutive ranks ``[g * dcp, (g + 1) * dcp)`` (every rank
+    creates every group, in the same order, as ``torch.distributed.new_group`` needs)."""
+    import torch.distributed as dist
+
+    from pagedkv.distributed.group import DCPGroup
+
+    mine = None
+    for g in range(world_size // dcp):
+        ranks = list(range(g * dcp, (g + 1) * dcp))
+        pg = dist.new_group(ranks)
+        if rank in ranks:
+            mine = DCPGroup(rank % dcp, dcp, interleave, pg)
+    return mine
 
 
 def _serve(rank: int, conn, runner) -> None:

@@ -751,6 +751,18 @@ def attention_block_size(groups, block_size: int) -> int:
     return block_size
 
 
+def dcp_scheduler_groups(groups, dcp: int):
+    """The KV-cache groups as the scheduler sees them under decode context parallelism: a
+    block spans ``block_size * dcp`` tokens (each of the ``dcp`` ranks holds ``block_size`` of
+    them; vLLM's ``scheduler_block_size = block_size * dcp``); ``groups`` itself for 1."""
+    if dcp == 1:
+        return groups
+    from pagedkv.core.spec import KVCacheGroupSpec
+
+    return tuple(KVCacheGroupSpec(g.layer_names, dataclasses.replace(
+        g.kv_cache_spec, block_size=g.kv_cache_spec.block_size * dcp)) for g in groups)
+
+
 def attention_cache_dtypes(groups) -> str:
     """The dtypes of the groups' attention caches (torch names in group order, distinct,
     joined by "+"; "" without attention groups): what the sizing reports."""
@@ -884,14 +896,22 @@ def plan_engine(model: Any, config: EngineConfig | None = None, **options) -> En
     # a block's bytes over the shared tensor slots (one per layer with one group): the groups'
     # pages (K and V; one latent vector per token for MLA; a state block's padded page)
     per_block = kv_block_bytes(groups)
-    # a max_model_len request holds blocks in every group (the pool is shared)
-    need = sum(g["blocks_per_request"] for g in group_capacity(
-        groups, max_model_len, max_num_batched_tokens, block_size))
+    # a max_model_len request holds blocks in every group (the pool is shared); under decode
+    # context parallelism a scheduler block spans dcp ranks' blocks (dcp_scheduler_groups)
+    dcp = ec.decode_context_parallel_size
+    sched_block = block_size * dcp
+
+    def blocks_needed(groups, max_model_len):
+        return sum(g["blocks_per_request"] for g in group_capacity(
+            dcp_scheduler_groups(groups, dcp), max_model_len, max_num_batched_tokens,
+            sched_block))
+
+    need = blocks_needed(groups, max_model_len)
     backend = model.attn_backend
     graphs = device.type == "cuda" and not enforce_eager and backend.supports_cuda_graphs
     sizing = size_kv_cache(
         bytes_per_block=per_block,
-        block_size=block_size,
+        block_size=sched_block,
         max_model_len=max_model_len,
         num_gpu_blocks_override=num_gpu_blocks_override,
         kv_cache_memory_bytes=kv_cache_memory_bytes,
@@ -909,8 +929,9 @@ def plan_engine(model: Any, config: EngineConfig | None = None, **options) -> En
                                    kv_bytes_held_by_other_engines(device))
     if user_max_model_len is None and sizing.num_usable_blocks < need:
         # max_model_len was not given: fit it to the pool instead of failing
-        max_model_len = fitted_max_model_len(groups, sizing.num_usable_blocks,
-                                             max_num_batched_tokens, block_size, max_model_len)
+        max_model_len = fitted_max_model_len(dcp_scheduler_groups(groups, dcp),
+                                             sizing.num_usable_blocks, max_num_batched_tokens,
+                                             sched_block, max_model_len)
         if max_model_len >= 2:
             sc = dataclasses.replace(sc, max_model_len=max_model_len)
             sizing = dataclasses.replace(sizing, max_model_len=max_model_len)
@@ -918,14 +939,14 @@ def plan_engine(model: Any, config: EngineConfig | None = None, **options) -> En
             groups = kv_cache_groups_for(model, block_size, max_model_len=max_model_len,
                                          enable_prefix_caching=enable_prefix_caching,
                                          kv_cache_dtype=kv_cache_dtype)
-            need = sum(g["blocks_per_request"] for g in group_capacity(
-                groups, max_model_len, max_num_batched_tokens, block_size))
-        check_pool(sizing.num_blocks, block_size, max_model_len, sizing.source, need)
+            need = blocks_needed(groups, max_model_len)
+        check_pool(sizing.num_blocks, sched_block, max_model_len, sizing.source, need)
     kv = KVCacheConfig(num_blocks=sizing.num_blocks, kv_cache_groups=groups)
     sizing = dataclasses.replace(sizing, kv_cache_dtype=attention_cache_dtypes(groups))
     if len(groups) > 1:  # the pool's capacity per group (a request holds blocks in each)
         sizing = dataclasses.replace(sizing, groups=group_capacity(
-            groups, max_model_len, max_num_batched_tokens, block_size))
+            dcp_scheduler_groups(groups, dcp), max_model_len, max_num_batched_tokens,
+            sched_block))
     cc = CacheConfig(block_size=block_size, num_gpu_blocks=sizing.num_blocks,
                      enable_prefix_caching=enable_prefix_caching,
                      gpu_memory_utilization=gpu_memory_utilization, cache_dtype=kv_cache_dtype)

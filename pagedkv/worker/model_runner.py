@@ -190,7 +190,10 @@ class ModelRunner:
     state tensors as their cache). ``attn_backend``: installed
     into the model when given. ``sampler``: default ``Sampler`` whose unseeded stream starts
     from ``seed``. CUDA graphs are captured by :meth:`capture_cuda_graphs` (on a CUDA device,
-    with a graph-capturable backend, unless ``enforce_eager``).
+    with a graph-capturable backend, unless ``enforce_eager``). ``cp_world_size`` /
+    ``cp_rank`` / ``cp_interleave``: decode context parallelism (a rank of a DCP group: its
+    block tables' slot mappings keep its interleaved share of the tokens, -1 for the others,
+    and the step's ``dcp_local_seq_lens`` count them; reference sec. 12).
     """
 
     def __init__(
@@ -206,6 +209,9 @@ class ModelRunner:
         seed: int = 0,
         enforce_eager: bool = True,
         cuda_graph_sizes: Sequence[int] | None = None,
+        cp_world_size: int = 1,
+        cp_rank: int = 0,
+        cp_interleave: int = 1,
     ) -> None:
         self.model = model
         self.device = torch.device(device) if device is not None else model.device
@@ -240,6 +246,7 @@ class ModelRunner:
             block_sizes=[s.block_size for s in specs],
             max_num_blocks_per_req=[s.max_num_blocks_per_req(sc.max_model_len) for s in specs],
             slot_mapping_modes=[s.slot_mapping_mode for s in specs],
+            cp_world_size=cp_world_size, cp_rank=cp_rank, cp_interleave=cp_interleave,
         )
         self.requests: dict[str, CachedRequestState] = {}
         self.preparer = InputPreparer.for_batch(self.input_batch)

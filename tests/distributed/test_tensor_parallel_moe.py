@@ -9,8 +9,7 @@ the router replicated.
 * over a real gloo group of two processes: a sparse layer's ``post_moe`` on each rank's shard
   with ``TPGroup.all_reduce`` gives the whole layer's output, with exactly two all-reduces
   (``o_proj``, the block; ``o_proj``'s bias added once);
-* once ``check_tensor_parallel`` accepts ``MoeForCausalLM`` (the dispatch in
-  ``pagedkv.distributed.shard``; skipped until then): each rank's ``shard_decoder`` shard
+* each rank's ``shard_decoder`` shard
   gives the full model's logits (fp32, 1e-4) and greedy tokens through the paged harness, with
   ``1 + 2 L`` all-reduces per forward, and ``LLM(path, tensor_parallel_size=2)`` greedy
   tokens equal ``tensor_parallel_size=1``'s (chunked prefill, prefix hits).
@@ -26,7 +25,7 @@ import torch.multiprocessing as mp
 from test_tensor_parallel import PROMPTS, run
 
 from pagedkv.distributed.group import TPGroup
-from pagedkv.distributed.shard import check_tensor_parallel, local_config
+from pagedkv.distributed.shard import local_config
 from pagedkv.distributed.shard_moe import (
     check_moe_tensor_parallel,
     local_moe_config,
@@ -77,16 +76,6 @@ def _block_shard(block, rank, world):
     dst = SparseMoeBlock(block.w13.shape[2], moe, block.family, device="meta")
     shard_sparse_block(block, dst, rank, world, _put)
     return dst
-
-
-def _wired_or_skip(path):
-    try:
-        check_tensor_parallel(load_model_config(path), 2)
-    except ConfigError as e:
-        if "not supported yet" in str(e):
-            pytest.skip("check_tensor_parallel does not accept MoeForCausalLM yet: the "
-                        "dispatch to pagedkv.distributed.shard_moe in shard.py is not wired")
-        raise
 
 
 # ---- the layout, by hand
@@ -285,7 +274,6 @@ def _full_model_task(tp, path, prompts):
 @pytest.mark.parametrize("family", list(CHECKPOINTS))
 def test_shards_give_the_full_models_logits(tiny_dir, tmp_path, family):
     path = _checkpoint(tiny_dir, family)
-    _wired_or_skip(path)
     full = load_model(path, device="cpu")
     prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[1]]
     with torch.no_grad():
@@ -305,7 +293,6 @@ def test_shards_give_the_full_models_logits(tiny_dir, tmp_path, family):
 @pytest.mark.parametrize("family", list(CHECKPOINTS))
 def test_tp2_greedy_equals_tp1(tiny_dir, family):
     path = _checkpoint(tiny_dir, family)
-    _wired_or_skip(path)
     kw = dict(max_num_seqs=4, max_num_batched_tokens=16)  # the 41-token prompt: 3 chunks
     one = run(path, **kw)
     two = run(path, tensor_parallel_size=2, **kw)
@@ -322,7 +309,6 @@ def test_gpu_tp2_greedy_equals_tp1(tiny_dir, family):
     """Two GPUs over NCCL: the fused-MoE kernel on each rank's experts (local sizes), Triton
     attention, CUDA graphs; fp32 greedy tokens equal one GPU's."""
     path = _checkpoint(tiny_dir, family)
-    _wired_or_skip(path)
     kw = dict(device="cuda", dtype="float32", attention_backend="triton", max_num_seqs=4,
               max_num_batched_tokens=16)
     from pagedkv import LLM
