@@ -210,6 +210,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="worker processes, one per rank, each holding a shard of the model "
                         "(NCCL on GPUs, gloo on CPU)")
+    g.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1,
+                   help="ranks per decode-context-parallel group (divides the TP size): each "
+                        "stores its interleaved share of every request's KV")
+    g.add_argument("--dcp-kv-cache-interleave-size", type=int, default=1)
 
 
 def _engine_kwargs(args) -> dict:
@@ -226,6 +230,8 @@ def _engine_kwargs(args) -> dict:
         enforce_eager=args.enforce_eager,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
+        decode_context_parallel_size=args.decode_context_parallel_size,
+        dcp_kv_cache_interleave_size=args.dcp_kv_cache_interleave_size,
     )
 
 
