@@ -5,6 +5,15 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/pagedkv-gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+# TRANSFORMERS_WHEELS=DIR: a newer transformers (and its tokenizers / safetensors wheels) carried
+# to the device, installed into a side directory (nothing downloaded) and put first on the path
+# when it imports; otherwise the device's own transformers is used.
+if [ -n "${TRANSFORMERS_WHEELS:-}" ]; then
+  side=${TMPDIR:-/tmp}/pagedkv-transformers
+  rm -rf "$side"; python3 -m pip install -q --no-index --no-deps --target "$side" "$TRANSFORMERS_WHEELS"/*.whl \
+    && PYTHONPATH=$side:$PYTHONPATH python3 -c "import transformers; transformers.AutoConfig" \
+    && export PYTHONPATH=$side:$PYTHONPATH || echo "carried transformers did not import: using the device's"
+fi
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
   cat COMMIT 2>/dev/null; } | tee "$OUT/env.txt"
