@@ -239,8 +239,10 @@ def test_default_policy_by_head_count():
     assert default_mla_decode_config(cpu, 128) is INTERPRET_MLA_DECODE_CONFIG
     for heads in (1, 16, 32):
         assert default_mla_decode_config(cuda, heads).name == "h16-v1-t32-w4-s5"
-    for heads in (33, 64, 128):
+    for heads in (33, 64):
         assert default_mla_decode_config(cuda, heads).name == "h64-v2-t16-w4-s3"
+    for heads in (65, 128):
+        assert default_mla_decode_config(cuda, heads).name == "h128-v2-t32-w8-s2"
     assert default_mla_decode_config(cuda).name == "h16-v1-t32-w4-s5"  # heads unknown
     names = [c.name for c in MLA_DECODE_VARIANTS]
     assert len(set(zip(names, (c.split for c in MLA_DECODE_VARIANTS)))) == len(names)
