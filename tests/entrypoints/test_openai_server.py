@@ -5,12 +5,8 @@ engine runs with the sanitizer on every step."""
 
 import asyncio
 import json
-import os
 import random
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -21,7 +17,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from pagedkv import LLM, SamplingParams  # noqa: E402
 from pagedkv.entrypoints.openai_server import make_server  # noqa: E402
-from server_helpers import ThreadedServer  # noqa: E402
+from server_helpers import ServeProcess, ThreadedServer  # noqa: E402
 
 ENGINE = dict(device="cpu", dtype="float32", attention_backend="torch_ref", max_num_seqs=8,
               max_num_batched_tokens=256, max_model_len=256, kv_cache_memory_bytes=2 << 20,
@@ -314,43 +310,20 @@ def test_load_with_disconnects(live, ref):
     assert "pagedkv:num_requests_running{model_name=\"tiny\"} 0.0" in text
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_command_and_graceful_sigterm(model_dir):
     """`pagedkv serve DIR`: answers, and on SIGTERM lets the running request finish and exits 0."""
-    port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedkv", "serve", model_dir, "--port", str(port), "--device",
-         "cpu", "--dtype", "float32", "--max-model-len", "128", "--kv-cache-memory-bytes",
-         "1000000", "--log-level", "warning", "--served-model-name", "tiny"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        else:
-            pytest.fail("the server did not come up: " + (proc.stdout.read() if proc.poll() else ""))
-        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+    with ServeProcess([model_dir, "--device", "cpu", "--dtype", "float32", "--max-model-len",
+                       "128", "--kv-cache-memory-bytes", "1000000", "--served-model-name",
+                       "tiny"]) as server:
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
                           json={"model": "tiny", "prompt": "Hello", "max_tokens": 40,
                                 "temperature": 0, "stream": True, "ignore_eos": True}) as r:
             lines = r.iter_lines()
             next(lines)
-            proc.send_signal(signal.SIGTERM)  # mid-stream: the request still completes
+            server.proc.send_signal(signal.SIGTERM)  # mid-stream: the request still completes
             rest = list(lines)
         assert "data: [DONE]" in rest
-        assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        assert server.proc.wait(timeout=60) == 0
 
 
 def test_bench_serve_replays_a_w1_variant(live):
