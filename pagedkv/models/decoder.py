@@ -284,6 +284,12 @@ class DecoderLayer(nn.Module):
 class DecoderForCausalLM(nn.Module):
     """Llama / Qwen2 / Qwen3 / Mistral causal LM over a paged KV cache."""
 
+    # tensor parallelism (``pagedkv.distributed.shard``): a shard's ``TPGroup``, None for the
+    # whole model (a class default: the families that build their own modules inherit it); a
+    # shard's embedding / LM head hold its vocabulary rows, its layers its heads and MLP
+    # columns, and its regions all-reduce the row-parallel outputs
+    tp = None
+
     def __init__(
         self,
         config: ModelArchConfig,
@@ -316,10 +322,6 @@ class DecoderForCausalLM(nn.Module):
         )
         # layers use the fused q/k-norm + RoPE + KV-write kernel when the backend allows it
         self.fuse_kv_write = True
-        # tensor parallelism (``pagedkv.distributed.shard``): this rank's group, None for the
-        # whole model; a shard's embedding / LM head hold its vocabulary rows, its layers its
-        # heads and MLP columns, and its regions all-reduce the row-parallel outputs
-        self.tp = None
 
     def make_layer(self, config: ModelArchConfig, layer_idx: int, *, dtype, device) -> nn.Module:
         """Layer ``layer_idx`` (a subclass picks per layer, e.g. sparse or dense MLP)."""
