@@ -259,11 +259,13 @@ def scheduler_view_for_dcp(plan, dcp: int):
     return dataclasses.replace(plan, kv=kv, cc=cc)
 
 
-def build_tensor_parallel_engine(model_dir: str, tokenizer, config, ec, *, dtype, device,
-                                 attention_backend, generation_defaults=None):
+def build_tensor_parallel_engine(model_dir: str | None, tokenizer, config, ec, *, dtype, device,
+                                 attention_backend, generation_defaults=None,
+                                 shape: str | None = None):
     """An ``LLMEngine`` whose runner is a :class:`TensorParallelExecutor` over
-    ``ec.tensor_parallel_size`` ranks of ``model_dir`` (``config``: its ``ModelArchConfig``,
-    checked by ``check_tensor_parallel`` before any process starts)."""
+    ``ec.tensor_parallel_size`` ranks of ``model_dir``, or of the named ``shape`` with random
+    weights (``model_dir=None``; each rank builds its shard, ``random_shard``) (``config``: its
+    ``ModelArchConfig``, checked by ``check_tensor_parallel`` before any process starts)."""
     import torch
 
     from pagedkv.distributed.shard import check_tensor_parallel
@@ -287,7 +289,7 @@ def build_tensor_parallel_engine(model_dir: str, tokenizer, config, ec, *, dtype
                           f"{torch.cuda.device_count()} visible")
     spec = WorkerSpec(model_dir=model_dir, dtype=dtype, device_type=device.type,
                       attention_backend=attention_backend, engine_config=ec,
-                      num_threads=max(1, torch.get_num_threads() // world))
+                      num_threads=max(1, torch.get_num_threads() // world), shape=shape)
     executor = TensorParallelExecutor(spec, world)
     try:
         # the ranks planned with the agreed block count as an override; the engine reports

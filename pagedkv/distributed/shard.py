@@ -21,6 +21,8 @@ MLP's, the router replicated (``pagedkv.distributed.shard_moe``).
 
 The shard is a model of the input's class and the local sizes (``local_config``) with ``tp`` set:
 the runner, the KV-cache specs and the kernels see an ordinary model with fewer heads.
+``random_shard`` builds such a shard directly from a config with random weights (benchmarks by
+shape: no whole model anywhere; not a cut of the one-process random model).
 """
 
 from __future__ import annotations
@@ -96,8 +98,14 @@ def local_config(config: ModelArchConfig, world_size: int, dcp: int = 1) -> Mode
         moe=None if config.moe is None else local_moe_config(config.moe, world_size))
 
 
+def vocab_rows_per_rank(vocab_size: int, world_size: int) -> int:
+    """``V_l = ceil(V / N)``: the rows of every rank's embedding / LM head shard (the last
+    shard's rows past ``V`` are zeros)."""
+    return -(-vocab_size // world_size)
+
+
 def _vocab_shard(full: torch.Tensor, rank: int, world_size: int, device) -> torch.Tensor:
-    per = -(-full.shape[0] // world_size)
+    per = vocab_rows_per_rank(full.shape[0], world_size)
     out = torch.zeros(per, full.shape[1], dtype=full.dtype, device=device)
     rows = full[rank * per:(rank + 1) * per]
     out[:rows.shape[0]].copy_(rows)
@@ -160,17 +168,61 @@ def shard_decoder(model: DecoderForCausalLM, tp, *, device=None, dcp: int = 1) -
         put(dst.mlp.gate_up_proj, "bias", None if gu.bias is None else gate_up_rows(gu.bias))
         put(dst.mlp.down_proj, "weight", dn.weight[:, m_rows])
         put(dst.mlp.down_proj, "bias", dn.bias)
-    # the rotary tables (buffers) were built on the meta device: rebuild them on the device
+    return _finish_shard(local, tp, device, "shard_decoder")
+
+
+def _finish_shard(local, tp, device, who: str):
+    """A shard built on the meta device, its parameters set: its rotary tables (buffers)
+    rebuilt on ``device``, nothing left on the meta device, ``tp`` installed, eval mode."""
     from pagedkv.models.rotary import RotaryEmbedding
 
+    cfg = local.config
     local.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings,
                                    device=device)
     leftover = [n for n, p in list(local.named_parameters()) + list(local.named_buffers())
                 if p.device.type == "meta"]
     if leftover:
-        raise AssertionError(f"shard_decoder left tensors unset: {leftover}")
+        raise AssertionError(f"{who} left tensors unset: {leftover}")
     local.tp = tp
     return local.eval()
 
 
-__all__ = ["check_tensor_parallel", "local_config", "local_kv_heads", "shard_decoder"]
+@torch.no_grad()
+def random_shard(config: ModelArchConfig, tp, *, backend=None, dtype=torch.float32,
+                 device="cpu", dcp: int = 1, seed: int = 0) -> DecoderForCausalLM:
+    """Rank ``tp.rank``'s shard of a model of ``config`` built directly at the local sizes on
+    ``device`` with deterministic random weights (``init_random_weights(seed)``; the vocabulary
+    shards as ``shard_decoder``'s, ``vocab_rows_per_rank`` rows, the padding rows zero): what
+    ``LLM.from_shape(..., tensor_parallel_size=N)`` runs, for throughput benchmarks, without
+    ever building the whole model.
+
+    Every rank draws the same values for the same parameter, so replicated tensors (norms,
+    biases, the MoE router) agree across the ranks; but a shard is *not* a cut of the model
+    ``init_random_weights(seed)`` gives one process (each rank draws its local tensors), so
+    the tensor-parallel model's outputs differ from ``tensor_parallel_size=1``'s: the same
+    sizes and work, another random function."""
+    from pagedkv.models.registry import get_model_class
+
+    cls = get_model_class(config.architecture)
+    rank, world = tp.rank, tp.world_size
+    check_tensor_parallel(config, world, cls, dcp)
+    device = torch.device(device)
+    local = cls(local_config(config, world, dcp), backend=backend, dtype=dtype, device="meta")
+    local.to_empty(device=device)
+    per = vocab_rows_per_rank(config.vocab_size, world)
+    local.embed_tokens = torch.nn.Parameter(
+        torch.empty(per, config.hidden_size, dtype=dtype, device=device), requires_grad=False)
+    if local.lm_head is not None:
+        local.lm_head = torch.nn.Parameter(torch.empty_like(local.embed_tokens),
+                                           requires_grad=False)
+    local = _finish_shard(local, tp, device, "random_shard")
+    local.init_random_weights(seed).finish_loading()
+    real = max(0, min(per, config.vocab_size - rank * per))  # rows below V
+    local.embed_tokens[real:].zero_()
+    if local.lm_head is not None:
+        local.lm_head[real:].zero_()
+    return local
+
+
+__all__ = ["check_tensor_parallel", "local_config", "local_kv_heads", "random_shard",
+           "shard_decoder", "vocab_rows_per_rank"]

@@ -5,7 +5,9 @@ Start-up (each step answered on the rank's pipe to the driver):
 1. join the process group (``init_method``: a TCP rendezvous on the driver's host; gloo on
    CPU, NCCL on ``cuda:rank``; NVLink multicast off: ``NCCL_NVLS_ENABLE=0``,
    ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``), load the checkpoint on the CPU and keep this
-   rank's shard (``shard_decoder``) on the rank's device;
+   rank's shard (``shard_decoder``) on the rank's device; or, for a named shape
+   (``LLM.from_shape``), build the shard at its local sizes on the device with random weights
+   (``random_shard``: not a cut of the one-process random model, see there);
 2. size the shard's KV pool (``plan_engine``: on a GPU it profiles, every rank in step since
    the profile's forward pass all-reduces) and send the block count;
 3. receive the count every rank can hold (the minimum), build its ``ModelRunner`` on a pool of
@@ -34,15 +36,23 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """What every rank is told: the checkpoint, its dtype, the device kind, the attention
-    backend (a name or a picklable backend), the engine options, torch threads per rank."""
+    """What every rank is told: the checkpoint (``model_dir``) or a named shape with random
+    weights (``shape``; one of them), its dtype, the device kind, the attention backend (a
+    name or a picklable backend), the engine options, torch threads per rank."""
 
-    model_dir: str
+    model_dir: str | None
     dtype: Any
     device_type: str
     attention_backend: Any
     engine_config: Any
     num_threads: int = 1
+    shape: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.model_dir is None) == (self.shape is None):
+            from pagedkv.errors import ConfigError
+
+            raise ConfigError("a WorkerSpec names a checkpoint directory or a shape (one of them)")
 
 
 def worker_main(rank: int, world_size: int, init_method: str, conn, spec: WorkerSpec) -> None:
@@ -56,9 +66,10 @@ def worker_main(rank: int, world_size: int, init_method: str, conn, spec: Worker
     seq = -1
     try:
         from pagedkv.distributed.group import TPGroup
-        from pagedkv.distributed.shard import shard_decoder
+        from pagedkv.distributed.shard import random_shard, shard_decoder
         from pagedkv.engine.llm_engine import make_attention_backend, plan_engine
-        from pagedkv.models.loader import load_model
+        from pagedkv.models.config import shape_config
+        from pagedkv.models.loader import load_model, resolve_dtype
         from pagedkv.worker.model_runner import ModelRunner
 
         ec = spec.engine_config
@@ -78,10 +89,15 @@ def worker_main(rank: int, world_size: int, init_method: str, conn, spec: Worker
         if dcp > 1:
             backend.dcp = _dcp_group(rank, world_size, dcp, ec.dcp_kv_cache_interleave_size)
         torch.manual_seed(ec.seed)
-        full = load_model(spec.model_dir, dtype=spec.dtype, device="cpu", backend=backend,
-                          max_model_len=ec.max_model_len)
-        model = shard_decoder(full, tp, device=device, dcp=dcp)
-        del full
+        if spec.shape is not None:
+            cfg = shape_config(spec.shape)
+            model = random_shard(cfg, tp, backend=backend, dtype=resolve_dtype(spec.dtype, cfg),
+                                 device=device, dcp=dcp, seed=ec.seed)
+        else:
+            full = load_model(spec.model_dir, dtype=spec.dtype, device="cpu", backend=backend,
+                              max_model_len=ec.max_model_len)
+            model = shard_decoder(full, tp, device=device, dcp=dcp)
+            del full
         first = plan_engine(model, ec)
         conn.send(("ok", seq, first.sizing.num_blocks))
         num_blocks = conn.recv()

@@ -167,7 +167,9 @@ class LLM:
         """A named architecture (``"qwen3-0.6b"``, ``"llama-3.2-1b"`` ...) with deterministic
         random weights. No tokenizer by default (prompts are token ids); ``tokenizer="synthetic"``
         gives it a word-level one over its vocabulary (``t0 t1 ...``: text to stream, e.g. for
-        ``pagedkv serve --shape``), or pass a ``Tokenizer``."""
+        ``pagedkv serve --shape``), or pass a ``Tokenizer``. With ``tensor_parallel_size`` N >
+        1 each rank builds its shard with random weights (``random_shard``): the sizes and work
+        of the one-process model, not its weights (another random function; for throughput)."""
         from pagedkv.models.config import shape_config
         from pagedkv.models.loader import resolve_dtype
         from pagedkv.models.registry import get_model_class
@@ -175,11 +177,7 @@ class LLM:
         cfg = shape_config(shape)
         dev = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, cfg)
-        backend = make_attention_backend(attention_backend, dev)
-        model = get_model_class(cfg.architecture)(cfg, backend=backend, dtype=torch_dtype,
-                                                  device=dev)
         ec = EngineConfig.from_options(**engine_options)
-        model.init_random_weights(ec.seed).finish_loading().eval()
         if isinstance(tokenizer, str):
             if tokenizer != "synthetic":
                 raise ConfigError(f"from_shape: tokenizer must be None, 'synthetic' or a "
@@ -187,6 +185,17 @@ class LLM:
             from pagedkv.models.tokenizer import synthetic_tokenizer
 
             tokenizer = synthetic_tokenizer(cfg.vocab_size)
+        if ec.tensor_parallel_size > 1:
+            from pagedkv.distributed.executor import build_tensor_parallel_engine
+
+            engine = build_tensor_parallel_engine(None, tokenizer, cfg, ec, dtype=torch_dtype,
+                                                  device=dev, attention_backend=attention_backend,
+                                                  shape=shape)
+            return cls(f"shape:{shape}", _engine=engine)
+        backend = make_attention_backend(attention_backend, dev)
+        model = get_model_class(cfg.architecture)(cfg, backend=backend, dtype=torch_dtype,
+                                                  device=dev)
+        model.init_random_weights(ec.seed).finish_loading().eval()
         engine = build_engine(model, tokenizer, ec)
         return cls(f"shape:{shape}", _engine=engine)
 

@@ -2019,6 +2019,16 @@ SHAPES["bamba-tiny"] = {
     "mamba_d_state": 16, "mamba_chunk_size": 16, "max_position_embeddings": 4096,
 }
 
+# a Llama at CPU size (2 layers, 4 heads over 2 KV heads, vocabulary 256): the from_shape
+# paths' tests (tensor parallelism included)
+SHAPES["llama-tiny"] = {
+    "architectures": ["LlamaForCausalLM"], "dtype": "float32", "vocab_size": 256,
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "tie_word_embeddings": False, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2,
+}
+
 
 def shape_config_dict(name: str) -> dict:
     """A copy of the ``config.json`` dict of a named shape."""
