@@ -20,5 +20,5 @@ fi
 timeout ${T1:-280} python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests/kernels tests/attention \
   tests/sampling tests/worker tests/models tests/core tests/property -rfE > "$OUT/suite_kernels_models.log" 2>&1; tail -12 "$OUT/suite_kernels_models.log"
 timeout ${T2:-280} python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests/engine tests/entrypoints \
-  tests/conformance tests/test_sanitizer.py -k "not test_qwen3_0_6b_shape_w1_variant" -rfE \
+  tests/conformance tests/distributed tests/test_sanitizer.py -k "not test_qwen3_0_6b_shape_w1_variant" -rfE \
   > "$OUT/suite_engine.log" 2>&1; tail -12 "$OUT/suite_engine.log"
