@@ -145,3 +145,40 @@ def test_a_hung_rank_times_out(tiny_dir):
         except ProcessLookupError:
             pass
         llm.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_ctrl_c_while_the_ranks_run_a_step_leaves_the_engine_clean(tiny_dir, async_scheduling):
+    """A KeyboardInterrupt in the driver while it waits for the ranks' answers to a step
+    (their runners applied it, the engine did not see its outcome): the engine aborts the
+    call's requests and resets every rank's runner (their late answers are dropped by call
+    number); the next generate gives the one-process tokens and the pool is whole."""
+    path = tiny_dir("qwen3")
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=16, async_scheduling=async_scheduling)
+    want = run(path, **kw)[0]
+    llm = LLM(path, device="cpu", tensor_parallel_size=2, **kw)
+    try:
+        mgr = llm.scheduler.kv_cache_manager
+        free0 = mgr.num_free_blocks
+        ex = llm.engine.runner
+        inner, calls = ex._call_value, [0]
+
+        def call(kind, arg):
+            if kind == "exec":
+                calls[0] += 1
+                if calls[0] == 3:  # the step reached the ranks, its answers are not read
+                    for c in ex._conns:
+                        c.send((kind, ex._seq + 1, arg))
+                    ex._seq += 1
+                    raise KeyboardInterrupt
+            return inner(kind, arg)
+
+        ex._call_value = call
+        with pytest.raises(KeyboardInterrupt):
+            tokens(llm, PROMPTS)
+        ex._call_value = inner
+        assert mgr.num_free_blocks == free0 and not llm.scheduler.has_unfinished_requests()
+        assert tokens(llm, PROMPTS) == want
+        assert mgr.num_free_blocks == free0
+    finally:
+        llm.shutdown()
