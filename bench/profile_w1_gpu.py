@@ -11,8 +11,10 @@ async scheduling and compiled regions by default), then:
 2. **Profiler run**: W1 again (prefix cache reset first) with ``torch.profiler`` (CPU + CUDA)
    active during a few windows of steps (``--windows``, e.g. prefill at the start, decode at
    full and at half batch). For each window it writes a chrome trace and a text table of the
-   kernels by device time under ``--out``; ``bench/analyze_trace.py`` summarizes the traces
-   (device busy time vs wall time, time by kernel class).
+   kernels by device time under ``--out``, and prints each window's device time per step by
+   kernel class (``pagedkv.tools.profile_breakdown``: GEMMs, attention, norms/rotary,
+   activation, MoE, sampling, index, copies, other) with the device's busy and idle time;
+   all windows in ``breakdown.json``. ``--workload w3`` profiles the shared-prefix workload.
 
 Usage on the H200 (installs nothing)::
 
@@ -33,7 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from pagedkv.tools.benchmark import environment, w1_workload  # noqa: E402
+from pagedkv.tools.benchmark import WORKLOAD_MAX_MODEL_LEN, environment, workload  # noqa: E402
+from pagedkv.tools.profile_breakdown import breakdown, format_breakdown  # noqa: E402
 from pagedkv.engine.llm import LLM  # noqa: E402
 from pagedkv.sampling.params import SamplingParams  # noqa: E402
 
@@ -130,8 +133,11 @@ def main(argv=None) -> int:
     p.add_argument("--decode-config", default="",
                    help="k=v,... DecodeConfig fields for this run's decode attention (A/B "
                         "runs, e.g. mid_splits=1 or large_splits=8)")
-    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="default: the workload's (W1 256, W2 64, W3 256)")
     p.add_argument("--scale", type=float, default=1.0)
+    p.add_argument("--workload", default="w1", choices=["w1", "w2", "w3"],
+                   help="the workload (pagedkv.tools.benchmark; W3: one shared system prompt)")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
 
@@ -149,12 +155,13 @@ def main(argv=None) -> int:
         print(f"decode config for this run: {cfg}")
     t_build = time.perf_counter()
     llm = LLM.from_shape(args.shape, block_size=16, max_num_seqs=256, max_num_batched_tokens=8192,
-                         max_model_len=4096, gpu_memory_utilization=0.9,
+                         max_model_len=WORKLOAD_MAX_MODEL_LEN[args.workload],
+                         gpu_memory_utilization=0.9,
                          enforce_eager=args.enforce_eager,
                          async_scheduling=not args.no_async_scheduling,
                          compile_model=not args.no_compile_model)
     t_build = time.perf_counter() - t_build
-    wl = w1_workload(args.num_requests, args.scale)
+    wl = workload(args.workload, args.num_requests, args.scale)
     # warm-up: a few short requests
     llm.generate([[1 + i] * 40 for i in range(4)],
                  SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=8), use_tqdm=False)
@@ -259,27 +266,37 @@ def main(argv=None) -> int:
     if args.skip_profile:
         return 0
     windows = [tuple(int(x) for x in w.split(":")) for w in args.windows.split(",")]
-    state = {"prof": None, "win": None}
+    state = {"prof": None, "win": None, "t0": 0.0}
+    breakdowns = {}
 
     def hook(n):
         if state["prof"] is not None and n == state["win"][1]:
             _sync()
+            wall = time.perf_counter() - state["t0"]
             prof = state["prof"]
             prof.stop()
             a, b = state["win"]
             prof.export_chrome_trace(os.path.join(args.out, f"trace_{a}_{b}.json"))
             with open(os.path.join(args.out, f"kernels_{a}_{b}.txt"), "w") as f:
                 f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=60))
+            # device kernels only (CPU-side ops have no device self time)
+            bd = breakdown(prof.key_averages(), wall, b - a)
+            breakdowns[f"{a}:{b}"] = bd
+            print(format_breakdown(f"window {a}:{b} ({args.workload})", bd), flush=True)
             state["prof"] = None
         for w in windows:
             if n == w[0]:
                 prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                           torch.profiler.ProfilerActivity.CUDA])
                 prof.start()
-                state["prof"], state["win"] = prof, w
+                _sync()
+                state["prof"], state["win"], state["t0"] = prof, w, time.perf_counter()
 
     dt2, _ = run_w1(llm, wl, hook)
     print(f"profiler run: {dt2:.3f} s (profiler overhead included)", flush=True)
+    with open(os.path.join(args.out, "breakdown.json"), "w") as f:
+        json.dump({"environment": environment(), "workload": args.workload,
+                   "windows": breakdowns}, f, indent=1)
     return 0
 
 

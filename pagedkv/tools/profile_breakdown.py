@@ -1,0 +1,83 @@
+"""Where a step's time goes: device kernels of a ``torch.profiler`` window by class.
+
+``kernel_class(name)`` sorts a CUDA kernel's name into the classes issue 13 asks for: ``gemm``
+(cuBLAS / CUTLASS / nvjet / Triton matmul kernels), ``attention`` (the paged decode / prefill /
+MLA / cascade-merge kernels), ``norm_rope`` (RMSNorm, RoPE, the fused q/k-norm + RoPE + KV-write
+kernel, the KV writer), ``activation`` (SiLU-and-mul, GeLU), ``moe`` (routing, expert sorting,
+the fused-MoE GEMMs), ``sampling`` (argmax, softmax, top-k / top-p, the sampler's gathers),
+``index`` (slot mappings, block tables, page indices), ``copy`` (memcpy / memset / fills /
+copies), ``elementwise`` (torch's and inductor's fused pointwise kernels not named otherwise;
+an inductor kernel with ``rsqrt`` is an RMSNorm: ``norm_rope``), ``other``.
+
+``breakdown(events, wall_s, steps)``: the window's device time per class (self time of the
+device kernels; ``events`` from ``prof.key_averages()`` or any iterable of objects with
+``key`` and ``self_device_time_total`` in microseconds, or ``(name, us)`` pairs), the device
+busy time, the wall time and what the device was idle (the host's share, from the device's
+view), all per step.
+"""
+
+from __future__ import annotations
+
+import re
+
+CLASSES = ("gemm", "attention", "norm_rope", "activation", "moe", "sampling", "index", "copy",
+           "elementwise", "other")
+
+# first match wins: the specific kernels before the generic patterns
+_RULES = (
+    ("moe", r"fused_moe|moe_align|expert|topk_softmax|grouped_gemm"),
+    ("attention", r"paged_(decode|prefill)|_decode_kernel|_decode_reduce|_prefill_kernel|"
+                  r"mla_|flash|fmha|attention|merge_kernel|_merge|sparse_mla|dsa_"),
+    ("norm_rope", r"rms|norm|rsqrt|rope|rotary|qk_norm|reshape_and_cache|kv_write|_write_kv"),
+    ("activation", r"silu|gelu|act_and_mul|swiglu"),
+    ("index", r"slot_mapping|block_table|page_ind|step_indices|_csr|compressed_slot"),
+    ("sampling", r"argmax|softmax|topk|top_k|top_p|sample|gumbel|multinomial|sort|cumsum|"
+                 r"penalt|logprob"),
+    ("gemm", r"gemm|cutlass|cublas|nvjet|sm90_xmma|sm80_xmma|wgmma|_mm_|matmul|splitk|"
+             r"ampere_|hopper_|dot_kernel"),
+    ("elementwise", r"triton_poi|triton_red|triton_per"),  # inductor's fused kernels
+    ("copy", r"memcpy|memset|copy|cat_|catarray|fill|index_select|gather|scatter"),
+    ("elementwise", r"elementwise|vectorized|reduce_kernel|unrolled"),
+)
+_COMPILED = [(c, re.compile(p, re.IGNORECASE)) for c, p in _RULES]
+
+
+def kernel_class(name: str) -> str:
+    """The class of a device kernel named ``name`` (see the module docstring)."""
+    for cls, pat in _COMPILED:
+        if pat.search(name):
+            return cls
+    return "other"
+
+
+def breakdown(events, wall_s: float, steps: int) -> dict:
+    """Per step: microseconds of device time by class, the busy total, the wall time and the
+    idle time (``wall - busy``: the host's share as the device sees it); fractions of the
+    busy time by class."""
+    by = dict.fromkeys(CLASSES, 0.0)
+    for e in events:
+        name, us = (e if isinstance(e, tuple) else (e.key, e.self_device_time_total))
+        if us:
+            by[kernel_class(name)] += float(us)
+    steps = max(1, int(steps))
+    busy = sum(by.values())
+    wall_us = wall_s * 1e6
+    return {"steps": steps,
+            "us_per_step": {k: v / steps for k, v in by.items()},
+            "busy_us_per_step": busy / steps, "wall_us_per_step": wall_us / steps,
+            "idle_us_per_step": max(0.0, wall_us - busy) / steps,
+            "fraction_of_busy": {k: (v / busy if busy else 0.0) for k, v in by.items()}}
+
+
+def format_breakdown(label: str, b: dict) -> str:
+    """One line per class (us per step, share of the device's busy time) under a header."""
+    lines = [f"{label}: {b['steps']} steps, wall {b['wall_us_per_step']:.0f} us/step, device "
+             f"busy {b['busy_us_per_step']:.0f}, idle {b['idle_us_per_step']:.0f}"]
+    for k in CLASSES:
+        us = b["us_per_step"][k]
+        if us:
+            lines.append(f"  {k:<12} {us:9.1f} us  {100 * b['fraction_of_busy'][k]:5.1f}%")
+    return "\n".join(lines)
+
+
+__all__ = ["CLASSES", "breakdown", "format_breakdown", "kernel_class"]

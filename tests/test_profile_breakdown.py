@@ -1,0 +1,50 @@
+"""``pagedkv.tools.profile_breakdown``: kernel names as the H200 profiles show them sorted into
+classes by hand, and a window's per-step breakdown computed by hand."""
+
+import types
+
+import pytest
+
+from pagedkv.tools.profile_breakdown import CLASSES, breakdown, format_breakdown, kernel_class
+
+
+@pytest.mark.parametrize("name, cls", [
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "gemm"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
+    ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm>", "gemm"),
+    ("_paged_decode_kernel", "attention"),
+    ("_decode_reduce_kernel", "attention"),
+    ("_paged_prefill_kernel", "attention"),
+    ("_mla_decode_kernel", "attention"),
+    ("_merge_kernel", "attention"),
+    ("_qk_norm_rope_cache_kernel", "norm_rope"),
+    ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "norm_rope"),
+    ("triton_poi_fused_add_mul_0", "elementwise"),
+    ("_rms_norm_kernel", "norm_rope"),
+    ("_silu_and_mul_kernel", "activation"),
+    ("_fused_moe_kernel", "moe"),
+    ("_slot_mapping_kernel", "index"),
+    ("void at::native::(anonymous namespace)::argmax_kernel", "sampling"),
+    ("Memcpy HtoD (Pinned -> Device)", "copy"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>",
+     "copy"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::AddFunctor<float>>",
+     "elementwise"),
+    ("some_new_kernel", "other"),
+])
+def test_kernel_classes_by_hand(name, cls):
+    assert kernel_class(name) == cls
+
+
+def test_breakdown_per_step_by_hand():
+    ev = [("nvjet_gemm", 600.0), ("_paged_decode_kernel", 300.0), ("_rms_norm_kernel", 60.0),
+          ("argmax_kernel", 40.0), ("aten::linear", 0.0),  # a CPU op: no device time
+          types.SimpleNamespace(key="Memcpy DtoH", self_device_time_total=0.0)]
+    b = breakdown(ev, wall_s=0.0015, steps=2)  # 1,000 us busy over 1,500 us of wall
+    assert b["us_per_step"]["gemm"] == 300.0 and b["us_per_step"]["attention"] == 150.0
+    assert b["busy_us_per_step"] == 500.0 and b["wall_us_per_step"] == 750.0
+    assert b["idle_us_per_step"] == 250.0
+    assert b["fraction_of_busy"]["gemm"] == 0.6 and sum(b["fraction_of_busy"].values()) == 1.0
+    assert set(b["us_per_step"]) == set(CLASSES)
+    text = format_breakdown("window 4:6", b)
+    assert "gemm" in text and "60.0%" in text and "copy" not in text
