@@ -27,6 +27,7 @@ Usage on the H200::
     python bench/bench_w1.py --with-hf --hf-static --json w1.json
     python bench/bench_w1.py --num-requests 32 --scale 0.25  # quick variant
     python bench/bench_w1.py --kv-cache-dtype fp8 --workload w2 --json w2_fp8.json
+    python bench/bench_w1.py --shape llama-3.1-8b -tp 2 --json w1_tp2.json   # 2 GPUs
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ def build_pagedkv(args) -> tuple[LLM, str]:
         async_scheduling=args.async_scheduling,
         compile_model=args.compile_model,
         kv_cache_dtype=args.kv_cache_dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
+        decode_context_parallel_size=args.decode_context_parallel_size,
     )
     if args.no_cascade:  # the Triton backend with cascade (shared-prefix) attention off
         from pagedkv.attention.triton_backend import TritonAttentionBackend
@@ -239,6 +242,10 @@ def main(argv=None) -> int:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch_ref", "triton"])
     p.add_argument("--no-cascade", action="store_true",
                    help="the Triton backend without cascade (shared-prefix) attention")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks (worker processes); with --shape each rank draws its own random "
+                        "shard (pagedkv.distributed.shard.random_shard)")
+    p.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1)
     p.add_argument("--with-hf", action="store_true", help="also time transformers generate_batch")
     p.add_argument("--hf-max-new-tokens", type=int, default=256)
     p.add_argument("--hf-static", action="store_true", help="also time transformers static generate")

@@ -30,9 +30,10 @@ from pagedkv.errors import WorkerError
 @dataclasses.dataclass
 class RemoteModel:
     """The driver's handle on the model the ranks hold: its config (vocabulary, EOS ids) for
-    the engine's request checks; ``compiled`` as the shards are (eager)."""
+    the engine's request checks, its dtype; ``compiled`` as the shards are (eager)."""
 
     config: Any
+    dtype: Any = None
     compiled: bool = False
 
 
@@ -89,6 +90,12 @@ class TensorParallelExecutor:
             raise
         self.plan = plan
         self.cuda_graphs = None if sizes is None else _Graphs(sizes)
+        # rank 0's device and pool (what engine-level reports and the memory registry read)
+        import torch
+
+        self.device = (torch.device("cuda", 0) if spec.device_type == "cuda"
+                       else torch.device("cpu"))
+        self.kv_cache_bytes = plan.sizing.kv_cache_bytes
 
     # ---- the runner interface ----------------------------------------------------------
     def execute_model_async(self, scheduler_output) -> int:
@@ -106,6 +113,10 @@ class TensorParallelExecutor:
 
     def reset_requests(self) -> None:
         self._call("reset", None)
+
+    def synchronize(self) -> None:
+        """Nothing to wait for here: every answer the engine read came after the ranks' work
+        (``get_output`` returns once rank 0 synchronized)."""
 
     def capture_cuda_graphs(self) -> int:
         """Done by every rank at start-up; the number of graph sizes."""
@@ -297,7 +308,10 @@ def build_tensor_parallel_engine(model_dir: str | None, tokenizer, config, ec, *
         plan = dataclasses.replace(executor.plan, ec=ec.resolved(device.type))
         if dcp > 1:
             plan = scheduler_view_for_dcp(plan, dcp)
-        return assemble_engine(RemoteModel(config), tokenizer, plan, executor,
+        from pagedkv.models.loader import resolve_dtype
+
+        return assemble_engine(RemoteModel(config, resolve_dtype(dtype, config)), tokenizer,
+                               plan, executor,
                                generation_defaults=generation_defaults)
     except BaseException:
         executor.shutdown()

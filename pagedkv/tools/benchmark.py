@@ -190,7 +190,7 @@ def run_throughput(llm, workload: Workload, *, temperature: float = 0.0, warmup:
                      use_tqdm=False)
         engine.scheduler.reset_prefix_cache()
     before = dict(engine.kv_stats())
-    sync = _device_sync(engine.runner.device)
+    sync = _device_sync(engine.runner)
     sync()
     # (the engine froze its start-up objects out of the cyclic GC: pagedkv.engine.heap)
     t0 = time.perf_counter()
@@ -221,9 +221,14 @@ def run_throughput(llm, workload: Workload, *, temperature: float = 0.0, warmup:
     )
 
 
-def _device_sync(device):
+def _device_sync(runner):
+    """A wait for ``runner``'s device work: its own ``synchronize`` when it has one (the
+    tensor-parallel executor), else the CUDA device's."""
     import torch
 
+    if hasattr(runner, "synchronize"):
+        return runner.synchronize
+    device = runner.device
     if device.type == "cuda":
         return lambda: torch.cuda.synchronize(device)
     return lambda: None

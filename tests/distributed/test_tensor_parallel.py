@@ -182,3 +182,23 @@ def test_ctrl_c_while_the_ranks_run_a_step_leaves_the_engine_clean(tiny_dir, asy
         assert mgr.num_free_blocks == free0
     finally:
         llm.shutdown()
+
+
+def test_the_throughput_tool_runs_a_tensor_parallel_engine(tiny_dir):
+    """``pagedkv.tools.benchmark.run_throughput`` (bench_w1's loop) on a TP=2 engine: the
+    executor serves the runner attributes engine-level tools read (device, pool bytes, a
+    synchronize that waits for nothing left), the model handle its dtype."""
+    import torch
+
+    from pagedkv.tools.benchmark import run_throughput, w1_workload
+
+    llm = LLM(tiny_dir("llama"), device="cpu", tensor_parallel_size=2, max_num_seqs=4,
+              max_model_len=256)
+    try:
+        ex = llm.engine.runner
+        assert ex.device == torch.device("cpu") and llm.engine.model.dtype == torch.float32
+        assert ex.kv_cache_bytes == llm.kv_cache_sizing.kv_cache_bytes
+        res = run_throughput(llm, w1_workload(4, 0.02), use_tqdm=False)
+        assert res.output_tokens == w1_workload(4, 0.02).requested_output_tokens
+    finally:
+        llm.shutdown()
