@@ -699,5 +699,5 @@ def _dynamic_tokens(fn, token_args: tuple[int, ...]):
     return call
 
 
-__all__ = ["Attention", "DecoderForCausalLM", "DecoderLayer", "post_attention", "post_pre_qkv", "row_linear",
-           "pre_attention", "pre_attention_qkv"]
+__all__ = ["Attention", "DecoderForCausalLM", "DecoderLayer", "post_attention", "post_pre_qkv",
+           "pre_attention", "pre_attention_qkv", "row_linear"]
