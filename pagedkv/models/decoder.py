@@ -158,14 +158,14 @@ def post_attention(
 
     ``reduce`` (a tensor-parallel shard's ``TPGroup.all_reduce``): ``o_proj`` and ``down_proj``
     are row-parallel, their partial products summed over the ranks before the bias."""
-    hidden = residual_add(hidden, row_linear(attn_out.reshape(hidden.shape[0], -1), o_weight,
+    hidden = residual_add(hidden, _row_linear(attn_out.reshape(hidden.shape[0], -1), o_weight,
                                               o_bias, reduce))
     x = rms_norm(hidden, ln_weight, eps)
-    return hidden, row_linear(silu_and_mul(F.linear(x, gate_up_weight, gate_up_bias)),
+    return hidden, _row_linear(silu_and_mul(F.linear(x, gate_up_weight, gate_up_bias)),
                                down_weight, down_bias, reduce)
 
 
-def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def _row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 reduce=None) -> torch.Tensor:
     """``F.linear``; with ``reduce``, the product is summed over the ranks before the bias."""
     if reduce is None:
@@ -700,4 +700,4 @@ def _dynamic_tokens(fn, token_args: tuple[int, ...]):
 
 
 __all__ = ["Attention", "DecoderForCausalLM", "DecoderLayer", "post_attention", "post_pre_qkv",
-           "pre_attention", "pre_attention_qkv", "row_linear"]
+           "pre_attention", "pre_attention_qkv"]

@@ -28,7 +28,7 @@ from pagedkv.models.config import ModelArchConfig
 from pagedkv.models.decoder import (
     DecoderForCausalLM,
     DecoderLayer,
-    row_linear,
+    _row_linear,
     attention_hf_entries,
     pre_attention,
     residual_add,
@@ -58,7 +58,7 @@ class MoeDecoderLayer(DecoderLayer):
         ``reduce`` (a tensor-parallel shard's ``TPGroup.all_reduce``): ``o_proj`` and the
         block are row-parallel, their partial outputs summed over the ranks (``o_proj``'s
         before its bias)."""
-        hidden = residual_add(hidden, row_linear(attn_out.reshape(hidden.shape[0], -1),
+        hidden = residual_add(hidden, _row_linear(attn_out.reshape(hidden.shape[0], -1),
                                                   o_weight, o_bias, reduce))
         out = self.mlp(rms_norm(hidden, ln_weight, eps))
         return hidden, out if reduce is None else reduce(out)
