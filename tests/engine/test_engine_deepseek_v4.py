@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 import transformers
-from engine_helpers import TEXTS, log_scheduled_steps, make_llm, pool_is_idle
+from engine_helpers import TEXTS, check_greedy, greedy, log_scheduled_steps, make_llm
 
 pytest.importorskip("transformers.models.deepseek_v4")  # transformers >= 5.24
 
@@ -24,7 +24,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "models"))
 from deepseek_v4_helpers import CSA, HCA, SWA, build_tiny_dsv4, use_twins  # noqa: E402
 
-from pagedkv import SamplingParams  # noqa: E402
 from pagedkv.attention.dsv4 import Dsv4Backend  # noqa: E402
 from pagedkv.core.spec import AttentionSpec, SlidingWindowMLASpec  # noqa: E402
 from pagedkv.worker.attn_builders import CommonMetadataBuilder  # noqa: E402
@@ -45,20 +44,6 @@ VARIANTS = {
 LONG = " ".join(TEXTS[2:] * 3)  # ~290 tokens
 
 
-def greedy(n=10):
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-
-
-def check(llm, ref, prompts, n=10):
-    outs = llm.generate(prompts, greedy(n), use_tqdm=False)
-    for o in outs:
-        assert o.outputs[0].token_ids == ref.greedy(o.prompt_token_ids, n), \
-            f"prompt of {len(o.prompt_token_ids)} tokens"
-        assert o.finished and o.outputs[0].finish_reason == "length"
-    assert pool_is_idle(llm)
-    return outs
-
-
 @pytest.fixture
 def twins(monkeypatch):
     use_twins(monkeypatch)
@@ -75,7 +60,7 @@ def test_batched_greedy_matches_transformers(dsv4_dir, hf_ref, twins, name):
     prompts = TEXTS if name == "default" else [LONG, TEXTS[3], TEXTS[0]]
     llm = make_llm(path, max_model_len=512)
     assert isinstance(llm.engine.model.attn_backend, Dsv4Backend)
-    outs = check(llm, hf_ref(path), prompts)
+    outs = check_greedy(llm, hf_ref(path), prompts, 10)
     lens = [len(o.prompt_token_ids) for o in outs]
     x = llm.engine.model.config.dsv4
     assert max(lens) > 2 * max(x.compress_ratios) and max(lens) > 4 * x.sliding_window
@@ -112,7 +97,7 @@ def test_chunked_prefill_and_preemption(dsv4_dir, hf_ref, twins):
     ref = hf_ref(path)
     llm = make_llm(path, max_num_batched_tokens=16, max_num_seqs=4)
     steps = log_scheduled_steps(llm.scheduler)
-    check(llm, ref, [TEXTS[3], TEXTS[2], TEXTS[1], TEXTS[0]])
+    check_greedy(llm, ref, [TEXTS[3], TEXTS[2], TEXTS[1], TEXTS[0]], 10)
     assert all(sum(s.values()) <= 16 for s in steps)
     assert any(1 in s.values() and max(s.values()) > 1 for s in steps)
     # a DeepSeek-V4 request holds few blocks once its prompt is in (windows release theirs,
@@ -120,7 +105,7 @@ def test_chunked_prefill_and_preemption(dsv4_dir, hf_ref, twins):
     # grow into each other
     small = make_llm(path, num_gpu_blocks_override=30, max_model_len=192, kv_cache_memory_bytes=None,
                      max_num_batched_tokens=8)
-    outs = check(small, ref, TEXTS + TEXTS, 40)
+    outs = check_greedy(small, ref, TEXTS + TEXTS, 40)
     stats = small.get_kv_stats()
     assert stats["preemptions"] > 0
     assert sum(o.metrics.num_preemptions for o in outs) == stats["preemptions"]
@@ -136,9 +121,9 @@ def test_prefix_hits(dsv4_dir, hf_ref, twins):
     assert unit <= 512
     shared = " ".join(TEXTS * 4)
     ref = hf_ref(path)
-    check(llm, ref, [shared + " First ending."])
+    check_greedy(llm, ref, [shared + " First ending."], 10)
     before = llm.get_kv_stats()["prefix_cache_hits"]
-    check(llm, ref, [shared + " And another, different ending!"])
+    check_greedy(llm, ref, [shared + " And another, different ending!"], 10)
     assert llm.get_kv_stats()["prefix_cache_hits"] - before >= unit
 
 
@@ -225,7 +210,7 @@ def test_step_checks_of_every_channel(dsv4_dir, hf_ref, twins):
     llm = make_llm(path, max_num_batched_tokens=24, max_num_seqs=4, num_gpu_blocks_override=120,
                    kv_cache_memory_bytes=None, max_model_len=192)
     checks = ChannelChecks(llm)
-    check(llm, hf_ref(path), TEXTS + [TEXTS[3]], 16)
+    check_greedy(llm, hf_ref(path), TEXTS + [TEXTS[3]], 16)
     assert min(checks.counts.values()) > 100, checks.counts
 
 
@@ -235,7 +220,7 @@ def test_interpreted_kernels_in_the_engine(dsv4_dir, hf_ref):
         pytest.skip("the kernels on CPU tensors need the Triton interpreter")
     path = dsv4_dir("default")
     llm = make_llm(path, attention_backend=Dsv4Backend("kernel", writer="kernel"))
-    check(llm, hf_ref(path), [TEXTS[1], TEXTS[0]], 3)
+    check_greedy(llm, hf_ref(path), [TEXTS[1], TEXTS[0]], 3)
 
 
 @pytest.mark.gpu
@@ -255,7 +240,7 @@ def test_gpu_engine_matches_transformers(dsv4_dir, hf_ref, name):
     prompts = TEXTS + [LONG]
     llm = make_llm(path, device="cuda", attention_backend="triton", max_model_len=512,
                    max_num_batched_tokens=64)
-    check(llm, hf_ref(path), prompts, 16)
+    check_greedy(llm, hf_ref(path), prompts, 16)
     llm = make_llm(path, device="cuda", dtype="bfloat16", attention_backend="triton",
                    max_model_len=512, sanitize=False)
     outs = llm.generate(prompts, greedy(16), use_tqdm=False)
