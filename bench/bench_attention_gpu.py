@@ -150,16 +150,16 @@ def do_bench_us(fn) -> float:
 class DecodeSetup:
     """R rotations of (query, block table, output) over disjoint pages of one cache."""
 
-    def __init__(self, batch: int, ctx: int, seed: int = 0):
+    def __init__(self, batch: int, ctx: int, seed: int = 0, kv_dtype: torch.dtype = DTYPE):
         self.batch, self.ctx = batch, ctx
-        self.kv_bytes = 2 * batch * ctx * HKV * D * 2
+        self.kv_bytes = 2 * batch * ctx * HKV * D * torch.empty((), dtype=kv_dtype).element_size()
         self.rot = max(2, min(MAX_ROT, math.ceil(COLD_BYTES / self.kv_bytes)))
         gen = torch.Generator(device="cuda").manual_seed(seed)
         blocks_per_req = -(-ctx // BS)
         per_rot = batch * blocks_per_req
         num_blocks = 1 + self.rot * per_rot
         self.cache = torch.randn((2, num_blocks, BS, HKV, D), generator=gen, device="cuda",
-                                 dtype=DTYPE)
+                                 dtype=DTYPE).to(kv_dtype)
         perm = torch.randperm(num_blocks - 1, generator=gen, device="cuda").to(torch.int32) + 1
         self.tables = [perm[i * per_rot:(i + 1) * per_rot].view(batch, blocks_per_req)
                        for i in range(self.rot)]

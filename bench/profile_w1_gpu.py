@@ -36,7 +36,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from pagedkv.tools.benchmark import WORKLOAD_MAX_MODEL_LEN, environment, workload  # noqa: E402
-from pagedkv.tools.profile_breakdown import breakdown, format_breakdown  # noqa: E402
+from pagedkv.tools.profile_breakdown import (  # noqa: E402
+    breakdown,
+    device_gaps,
+    format_breakdown,
+    format_gaps,
+    kernel_class,
+)
 from pagedkv.engine.llm import LLM  # noqa: E402
 from pagedkv.sampling.params import SamplingParams  # noqa: E402
 
@@ -67,9 +73,9 @@ class _TimedEvent:
 def instrument(llm, rec: list, waits: list):
     engine = llm.engine
     sched = engine.scheduler
-    runner = engine.runner
-    if runner._events is not None:
-        runner._events = [_TimedEvent(e, waits) for e in runner._events]
+    outputs = engine.runner.outputs  # AsyncOutputs: the pinned buffers' events
+    if outputs._events is not None:
+        outputs._events = [_TimedEvent(e, waits) for e in outputs._events]
     orig = sched.schedule
 
     def schedule():
@@ -121,6 +127,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-compile-model", action="store_true")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--skip-profile", action="store_true")
+    p.add_argument("--no-trace-files", action="store_true",
+                   help="delete each window's chrome trace after its gap analysis")
     p.add_argument("--log-compiles", action="store_true",
                    help="print every Triton compile (kernel, specialization) and torch.compile "
                         "recompile, with the engine step it happened in")
@@ -276,13 +284,25 @@ def main(argv=None) -> int:
             prof = state["prof"]
             prof.stop()
             a, b = state["win"]
-            prof.export_chrome_trace(os.path.join(args.out, f"trace_{a}_{b}.json"))
+            trace_path = os.path.join(args.out, f"trace_{a}_{b}.json")
+            prof.export_chrome_trace(trace_path)
+            with open(trace_path) as f:
+                gaps = device_gaps(json.load(f), b - a)
+            if args.no_trace_files:
+                os.remove(trace_path)
             with open(os.path.join(args.out, f"kernels_{a}_{b}.txt"), "w") as f:
                 f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=60))
             # device kernels only (CPU-side ops have no device self time)
             bd = breakdown(prof.key_averages(), wall, b - a)
+            bd["gaps"] = gaps
             breakdowns[f"{a}:{b}"] = bd
             print(format_breakdown(f"window {a}:{b} ({args.workload})", bd), flush=True)
+            print(format_gaps(f"window {a}:{b} device gaps", gaps), flush=True)
+            others = sorted(((e.self_device_time_total, e.key) for e in prof.key_averages()
+                             if e.self_device_time_total > 0 and kernel_class(e.key) == "other"),
+                            reverse=True)[:8]
+            for us, key in others:
+                print(f"  other: {us / (b - a):9.1f} us/step  {key[:90]}", flush=True)
             state["prof"] = None
         for w in windows:
             if n == w[0]:

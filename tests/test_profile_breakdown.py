@@ -48,3 +48,29 @@ def test_breakdown_per_step_by_hand():
     assert set(b["us_per_step"]) == set(CLASSES)
     text = format_breakdown("window 4:6", b)
     assert "gemm" in text and "60.0%" in text and "copy" not in text
+
+
+def test_device_gaps_by_hand():
+    from pagedkv.tools.profile_breakdown import device_gaps, format_gaps
+
+    def ev(name, ts, dur, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    trace = {"traceEvents": [
+        ev("b", 10.0, 5.0),          # gap 10 - 1 = 9 us after "a" (5-20)
+        ev("a", 0.0, 1.0),
+        ev("c", 16.0, 2.0),          # gap 1 us (<2)
+        ev("d", 17.0, 10.0),         # overlaps c: no gap
+        ev("cpu_op", 50.0, 100.0, cat="cpu_op"),  # not a device event
+        ev("Memcpy HtoD", 30.0, 1.0, cat="gpu_memcpy"),  # gap 30 - 27 = 3 us (2-5)
+        ev("e", 231.0, 1.0),         # gap 200 us (>=100)
+    ]}
+    g = device_gaps(trace, steps=2, top=2)
+    assert g["events_per_step"] == 3.0
+    assert g["idle_us_per_step"] == {"<2": 0.5, "2-5": 1.5, "5-20": 4.5, "20-100": 0.0,
+                                     ">=100": 100.0}
+    assert g["gaps_per_step"] == {"<2": 0.5, "2-5": 0.5, "5-20": 0.5, "20-100": 0.0, ">=100": 0.5}
+    assert g["top"] == [{"us": 200.0, "after": "Memcpy HtoD", "before": "e"},
+                        {"us": 9.0, "after": "a", "before": "b"}]
+    text = format_gaps("w", g)
+    assert "200.0 us after 'Memcpy HtoD' before 'e'" in text and ">=100 us: 100" in text

@@ -81,3 +81,52 @@ def format_breakdown(label: str, b: dict) -> str:
 
 
 __all__ = ["CLASSES", "breakdown", "format_breakdown", "kernel_class"]
+
+
+GAP_BUCKETS_US = (2.0, 5.0, 20.0, 100.0)  # upper edges; the last bucket is open
+
+
+def device_gaps(trace: dict, steps: int, top: int = 10) -> dict:
+    """Where the device sat idle inside a chrome trace (``prof.export_chrome_trace``'s JSON):
+    the device events (``cat`` kernel / gpu_memcpy / gpu_memset) in start order, the idle
+    time between the end of everything before an event and its start. Per step: the idle
+    microseconds by gap length (``<2``, ``2-5``, ``5-20``, ``20-100``, ``>=100`` us: short gaps
+    are launch-to-launch latency inside a CUDA graph, long ones a device waiting for the host),
+    the gap count, and the ``top`` longest gaps with the events on either side."""
+    evs = sorted((e for e in trace.get("traceEvents", [])
+                  if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                 key=lambda e: float(e["ts"]))
+    labels = [f"<{GAP_BUCKETS_US[0]:g}"] + [f"{a:g}-{b:g}" for a, b in
+                                            zip(GAP_BUCKETS_US, GAP_BUCKETS_US[1:])] \
+        + [f">={GAP_BUCKETS_US[-1]:g}"]
+    by = dict.fromkeys(labels, 0.0)
+    count = dict.fromkeys(labels, 0)
+    gaps = []
+    end = None
+    prev = None
+    for e in evs:
+        ts, dur = float(e["ts"]), float(e.get("dur", 0.0))
+        if end is not None and ts > end:
+            g = ts - end
+            i = sum(g >= b for b in GAP_BUCKETS_US)
+            by[labels[i]] += g
+            count[labels[i]] += 1
+            gaps.append((g, prev, e["name"]))
+        end = ts + dur if end is None else max(end, ts + dur)
+        prev = e["name"]
+    gaps.sort(key=lambda x: -x[0])
+    n = max(int(steps), 1)
+    return {"idle_us_per_step": {k: v / n for k, v in by.items()},
+            "gaps_per_step": {k: v / n for k, v in count.items()},
+            "events_per_step": len(evs) / n,
+            "top": [{"us": g, "after": a, "before": b} for g, a, b in gaps[:top]]}
+
+
+def format_gaps(label: str, g: dict) -> str:
+    """The idle time by gap length and the longest gaps, one line each."""
+    lines = [f"{label}: {g['events_per_step']:.0f} device events per step; idle us per step by "
+             "gap length: " + ", ".join(f"{k} us: {v:.0f} ({g['gaps_per_step'][k]:.0f} gaps)"
+                                        for k, v in g["idle_us_per_step"].items())]
+    for t in g["top"]:
+        lines.append(f"  {t['us']:8.1f} us after {t['after'][:60]!r} before {t['before'][:60]!r}")
+    return "\n".join(lines)

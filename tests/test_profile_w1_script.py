@@ -1,0 +1,25 @@
+"""``bench/profile_w1_gpu.py`` runs end to end on CPU on a tiny shape (timeline, a profiler
+window with its breakdown and gap analysis, the JSON files), so the GPU call that uses it
+does not find it stale."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_profile_w1_script_runs_on_cpu(tmp_path):
+    env = dict(os.environ, PAGEDKV_ALLOW_LONG_MAX_MODEL_LEN="1", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "profile_w1_gpu.py"),
+                        "--shape", "llama-tiny", "--num-requests", "4", "--scale", "0.05",
+                        "--out", str(tmp_path), "--windows", "2:4", "--no-trace-files"],
+                       capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "timeline run:" in r.stdout and "window 2:4 device gaps" in r.stdout
+    timeline = json.load(open(tmp_path / "timeline.json"))
+    assert timeline["summary"]["steps"] == len(timeline["steps"]) > 2
+    bd = json.load(open(tmp_path / "breakdown.json"))
+    assert "gaps" in bd["windows"]["2:4"]
+    assert not (tmp_path / "trace_2_4.json").exists()
