@@ -24,8 +24,8 @@ query rows can attend to the shared prefix blocks as one request in one pass ove
 ``lse`` each row's natural-log log-sum-exp is written too (``triton_decode._lse``).
 
 FP8 caches (``float8_e4m3fn``, ``KV_FP8``), as in the decode kernel: the loaded K / V codes are
-cast to the query dtype (exact), ``k_scale`` joins the softmax scale on the host, ``v_scale``
-multiplies the accumulated output (every key split's).
+cast to the query dtype (exact; a bf16 query is cast to fp16, ``Q_FP16``), ``k_scale`` joins
+the softmax scale on the host, ``v_scale`` multiplies the accumulated output (every key split's).
 
 ``varlen_prefill_attention``: torch's ``torch.nn.attention.varlen.varlen_attn`` (flash
 attention over packed sequences, CUDA only) on the contiguous new-token K/V, for batches whose
@@ -194,6 +194,7 @@ def _prefill_kernel(
     v_scale=1.0,
     KV_FP8: tl.constexpr = False,
     kv_splits=1,
+    Q_FP16: tl.constexpr = False,
     o_split=0,
     lse_split=0,
 ):
@@ -229,6 +230,8 @@ def _prefill_kernel(
     q = tl.load(q_ptr + rows[:, None] * q_s0 + h * q_s1 + d[None, :], mask=md_mask, other=0.0)
     if not KV_FP8:  # an FP8 cache's K / V are cast to the query dtype instead
         q = q.to(k_ptr.dtype.element_ty)
+    elif Q_FP16:  # bf16 query, FP8 cache: the products in fp16 (as the decode kernel)
+        q = q.to(tl.float16)
     q_pos = ctx + m_idx
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -414,6 +417,7 @@ def paged_prefill_attention(
         RANGE_LOOP=not interpreted(_prefill_kernel),
         lse_ptr=lse, lse_s0=0 if lse is None else lse_rows.stride(0), CAUSAL=causal,
         WRITE_LSE=lse is not None, v_scale=float(v_scale), KV_FP8=fp8, kv_splits=splits,
+        Q_FP16=fp8 and q.dtype == torch.bfloat16,
         o_split=0 if splits == 1 else out.stride(0),
         lse_split=0 if splits == 1 else lse.stride(0),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

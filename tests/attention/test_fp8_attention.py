@@ -90,6 +90,34 @@ def test_decode_kernel_matches_twin(kernel_device, dtype, scales, block_size, nu
     assert_served_close(out, twin(case), rows_of(case, lambda ql: ql == 1), dtype)
 
 
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+def test_bf16_query_over_fp8_cache_runs_in_fp16(kernel_device, kernel):
+    """A bf16 query over an FP8 cache: the kernels cast the query to fp16 (``Q_FP16``); the
+    output is the twin's (the attention of the dequantized cache in fp32) within bf16's
+    tolerance, on rows of every kind."""
+    reqs = DECODES if kernel == "decode" else [(0, 20), (9, 7), (3, 1), (0, 1)]
+    case = fp8_case(reqs, block_size=16, k_scale=0.5, v_scale=2.0, dtype=torch.bfloat16,
+                    device=kernel_device, seed=11)
+    m = case["meta"]
+    out = poisoned_out(case)
+    fn = paged_decode_attention if kernel == "decode" else paged_prefill_attention
+    fn(case["q"], case["cache"], m.block_table_tensor, m.query_start_loc, m.seq_lens,
+       m.num_reqs, case["scale"], out, k_scale=0.5, v_scale=2.0)
+    rows = rows_of(case, (lambda ql: ql == 1) if kernel == "decode" else (lambda ql: ql > 0))
+    assert_served_close(out, twin(case), rows, torch.bfloat16)
+
+
+def test_fp8_cache_gets_the_fp8_decode_config():
+    from pagedkv.attention.triton_decode import (DecodeConfig, FP8_DECODE_CONFIG,
+                                                 INTERPRET_DECODE_CONFIG, default_decode_config)
+    cuda = torch.device("cuda")
+    assert default_decode_config(cuda, torch.float8_e4m3fn) == FP8_DECODE_CONFIG
+    assert FP8_DECODE_CONFIG.tile_n == 128
+    assert default_decode_config(cuda, torch.bfloat16) == DecodeConfig()
+    assert default_decode_config(cuda) == DecodeConfig()
+    assert default_decode_config(torch.device("cpu"), torch.float8_e4m3fn) == INTERPRET_DECODE_CONFIG
+
+
 def test_decode_kernel_window_sinks_lse(kernel_device):
     """The FP8 path composes with a sliding window, attention sinks and the lse output."""
     case = fp8_case([(30, 1), (9, 1), (50, 1)], block_size=4, k_scale=0.7, v_scale=1.3,
