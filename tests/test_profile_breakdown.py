@@ -50,6 +50,20 @@ def test_breakdown_per_step_by_hand():
     assert "gemm" in text and "60.0%" in text and "copy" not in text
 
 
+def test_breakdown_leaves_out_host_entries_with_device_time():
+    """As the H200 profiles show them: ``aten::mm`` carries its cuBLAS kernel's time as self
+    device time and ``cuLaunchKernelEx`` a launch's; the kernels are listed on their own."""
+    from pagedkv.tools.profile_breakdown import is_host_entry
+
+    ev = [("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT", 900.0), ("aten::mm", 900.0),
+          ("cuLaunchKernelEx", 25.0), ("cudaEventSynchronize", 5.0), ("_prefill_kernel", 100.0),
+          ("Torch-Compiled Region: 3/0", 1000.0), ("Memcpy HtoD (Pinned -> Device)", 10.0)]
+    b = breakdown(ev, wall_s=0.002, steps=1)
+    assert b["busy_us_per_step"] == 1010.0 and b["us_per_step"]["other"] == 0.0
+    assert b["us_per_step"]["copy"] == 10.0
+    assert not is_host_entry("cutlass_80_tensorop_gemm") and not is_host_entry("_decode_kernel")
+
+
 def test_device_gaps_by_hand():
     from pagedkv.tools.profile_breakdown import device_gaps, format_gaps
 

@@ -50,14 +50,26 @@ def kernel_class(name: str) -> str:
     return "other"
 
 
+# host-side entries of ``key_averages()`` that carry device time of kernels listed on their
+# own as well (on the H200 ``aten::mm`` shows its cuBLAS kernel's time as self time, and
+# ``cuLaunchKernelEx`` a launch's): counting them would count those kernels twice
+_HOST_ENTRY = re.compile(r"^(aten::|cuda[A-Z]|cu[A-Z]|Torch-Compiled Region|## )")
+
+
+def is_host_entry(name: str) -> bool:
+    """Whether a profiler entry is a host op / runtime call, not a device kernel."""
+    return bool(_HOST_ENTRY.match(name))
+
+
 def breakdown(events, wall_s: float, steps: int) -> dict:
     """Per step: microseconds of device time by class, the busy total, the wall time and the
     idle time (``wall - busy``: the host's share as the device sees it); fractions of the
-    busy time by class."""
+    busy time by class. Host entries (``is_host_entry``: torch ops, CUDA runtime / driver
+    calls, compiled-region markers) are left out: their device time is their kernels'."""
     by = dict.fromkeys(CLASSES, 0.0)
     for e in events:
         name, us = (e if isinstance(e, tuple) else (e.key, e.self_device_time_total))
-        if us:
+        if us and not is_host_entry(name):
             by[kernel_class(name)] += float(us)
     steps = max(1, int(steps))
     busy = sum(by.values())
