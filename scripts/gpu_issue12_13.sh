@@ -1,13 +1,25 @@
 #!/usr/bin/env bash
-# One GPU call for issue 12 / 13 numbers (installs nothing): the MLA decode variant sweep,
+# GPU calls for issue 12 / 13 numbers (installs nothing): the MLA decode variant sweep,
 # cascade attention on W3's decode shape, W3 and W2 with LLM defaults, Bamba-9B and
-# DeepSeek-V3.2 decode throughput with transformers in the same run. Logs/JSON under $OUT.
+# DeepSeek-V3.2 decode throughput with transformers in the same run; with PROFILE=1 (off by
+# default) also the W1 / W3 step profiles (kernel classes, device gaps) and with FP8=1 the FP8
+# decode sweep and W1 / W2 on an FP8 cache. Logs/JSON under $OUT. SKIP_* skip single steps;
+# more than ~550 s of steps needs two calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/pagedkv-gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 cat COMMIT 2>/dev/null | tee "$OUT/env.txt"
 run() { local name=$1 t=$2; shift 2; echo "== $name"; timeout $t "$@" 2>&1 | grep -v -i warn | tee "$OUT/$name.log" | tail -${TAIL:-14}; }
+if [ -n "${PROFILE:-}" ]; then
+  TAIL=40 run profile_w1 240 python3 bench/profile_w1_gpu.py --out "$OUT/prof_w1" --no-trace-files --windows ${W1_WINDOWS:-4:7,400:403,800:803}
+  TAIL=40 run profile_w3 200 python3 bench/profile_w1_gpu.py --workload w3 --out "$OUT/prof_w3" --no-trace-files --windows ${W3_WINDOWS:-4:7,40:43,150:153}
+fi
+if [ -n "${FP8:-}" ]; then
+  TAIL=32 run fp8_decode 150 python3 bench/bench_fp8_decode_gpu.py --out "$OUT/fp8_decode.json"
+  run w1_fp8 140 python3 bench/bench_w1.py --kv-cache-dtype fp8 --json "$OUT/w1_fp8.json"
+  run w2_fp8 150 python3 bench/bench_w1.py --workload w2 --kv-cache-dtype fp8 --json "$OUT/w2_fp8.json"
+fi
 [ -z "${SKIP_MLA:-}" ] && run mla_sweep 120 python3 bench/bench_swa_mla_decode_gpu.py --skip-swa --sweep --out "$OUT/mla_sweep.json"
 [ -z "${SKIP_CASCADE:-}" ] && [ -f bench/bench_cascade_gpu.py ] && run cascade 90 python3 bench/bench_cascade_gpu.py --out "$OUT/cascade.json"
 [ -z "${SKIP_W1:-}" ] && run w1 120 python3 bench/bench_w1.py --json "$OUT/w1.json"
