@@ -65,3 +65,92 @@ def test_warm_up_default_is_off_on_cpu_and_on_when_asked(tiny_dir):
     assert llm.engine.kv_stats()["steps"] == 0
     llm2 = make_llm(tiny_dir("qwen3"), warmup=True)
     assert llm2.engine.kv_stats()["steps"] == 0 and pool_is_idle(llm2)
+
+
+def _cascade_llm(tiny_dir, **kw):
+    """The tiny Qwen3 with the Triton backend and cascade thresholds the tiny shapes meet except
+    ``min_saved_us`` (10 us of saved reads: never at this size, so no user step takes cascade)."""
+    from pagedkv.attention.triton_backend import CascadeConfig, TritonAttentionBackend
+    cfg = CascadeConfig(min_prefix_tokens=24, min_reqs=3)
+    backend = TritonAttentionBackend(cascade=cfg)
+    llm = make_llm(tiny_dir("qwen3"), attention_backend=backend, max_num_batched_tokens=64,
+                   max_model_len=128, warmup=False, **kw)
+    calls = {"cascade": 0, "mixed": 0}
+    inner = backend._forward_cascade
+
+    def fwd(q, kv_cache, plan, *a, **k):
+        calls["cascade"] += 1
+        calls["mixed"] += not plan.decode_only
+        return inner(q, kv_cache, plan, *a, **k)
+
+    backend._forward_cascade = fwd
+    return llm, backend, cfg, calls
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_warm_up_runs_a_shared_prefix_round_through_cascade_attention(tiny_dir, async_scheduling):
+    """The cascade round: P = 24 rounded up to whole 16-token blocks = 32 shared tokens; the
+    first request prefills 32 + 8 tokens alone, then 2 more join on 2 cached blocks: one mixed
+    step (1 decode + 2 extends of 8 over the shared 32) and decodes of the three, all cascade
+    (min_saved_us relaxed for the round, restored after); then nothing is left, and a user
+    batch sharing the same 32 tokens takes no cascade step (10 us are never saved here)."""
+    llm, backend, cfg, calls = _cascade_llm(tiny_dir, async_scheduling=async_scheduling)
+    engine = llm.engine
+    log = log_scheduled_steps(engine.scheduler)
+    engine.warm_up()
+    assert backend.cascade is cfg
+    layers = llm.engine.model.config.num_hidden_layers
+    assert calls["mixed"] == layers  # the one mixed step, every layer
+    assert calls["cascade"] >= layers * 3  # + decodes of all three
+    tail = [sorted(so.values()) for so in log[-6:]]
+    assert [1, 8, 8] in tail  # the mixed cascade step: two extends over 32 cached tokens
+    assert pool_is_idle(llm) and not engine._requests
+    assert len(engine.scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block) == 0
+    calls["cascade"] = 0
+    system = list(range(3, 35))
+    prompts = [system + [40 + i, 41 + i] for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    out = llm.generate(prompts, params, use_tqdm=False)
+    assert calls["cascade"] == 0 and pool_is_idle(llm)
+    cold, _, _, _ = _cascade_llm(tiny_dir, async_scheduling=async_scheduling)
+    ref = cold.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_warm_up_skips_the_cascade_round_without_prefix_caching(tiny_dir):
+    llm, backend, cfg, calls = _cascade_llm(tiny_dir, enable_prefix_caching=False)
+    llm.engine.warm_up()
+    assert calls["cascade"] == 0 and backend.cascade is cfg and pool_is_idle(llm)
+
+
+@pytest.mark.parametrize("where,torn", [("plain", False), ("cascade", True)])
+def test_warm_up_interrupted_leaves_nothing_behind(tiny_dir, where, torn):
+    """A KeyboardInterrupt at a step of a plain round or of the cascade round, raised inside
+    the step (``torn``: as a device error would be) or between steps, leaves no warm-up
+    request, no used block, the counters and the backend's cascade config as before, and the
+    engine serves normally afterwards."""
+    llm, backend, cfg, calls = _cascade_llm(tiny_dir)
+    engine = llm.engine
+    before = engine.kv_stats()
+    total = engine.warm_up()  # a clean run first: how many steps the rounds take
+    fail_at = 2 if where == "plain" else total - 2
+    inner, n = engine.step, [0]
+
+    def step(*a, **k):
+        n[0] += 1
+        if n[0] == fail_at:
+            engine._stepping = torn
+            raise KeyboardInterrupt
+        return inner(*a, **k)
+
+    engine.step = step
+    with pytest.raises(KeyboardInterrupt):
+        engine.warm_up()
+    del engine.step
+    assert backend.cascade is cfg and pool_is_idle(llm) and not engine._requests
+    after = engine.kv_stats()
+    for key in ("steps", "tokens_generated", "prefix_cache_queries", "free_blocks"):
+        assert after[key] == before[key], key
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=3,
+                                                      ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3 and pool_is_idle(llm)
