@@ -157,7 +157,8 @@ def build(args):
     model = stub_model(args.vocab, args.hidden, dtype)
     kw = {}
     params = inspect.signature(build_engine).parameters
-    if "async_scheduling" in params:
+    takes_options = any(v.kind is inspect.Parameter.VAR_KEYWORD for v in params.values())
+    if "async_scheduling" in params or takes_options:
         kw["async_scheduling"] = args.async_sched
     elif args.async_sched:
         raise SystemExit("this engine has no async_scheduling option")

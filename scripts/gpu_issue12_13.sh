@@ -3,7 +3,7 @@
 # cascade attention on W3's decode shape, W3 and W2 with LLM defaults, Bamba-9B and
 # DeepSeek-V3.2 decode throughput with transformers in the same run; with PROFILE=1 (off by
 # default) also the W1 / W3 step profiles (kernel classes, device gaps) and with FP8=1 the FP8
-# decode sweep and W1 / W2 on an FP8 cache. Logs/JSON under $OUT. SKIP_* skip single steps;
+# decode sweep and W1 / W2 on an FP8 cache, with GEMM=1 the decode-GEMM bench. Logs/JSON under $OUT. SKIP_* skip single steps;
 # more than ~550 s of steps needs two calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,10 +20,13 @@ if [ -n "${FP8:-}" ]; then
   run w1_fp8 140 python3 bench/bench_w1.py --kv-cache-dtype fp8 --json "$OUT/w1_fp8.json"
   run w2_fp8 150 python3 bench/bench_w1.py --workload w2 --kv-cache-dtype fp8 --json "$OUT/w2_fp8.json"
 fi
+if [ -n "${GEMM:-}" ]; then
+  TAIL=40 run decode_gemm 200 python3 bench/bench_decode_gemm_gpu.py --out "$OUT/decode_gemm.json"
+fi
 [ -z "${SKIP_MLA:-}" ] && run mla_sweep 120 python3 bench/bench_swa_mla_decode_gpu.py --skip-swa --sweep --out "$OUT/mla_sweep.json"
-[ -z "${SKIP_CASCADE:-}" ] && [ -f bench/bench_cascade_gpu.py ] && run cascade 90 python3 bench/bench_cascade_gpu.py --out "$OUT/cascade.json"
+[ -z "${SKIP_CASCADE:-}" ] && [ -f bench/bench_cascade_gpu.py ] && TAIL=30 run cascade 120 python3 bench/bench_cascade_gpu.py ${CASCADE_SWEEP:+--sweep-prefix} --out "$OUT/cascade.json"
 [ -z "${SKIP_W1:-}" ] && run w1 120 python3 bench/bench_w1.py --json "$OUT/w1.json"
-[ -z "${SKIP_W3:-}" ] && run w3 120 python3 bench/bench_w1.py --workload w3 --json "$OUT/w3.json"
+[ -z "${SKIP_W3:-}" ] && run w3 150 python3 bench/bench_w1.py --workload w3 --repeat 2 --step-times --json "$OUT/w3.json"
 [ -z "${SKIP_W3:-}" ] && run w3_plain 120 python3 bench/bench_w1.py --workload w3 --no-cascade --json "$OUT/w3_plain.json"
 [ -z "${SKIP_W2:-}" ] && run w2 150 python3 bench/bench_w1.py --workload w2 --json "$OUT/w2.json"
 [ -z "${SKIP_MAMBA:-}" ] && run mamba2 150 python3 bench/bench_mamba2_decode.py --json "$OUT/mamba2_decode.json"
