@@ -47,7 +47,9 @@ def build_attention_metadata(
     total (context + new). ``block_table``: int ``[num_reqs, width]``; ``slot_mapping``: int64
     ``[>= sum(query_lens)]`` (entries past the real tokens must be ``-1``).
     ``common_prefix_len``: positions every request shares in the same blocks, at most every
-    request's context (``seq_len - query_len``; cascade attention, see ``AttentionBackend``)."""
+    request's context (``seq_len - query_len``; cascade attention, see ``AttentionBackend``),
+    also put on the device (``common_prefix_len_device``: what a CUDA graph's cascade plan
+    reads) when positive."""
     query_lens = [int(x) for x in query_lens]
     seq_lens = [int(x) for x in seq_lens]
     if len(query_lens) != len(seq_lens):
@@ -90,6 +92,8 @@ def build_attention_metadata(
         block_table_tensor=block_table[:n].to(device=device, dtype=torch.int32),
         slot_mapping=slot_mapping.to(device=device, dtype=torch.int64),
         common_prefix_len=common_prefix_len,
+        common_prefix_len_device=torch.tensor([common_prefix_len], dtype=torch.int32,
+                                              device=device) if common_prefix_len else None,
     )
 
 

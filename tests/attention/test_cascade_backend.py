@@ -151,6 +151,19 @@ def test_cascade_prefix_past_a_context_is_refused(kernel_device):
         TritonAttentionBackend(cascade=ALWAYS).plan(meta, layout)
 
 
+def test_metadata_puts_the_shared_prefix_on_the_device_for_graph_plans():
+    """``build_attention_metadata``'s ``common_prefix_len`` also on the device (a CUDA graph's
+    cascade plan reads it there and refuses a plan without it); none without a prefix."""
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    meta = build_attention_metadata([1, 1], [9, 13], table, torch.tensor([-1, -1]),
+                                    common_prefix_len=8)
+    assert meta.common_prefix_len == 8
+    assert meta.common_prefix_len_device.tolist() == [8]
+    assert meta.common_prefix_len_device.dtype == torch.int32
+    plain = build_attention_metadata([1, 1], [9, 13], table, torch.tensor([-1, -1]))
+    assert plain.common_prefix_len_device is None
+
+
 # ----- the host decision
 
 
