@@ -45,7 +45,7 @@ import platform
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from types import SimpleNamespace
 
 import torch
@@ -191,6 +191,14 @@ def bench_case(shape: Shape, generated: int, layers: int, dtype, device: str, cu
     res["plain_rel_err_vs_ref"] = reference_error(step, plain_outs[0], 8)
     res["plain_us"] = time_fn(plain_call, cuda) / layers
     res["cascade_us"] = time_fn(casc_call, cuda) / layers
+    # the prefix launch in the main stream's order (CascadeConfig.concurrent_prefix off)
+    serial_b = TritonAttentionBackend(cascade=replace(cascade_b.cascade, concurrent_prefix=False))
+    serial_call, serial_outs = step.layer_calls(serial_b)
+    serial_call()
+    if cuda:
+        torch.cuda.synchronize()
+    res["serial_equal"] = bool(torch.equal(serial_outs[0], casc_outs[0]))
+    res["cascade_serial_us"] = time_fn(serial_call, cuda) / layers
     # the pieces of one cascade layer, on parts made outside the graph
     parts = plan.cascade_parts(step.q, step.caches[0])
     meta, q, cache, scale = step.meta, step.q, step.caches[0], step.scale
@@ -214,7 +222,8 @@ def bench_case(shape: Shape, generated: int, layers: int, dtype, device: str, cu
         res[f"{k}_tbps"] = nbytes / res[f"{k}_us"] / 1e6
         res[f"{k}_frac_copy"] = res[f"{k}_tbps"] / COPY_TBPS
     res["speedup"] = res["plain_us"] / res["cascade_us"]
-    res["ok"] = (plan.cascade and res["rel_err_vs_plain"] < TOL and res["rel_err_vs_ref"] < TOL)
+    res["ok"] = (plan.cascade and res["rel_err_vs_plain"] < TOL and res["rel_err_vs_ref"] < TOL
+                 and res["serial_equal"])
     if sweep:
         res["prefix_sweep"] = sweep_prefix(step, parts, cuda, tiny=force)
     return res
@@ -265,7 +274,7 @@ def sweep_prefix(step: Step, parts, cuda: bool, tiny: bool = False) -> list[dict
 
 def print_table(results: dict) -> None:
     head = (f"{'shape':16} {'gen':>4} {'mean L':>7} {'plain us':>9} {'GB':>6} {'frac':>5} "
-            f"{'casc us':>8} {'GB':>6} {'prefix':>7} {'suffix':>7} {'merge':>6} {'x':>5} "
+            f"{'casc us':>8} {'serial':>7} {'GB':>6} {'prefix':>7} {'suffix':>7} {'merge':>6} {'x':>5} "
             f"{'err':>8}")
     print(head)
     print("-" * len(head))
@@ -275,11 +284,12 @@ def print_table(results: dict) -> None:
             continue
         print(f"{r['shape']:16} {r['generated']:>4} {r['mean_seq_len']:>7.0f} "
               f"{r['plain_us']:>9.1f} {r['plain_bytes'] / 1e9:>6.3f} {r['plain_frac_copy']:>5.2f} "
-              f"{r['cascade_us']:>8.1f} {r['cascade_kv_bytes'] / 1e9:>6.3f} "
+              f"{r['cascade_us']:>8.1f} {r['cascade_serial_us']:>7.1f} "
+              f"{r['cascade_kv_bytes'] / 1e9:>6.3f} "
               f"{r['prefix_us']:>7.1f} {r['suffix_us']:>7.1f} {r['merge_us']:>6.1f} "
               f"{r['speedup']:>5.2f} {r['rel_err_vs_ref']:>8.1e}")
     print("us per layer (28 layers per Qwen3-0.6B step); frac: plain bytes / time / 4.27 TB/s; "
-          "x: plain / cascade")
+          "x: plain / cascade; serial: cascade with the prefix launch not concurrent")
     for r in results["cases"]:
         for row in r.get("prefix_sweep", [])[:5]:
             print(f"  prefix g{r['generated']}: tiles {row['block_m']}x{row['block_n']} "

@@ -34,7 +34,10 @@ from pagedkv.errors import ConfigError
 from pagedkv.kernels._common import check_same_device, check_tensor, next_pow2, use_triton
 
 
-@triton.jit
+# ``end_ptr`` is a view into ``query_start_loc`` at the step's request count: 16-byte aligned
+# or not by that count, which would otherwise be two compiled variants (a W3 run compiled the
+# second in its third step)
+@triton.jit(do_not_specialize_on_alignment=["end_ptr"])
 def _merge_kernel(
     out_ptr, o_s0, o_s1,
     a_ptr, a_split, a_s0, a_s1, a_lse_ptr, a_lse_split, a_lse_s0,

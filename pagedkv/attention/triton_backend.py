@@ -46,6 +46,10 @@ launches instead of reading the shared blocks once per request:
      output and log-sum-exp;
   3. ``merge_attention_states`` into the output by the log-sum-exps of the prefix ranges and
      the suffix (rows past ``query_start_loc[num_reqs]`` zeroed).
+On CUDA the prefix launch runs on a side stream, concurrently with the suffix launch(es)
+(``CascadeConfig.concurrent_prefix``; the main stream waits for it before the merge): the
+prefix is compute-bound on a few hundred programs, the suffix bandwidth-bound, so the suffix's
+programs fill what the prefix leaves (inside a CUDA graph the two become parallel branches).
 The launches read ``P`` on the device only (their grids do not depend on it), so one CUDA
 graph per batch size serves every prefix length: the graph variant ``CASCADE`` (for sizes of
 at least ``min_reqs`` requests) is captured with ``use_cascade=True`` and replayed when the
@@ -58,6 +62,8 @@ backend falls back to ``paged_attention_ref``, like the index layer's launchers 
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -127,6 +133,8 @@ class CascadeConfig:
     prefix_waves: float = 2.0
     max_prefix_splits: int = 8
     min_prefix_split_tokens: int = 256
+    # on CUDA, the prefix launch on a side stream concurrent with the suffix (module docstring)
+    concurrent_prefix: bool = True
 
     def __post_init__(self):
         if self.prefix_config is not None and not isinstance(self.prefix_config, PrefillConfig):
@@ -190,6 +198,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.decode_config = decode_config
         self.prefill_config = prefill_config
         self.cascade = cascade
+        self._side_streams: dict = {}  # device -> the cascade prefix launch's stream
 
     @property
     def fused_kv_write(self) -> bool:
@@ -327,6 +336,17 @@ class TritonAttentionBackend(AttentionBackend):
                                 **scales)
         return out
 
+    def _side_stream(self, device: torch.device):
+        """The stream of the cascade prefix launch on ``device`` (one per backend and device),
+        or None: not CUDA, ``concurrent_prefix`` off, or the Triton interpreter."""
+        if (device.type != "cuda" or not self.cascade.concurrent_prefix
+                or os.environ.get("TRITON_INTERPRET") == "1"):
+            return None
+        side = self._side_streams.get(device)
+        if side is None:
+            side = self._side_streams[device] = torch.cuda.Stream(device)
+        return side
+
     def _forward_cascade(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: "TritonPlan",
                          scale: float, out: torch.Tensor, check: bool,
                          scales: dict) -> torch.Tensor:
@@ -336,11 +356,18 @@ class TritonAttentionBackend(AttentionBackend):
         n = plan.n
         qsl = metadata.query_start_loc
         # 1. every query row against the shared prefix, one request, non-causal (a decode
-        # graph's rows: all of them; its host end is the capture's)
-        paged_prefill_attention(q, kv_cache, c.prefix_table, c.prefix_qsl, c.prefix_len, 1, scale,
-                                c.prefix_out, num_tokens=c.rows, config=c.prefix_config,
-                                check=check, causal=False, lse=c.prefix_lse,
-                                kv_splits=c.splits, **scales)
+        # graph's rows: all of them; its host end is the capture's); on CUDA on the side
+        # stream, after everything the main stream has enqueued (this layer's K/V writes)
+        side = self._side_stream(q.device)
+        main = None
+        if side is not None:
+            main = torch.cuda.current_stream(q.device)
+            side.wait_stream(main)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            paged_prefill_attention(q, kv_cache, c.prefix_table, c.prefix_qsl, c.prefix_len, 1,
+                                    scale, c.prefix_out, num_tokens=c.rows,
+                                    config=c.prefix_config, check=check, causal=False,
+                                    lse=c.prefix_lse, kv_splits=c.splits, **scales)
         # 2. each request over its own positions after the prefix
         if plan.decode_only or plan.has_decode:
             paged_decode_attention(q, kv_cache, c.suffix_table, qsl, c.suffix_seq_lens, n, scale,
@@ -352,6 +379,8 @@ class TritonAttentionBackend(AttentionBackend):
                                     c.suffix_out, num_tokens=plan.end,
                                     skip_decode=plan.has_decode, config=self.prefill_config,
                                     check=check, lse=c.suffix_lse, **scales)
+        if main is not None:
+            main.wait_stream(side)
         # 3. merged by the log-sum-exps; rows no request owns are zeroed
         return merge_attention_states(out, c.prefix_out, c.prefix_lse, c.suffix_out,
                                       c.suffix_lse, q.shape[0], end=c.end, check=check)

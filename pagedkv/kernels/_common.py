@@ -125,6 +125,7 @@ def gather_table(table: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
 # shared padding writer.
 
 MAX_TOKEN_BLOCK = 1024
+TOKEN_BLOCK_LEVELS = (32, 256, MAX_TOKEN_BLOCK)
 PAD_BLOCK = 1024
 MAX_SPLIT = 64
 
@@ -133,14 +134,17 @@ def token_launch_geometry(num_reqs: int, num_tokens: int, buffer_len: int,
                           max_query_len: int | None) -> tuple[int, int, int, int]:
     """``(BLOCK, num_warps, S, P)`` for a grid ``(num_reqs + P, ..., S)``, from host ints only.
 
-    ``BLOCK`` lanes per chunk: the next power of two of the longest request
-    (``max_query_len`` when the caller knows it, else ``num_tokens``, an upper bound), between
-    32 and 1024. ``S`` splits deal one request's chunks over several programs so that none walks
+    ``BLOCK`` lanes per chunk: the smallest of the levels ``TOKEN_BLOCK_LEVELS`` (32, 256,
+    1024) that holds the longest request (``max_query_len`` when the caller knows it, else
+    ``num_tokens``, an upper bound), 1024 beyond. Few levels, because each is a compiled
+    variant of every kernel launched with it: with every power of two from 32 to 1024, a
+    W3 run compiled the slot-mapping kernel in its third step (BLOCK 256: queries of 129-256
+    tokens), which ``LLMEngine.warm_up``'s steps had not met; its steps meet these three. ``S`` splits deal one request's chunks over several programs so that none walks
     more than two chunks (1 unless a request exceeds 2048 tokens). ``P`` padding programs, each
     with ``S`` workers, store at most ~4 PAD_BLOCK chunks of -1 each.
     """
     longest = num_tokens if max_query_len is None else min(max_query_len, num_tokens)
-    block = max(32, min(MAX_TOKEN_BLOCK, next_pow2(max(longest, 1))))
+    block = next((b for b in TOKEN_BLOCK_LEVELS if b >= longest), MAX_TOKEN_BLOCK)
     num_warps = max(1, min(4, block // 256))
     splits = max(1, min(MAX_SPLIT, cdiv(longest, 2 * block)))
     pad_programs = max(1, cdiv(buffer_len, 4 * PAD_BLOCK * splits))

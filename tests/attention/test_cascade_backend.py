@@ -297,3 +297,48 @@ def test_cascade_gpu_cuda_graph_replays_any_prefix():
         g.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(static["out"].float(), plain.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_cascade_gpu_concurrent_prefix_equals_serial_bitwise():
+    """The prefix launch on its side stream (the default on CUDA) gives bitwise the output of
+    the serial order, eagerly and as a CUDA graph whose two branches run concurrently: the
+    graph replayed over new queries each time (a merge that ran before the prefix finished
+    would read the previous replay's partials)."""
+    import dataclasses
+
+    dev = "cuda"
+    serial = TritonAttentionBackend(cascade=dataclasses.replace(ALWAYS, concurrent_prefix=False))
+    conc = TritonAttentionBackend(cascade=ALWAYS)
+    rng = random.Random(3)
+    case = make_shared_case([(rng.randint(20, 200), 1) for _ in range(64)], shared_blocks=32,
+                            block_size=16, num_heads=16, num_kv_heads=8, head_dim=128,
+                            dtype=torch.bfloat16, device=dev, seed=3)
+    q, cache, meta, scale = case["q"], case["cache"], case["meta"], case["scale"]
+    reshape_and_cache_ref(case["k"], case["v"], cache[0], cache[1], meta.slot_mapping)
+    want = serial.forward_with_metadata(0, q, None, None, cache, meta, scale)
+    got = conc.forward_with_metadata(0, q, None, None, cache, meta, scale)
+    assert conc._side_streams and not serial._side_streams
+    assert torch.equal(got, want)
+    meta.common_prefix_len_device = torch.tensor([meta.common_prefix_len], dtype=torch.int32,
+                                                 device=dev)
+    lay = AttentionLayout.of(q, cache)
+    static = {}
+
+    def step():
+        plan = conc.plan(meta, lay)
+        assert plan.cascade
+        static["out"] = conc.forward(0, q, None, None, cache, plan, scale)
+
+    step()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    gen = torch.Generator(device=dev).manual_seed(11)
+    for _ in range(20):
+        q.copy_(torch.randn(q.shape, generator=gen, device=dev, dtype=torch.float32).to(q.dtype))
+        g.replay()
+        want = serial.forward_with_metadata(0, q, None, None, cache, meta, scale)
+        torch.cuda.synchronize()
+        assert torch.equal(static["out"], want)

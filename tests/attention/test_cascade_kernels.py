@@ -346,6 +346,41 @@ def test_merge_kernel_matches_twin_in_place_with_end(kernel_device):
     torch.testing.assert_close(results[0], results[1], atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("offset", [4, 5, 6, 7])
+def test_merge_end_read_from_a_query_start_loc_view_at_any_offset(kernel_device, offset):
+    """The cascade path passes ``end`` as ``query_start_loc[n:n + 1]``: a view at any offset
+    (4-byte steps: 16-byte aligned for one n in four); kernel == twin for each."""
+    T, H, D = 9, 3, 20
+    qsl = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 9], dtype=torch.int32, device=kernel_device)
+    end = qsl[offset:offset + 1]
+    got = []
+    for fn in (merge_attention_states, merge_attention_states_ref):
+        (oa, la), (ob, lb) = _partials(T, H, D, torch.float32, kernel_device, seed=offset)
+        out = torch.full((T, H, D), float("nan"), device=kernel_device)
+        fn(out, oa, la, ob, lb, T, end)
+        assert torch.all(out[offset:] == 0)
+        got.append(out.cpu())
+    torch.testing.assert_close(got[0], got[1], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.gpu
+def test_merge_kernel_compiles_once_for_any_end_alignment():
+    """One compiled variant of the merge kernel for ``end`` views at every offset (else a
+    workload meets a new alignment mid-run and compiles then)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from pagedkv.attention.merge_states import _merge_kernel
+    T, H, D = 9, 3, 20
+    qsl = torch.arange(10, dtype=torch.int32, device="cuda")
+    (oa, la), (ob, lb) = _partials(T, H, D, torch.float32, "cuda", seed=0)
+    out = torch.empty(T, H, D, device="cuda")
+    for offset in (4, 5, 6, 7):
+        merge_attention_states(out, oa, la, ob, lb, T, qsl[offset:offset + 1])
+    torch.cuda.synchronize()
+    kernels = _merge_kernel.device_caches[torch.cuda.current_device()][0]
+    assert len(kernels) == 1, list(kernels)
+
+
 @pytest.mark.parametrize("impl", ["kernel", "twin"])
 def test_merge_of_several_parts_equals_attention_over_the_union(kernel_device, impl):
     """The first part in 3 pieces (key ranges of different sizes, one of them empty) plus the

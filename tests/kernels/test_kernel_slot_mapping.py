@@ -212,6 +212,22 @@ def test_cuda_graph_replay_and_large_batches():
         assert torch.equal(out.cpu(), ref)
 
 
+def test_token_launch_geometry_by_hand():
+    """Lanes per chunk come in three levels (each level is a compiled kernel variant): 32 up
+    to 32 tokens, 256 up to 256, else 1024; warps 1, 1, 4; a request longer than two chunks is
+    split (only past 2048 tokens: two chunks of 1024); padding programs cover the buffer in ~4 chunks of 1024 per worker."""
+    from pagedkv.kernels._common import token_launch_geometry
+
+    assert token_launch_geometry(4, 4, 4096, 1) == (32, 1, 1, 1)
+    assert token_launch_geometry(3, 96, 4096, 32) == (32, 1, 1, 1)
+    assert token_launch_geometry(3, 96, 4096, 33) == (256, 1, 1, 1)
+    assert token_launch_geometry(2, 300, 4096, 256) == (256, 1, 1, 1)
+    assert token_launch_geometry(2, 300, 4096, 257) == (1024, 4, 1, 1)
+    assert token_launch_geometry(1, 8192, 8192, None) == (1024, 4, 4, 1)
+    assert token_launch_geometry(1, 8192, 65536, 8192) == (1024, 4, 4, 4)
+    assert token_launch_geometry(5, 40, 4096, None) == (256, 1, 1, 1)  # num_tokens bounds it
+
+
 def test_split_requests_and_several_padding_programs(kernel_device):
     """Long requests dealt over S > 1 programs and a buffer needing P > 1 padding programs."""
     from pagedkv.kernels._common import token_launch_geometry
