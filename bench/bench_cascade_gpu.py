@@ -65,7 +65,7 @@ from pagedkv.attention.backend import AttentionLayout  # noqa: E402
 from pagedkv.attention.merge_states import merge_attention_states  # noqa: E402
 from pagedkv.attention.torch_ref import paged_attention_ref  # noqa: E402
 from pagedkv.attention.triton_backend import CascadeConfig, TritonAttentionBackend  # noqa: E402
-from pagedkv.attention.triton_decode import paged_decode_attention  # noqa: E402
+from pagedkv.attention.triton_decode import DecodeConfig, paged_decode_attention  # noqa: E402
 from pagedkv.attention.triton_prefill import PrefillConfig, paged_prefill_attention  # noqa: E402
 from pagedkv.kernels._common import cdiv  # noqa: E402
 
@@ -167,7 +167,7 @@ def reference_error(step: Step, out: torch.Tensor, sample: int) -> float:
 
 
 def bench_case(shape: Shape, generated: int, layers: int, dtype, device: str, cuda: bool,
-               sweep: bool = False, force: bool = False) -> dict:
+               sweep: bool = False, force: bool = False, sweep_suffix_too: bool = False) -> dict:
     """One step's plain and cascade layers (``force``: cascade thresholds off, for the tiny
     shapes; else the default ``CascadeConfig``, which W3's step passes)."""
     step = Step(shape, generated, layers, dtype, device, seed=generated)
@@ -226,6 +226,8 @@ def bench_case(shape: Shape, generated: int, layers: int, dtype, device: str, cu
                  and res["serial_equal"])
     if sweep:
         res["prefix_sweep"] = sweep_prefix(step, parts, cuda, tiny=force)
+    if sweep_suffix_too:
+        res["suffix_sweep"] = sweep_suffix(step, parts, cuda, tiny=force)
     return res
 
 
@@ -272,6 +274,45 @@ def sweep_prefix(step: Step, parts, cuda: bool, tiny: bool = False) -> list[dict
     return sorted(rows, key=lambda r: r.get("us", float("inf")))
 
 
+# (tile_n, num_warps, num_stages) x split counts tried by --sweep-suffix
+SUFFIX_TILES = ((32, 4, 5), (64, 4, 4), (16, 4, 6), (32, 2, 5))
+SUFFIX_SPLITS = (1, 2, 4, 8, 16)
+
+
+def sweep_suffix(step: Step, parts, cuda: bool, tiny: bool = False) -> list[dict]:
+    """The suffix decode launch alone under each tile config and forced split count (fastest
+    first), each output checked against the default launch's."""
+    q, cache, scale, meta = step.q, step.caches[0], step.scale, step.meta
+    n = q.shape[0]
+    max_len = max(step.seq_lens) - int(parts.prefix_len.item())
+    rows = []
+    ref = torch.empty_like(parts.suffix_out)
+    ref_lse = torch.empty_like(parts.suffix_lse)
+    paged_decode_attention(q, cache, parts.suffix_table, meta.query_start_loc,
+                           parts.suffix_seq_lens, n, scale, ref, max_seq_len=max_len,
+                           check=False, lse=ref_lse)
+    for tile, w, st in (((16, 1, 1),) if tiny else SUFFIX_TILES):
+        cfg = DecodeConfig(tile_n=tile, num_warps=w, num_stages=st)
+        for splits in SUFFIX_SPLITS:
+            out = torch.empty_like(parts.suffix_out)
+            lse = torch.empty_like(parts.suffix_lse)
+
+            def run(cfg=cfg, splits=splits, out=out, lse=lse):
+                paged_decode_attention(q, cache, parts.suffix_table, meta.query_start_loc,
+                                       parts.suffix_seq_lens, n, scale, out, max_seq_len=max_len,
+                                       check=False, lse=lse, config=cfg, num_splits=splits)
+            try:
+                run()
+                err = rel_err(out, ref)
+                us = time_fn(run, cuda)
+                rows.append({"tile_n": tile, "num_warps": w, "num_stages": st, "splits": splits,
+                             "us": us, "rel_err": err})
+            except Exception as e:  # a config that does not compile / fit
+                rows.append({"tile_n": tile, "num_warps": w, "num_stages": st, "splits": splits,
+                             "error": f"{type(e).__name__}: {e}"})
+    return sorted(rows, key=lambda r: r.get("us", float("inf")))
+
+
 def print_table(results: dict) -> None:
     head = (f"{'shape':16} {'gen':>4} {'mean L':>7} {'plain us':>9} {'GB':>6} {'frac':>5} "
             f"{'casc us':>8} {'serial':>7} {'GB':>6} {'prefix':>7} {'suffix':>7} {'merge':>6} {'x':>5} "
@@ -291,6 +332,10 @@ def print_table(results: dict) -> None:
     print("us per layer (28 layers per Qwen3-0.6B step); frac: plain bytes / time / 4.27 TB/s; "
           "x: plain / cascade; serial: cascade with the prefix launch not concurrent")
     for r in results["cases"]:
+        for row in r.get("suffix_sweep", [])[:6]:
+            print(f"  suffix g{r['generated']}: tile {row['tile_n']} w{row['num_warps']} "
+                  f"s{row['num_stages']} splits {row['splits']}: "
+                  f"{row.get('us', float('nan')):.1f} us (err {row.get('rel_err', float('nan')):.1e})")
         for row in r.get("prefix_sweep", [])[:5]:
             print(f"  prefix g{r['generated']}: tiles {row['block_m']}x{row['block_n']} "
                   f"w{row['num_warps']} s{row['num_stages']} splits {row['splits']}: "
@@ -307,6 +352,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--generated", type=int, nargs="*", default=None)
     ap.add_argument("--sweep-prefix", action="store_true",
                     help="also time the prefix launch under several tiles and split counts")
+    ap.add_argument("--sweep-suffix", action="store_true",
+                    help="also time the suffix decode launch under several tiles and splits")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
     if not args.tiny and not cuda:
@@ -327,7 +374,7 @@ def main(argv=None) -> dict:
     for g in gens:
         try:
             r = bench_case(shape, g, layers, dtype, device, cuda, sweep=args.sweep_prefix,
-                           force=args.tiny)
+                           force=args.tiny, sweep_suffix_too=args.sweep_suffix)
         except Exception as e:  # keep the other cases
             r = {"shape": shape.name, "generated": g, "error": f"{type(e).__name__}: {e}"}
         log(json.dumps(r, default=str))

@@ -90,7 +90,7 @@ class Request:
 
     def __post_init__(self) -> None:
         # Plain Python ints (numpy ints would pickle to other bytes in block hashes).
-        self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
+        self.prompt_token_ids = list(map(int, self.prompt_token_ids))
         if not self.prompt_token_ids:
             raise InvalidRequestError(f"request {self.request_id!r} has an empty prompt")
         self.status = RequestStatus.WAITING
