@@ -2,7 +2,11 @@
 
 Token ids are plain Python ints (block hashes pickle them; numpy ints would pickle to
 different bytes). ``block_hashes`` grows incrementally: each time the token list gains a
-full ``hash_block_size`` chunk, the block hasher hashes just the new chunks.
+full ``hash_block_size`` chunk, the block hasher hashes just the new chunks. The prompt's
+hashes are made at the first read of ``block_hashes`` (in practice when the scheduler first
+looks the request up in the prefix cache), not when the request is made: a batch of long
+prompts added at once (W3: 256 x ~2,200 tokens, ~35,000 blocks) would otherwise hash them all
+before the first step, while hashed at scheduling the work overlaps the device's steps.
 
 Pure Python (control plane).
 """
@@ -105,8 +109,23 @@ class Request:
         self.num_preemptions = 0
         self.is_prefill_chunk = False
         self.stop_reason: int | str | None = None
-        self.block_hashes: list[bytes] = []
-        self.update_block_hashes()
+        # block_hashes: made at its first read (__getattr__; module docstring)
+
+    def __getattr__(self, name: str):
+        # only for attributes not set yet: ``block_hashes`` before its first read
+        if name == "block_hashes":
+            hashes: list[bytes] = []
+            self.__dict__["block_hashes"] = hashes
+            if self.block_hasher is not None:
+                hashes.extend(self.block_hasher(self))
+            return hashes
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def defer_block_hashes(self) -> None:
+        """Hash the prompt at the next read of ``block_hashes`` (after the block hasher was
+        set on a request that had none: its list is empty)."""
+        if not self.__dict__.get("block_hashes"):
+            self.__dict__.pop("block_hashes", None)
 
     # ----- token views -------------------------------------------------------------------
     @property

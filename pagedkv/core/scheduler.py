@@ -270,7 +270,7 @@ class Scheduler:
             )
         if self.block_hasher is not None and request.block_hasher is None:
             request.block_hasher = self.block_hasher
-            request.update_block_hashes()
+            request.defer_block_hashes()
         self.requests[rid] = request
         self.waiting.add(request)
 

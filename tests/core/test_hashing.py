@@ -166,6 +166,32 @@ def test_incremental_hasher_matches_full_hash(fixed_seed):
     assert hasher(req) == []
 
 
+def test_prompt_hashes_are_made_at_the_first_read(fixed_seed):
+    """A request's prompt is hashed when ``block_hashes`` is first read, not when it is made
+    (the same hashes; tokens appended before the first read are hashed with it); a request
+    given the hasher later (the scheduler's ``add_request``) is hashed at its first read too."""
+    calls = []
+    inner = get_request_block_hasher(4, sha256)
+
+    def hasher(r):
+        calls.append(len(r.__dict__.get("block_hashes", ())))
+        return inner(r)
+
+    req = Request("r", list(range(10)), block_hasher=hasher)
+    assert calls == [] and "block_hashes" not in req.__dict__
+    req.append_output_token_ids([10, 11])  # 12 tokens before the first read
+    eager = Request("e", list(range(12)), block_hasher=inner)
+    assert req.block_hashes == eager.block_hashes and len(req.block_hashes) == 3
+    assert req.block_hashes is req.block_hashes  # a plain list from then on
+    later = Request("l", list(range(10)))
+    assert later.block_hashes == []
+    later.block_hasher = inner
+    later.defer_block_hashes()
+    assert later.block_hashes == eager.block_hashes[:2]
+    with pytest.raises(AttributeError):
+        req.no_such_field  # noqa: B018
+
+
 def test_incremental_mm_block_completed_by_outputs(fixed_seed):
     """A block finished by generated tokens looks at the last mm item only (vLLM's walk)."""
     hasher = get_request_block_hasher(4, sha256)
