@@ -309,7 +309,9 @@ def main(argv=None) -> int:
                 prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                           torch.profiler.ProfilerActivity.CUDA])
                 prof.start()
-                _sync()
+                # no device sync here: after one, the window's first step would prepare its
+                # inputs on an idle device, and that host time would read as device gaps (the
+                # fifth session's "~0.5 ms a step waiting for the host" was this)
                 state["prof"], state["win"], state["t0"] = prof, w, time.perf_counter()
 
     dt2, _ = run_w1(llm, wl, hook)
