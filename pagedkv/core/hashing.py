@@ -288,6 +288,10 @@ def _needs_extra_keys(request: "Request") -> bool:
     )
 
 
+# entries of a block hasher's memo (get_request_block_hasher): ~300 bytes each
+HASH_MEMO_BLOCKS = 8192
+
+
 def get_request_block_hasher(
     hash_block_size: int, hash_fn: HashFn
 ) -> Callable[["Request"], list[bytes]]:
@@ -295,10 +299,16 @@ def get_request_block_hasher(
 
     It continues from ``len(request.block_hashes)`` and the last stored hash, so each call
     costs only the new chunks (``Request.update_block_hashes`` extends the list).
+
+    Blocks without extra keys go through a memo ``(parent hash, tokens) -> hash`` (at most
+    ``HASH_MEMO_BLOCKS`` entries, emptied when full): requests that share a prompt prefix share
+    its hash chain, which is then computed once instead of once per request (W3: the same 128
+    blocks at the head of 256 prompts). The hash function is pure, so the values are the same.
     """
     if not isinstance(hash_block_size, int) or hash_block_size < 1:
         raise ConfigError(f"hash_block_size must be a positive int, got {hash_block_size!r}")
     none_hash = get_none_hash(hash_fn)
+    memo: dict[tuple, bytes] = {}
 
     def request_block_hasher(request: "Request") -> list[bytes]:
         hashes = request.block_hashes
@@ -314,10 +324,22 @@ def get_request_block_hasher(
         new: list[bytes] = []
         while start + hash_block_size <= num_tokens:
             end = start + hash_block_size
-            extra = None
+            chunk = tuple(tokens[start:end])
             if with_extra:
                 extra, mm_idx = generate_block_hash_extra_keys(request, start, end, mm_idx)
-            parent = hash_fn((parent, tuple(tokens[start:end]), extra))
+                if extra is not None:
+                    parent = hash_fn((parent, chunk, extra))
+                    new.append(parent)
+                    start = end
+                    continue
+            key = (parent, chunk)
+            h = memo.get(key)
+            if h is None:
+                h = hash_fn((parent, chunk, None))
+                if len(memo) >= HASH_MEMO_BLOCKS:
+                    memo.clear()
+                memo[key] = h
+            parent = h
             new.append(parent)
             start = end
         return new

@@ -192,6 +192,40 @@ def test_prompt_hashes_are_made_at_the_first_read(fixed_seed):
         req.no_such_field  # noqa: B018
 
 
+def test_memo_computes_a_shared_prefix_once_and_changes_no_hash(fixed_seed, monkeypatch):
+    """Requests sharing a prompt prefix: the memoized hasher computes each shared block once
+    (the hash function's calls counted), every request's hashes equal the plain chain's (built
+    here by hand), and a full memo is emptied, not grown, with the values still right."""
+    calls = []
+
+    def counted(obj):
+        calls.append(obj)
+        return sha256(obj)
+
+    hasher = get_request_block_hasher(4, counted)
+    calls.clear()  # (the none hash)
+    shared = list(range(100, 112))  # 3 blocks
+    reqs = [Request(f"r{i}", shared + [i, i, i, i, i], block_hasher=hasher) for i in range(5)]
+    for r in reqs:
+        assert len(r.block_hashes) == 4
+    assert len(calls) == 3 + 5  # the shared blocks once, each own block once
+    none = hashing.get_none_hash(counted)  # (a wrapper is not a fixed-seed function)
+    for i, r in enumerate(reqs):
+        parent, want = none, []
+        for j in range(4):
+            chunk = tuple((shared + [i] * 4)[4 * j: 4 * j + 4])
+            parent = _sha((parent, chunk, None))
+            want.append(parent)
+        assert r.block_hashes == want
+    monkeypatch.setattr(hashing, "HASH_MEMO_BLOCKS", 2)
+    small = get_request_block_hasher(4, counted)
+    calls.clear()  # (the none hash)
+    a = Request("a", shared, block_hasher=small)
+    b = Request("b", shared, block_hasher=small)
+    assert a.block_hashes == b.block_hashes == reqs[0].block_hashes[:3]
+    assert len(calls) > 3  # the memo was emptied on the way: some blocks hashed again
+
+
 def test_incremental_mm_block_completed_by_outputs(fixed_seed):
     """A block finished by generated tokens looks at the last mm item only (vLLM's walk)."""
     hasher = get_request_block_hasher(4, sha256)
