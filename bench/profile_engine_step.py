@@ -45,6 +45,7 @@ Usage (2 shared cores: run alone):
     .venv/bin/python bench/profile_engine_step.py                 # 256 decodes, vocab 151936
     .venv/bin/python bench/profile_engine_step.py --vocab 128 --steps 200 [--async]
     .venv/bin/python bench/profile_engine_step.py --json /tmp/prof.json --cprofile 30
+    .venv/bin/python bench/profile_engine_step.py --w3-prefill --vocab 128 --async
 """
 
 from __future__ import annotations
@@ -189,6 +190,10 @@ def main(argv=None) -> int:
     p.add_argument("--no-gc-freeze", action="store_true",
                    help="leave the objects built before the timed steps in the cyclic GC "
                         "(run_throughput freezes them, as vLLM does after start-up)")
+    p.add_argument("--w3-prefill", action="store_true",
+                   help="instead: W3's 256 prompts (one 2,048-token system prompt + 50-200 own "
+                        "tokens) added at once, then the host phases of each step until the "
+                        "first pure-decode step (the prefill-like steps, prefix-cache hits)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -196,6 +201,8 @@ def main(argv=None) -> int:
     from pagedkv.sampling.params import SamplingParams
 
     engine = build(args)
+    if args.w3_prefill:
+        return w3_prefill(engine, args)
     rng = random.Random(args.seed)
     n = args.num_requests
     total = args.warmup + args.steps + 8
@@ -265,6 +272,45 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "phases_ms": {ph: {"median": med, "mean": mean}
                                                          for ph, med, mean in rows}}, f, indent=1)
+    return 0
+
+
+def w3_prefill(engine, args) -> int:
+    """``--w3-prefill``: the add_request time of W3's prompts, then per step (until one
+    schedules only decodes) its wall time and host phases (ms)."""
+    from pagedkv.sampling.params import SamplingParams
+    from pagedkv.tools.benchmark import workload
+
+    wl = workload("w3", None, 1.0).fit_vocab(args.vocab)
+    timer = Timer()
+    instrument(engine, timer)
+    if not args.no_gc_freeze:
+        gc.collect()
+        gc.freeze()
+    t0 = time.perf_counter()
+    for prompt, m in zip(wl.prompts, wl.max_tokens):
+        engine.add_request(prompt, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m))
+    t_add = time.perf_counter() - t0
+    print(f"W3 prefill-like steps (CPU host phases): add_request x {wl.num_requests} "
+          f"{1e3 * t_add:.1f} ms; vocab {args.vocab}, hidden {args.hidden}, "
+          f"async_scheduling={args.async_sched}")
+    rows = []
+    sched = engine.scheduler
+    for i in range(64):
+        t0 = time.perf_counter()
+        engine.step(finished_only=True)
+        dt = time.perf_counter() - t0
+        timer.end_step(True)
+        ph = {k: 1e3 * v for k, v in sorted(timer.steps[-1].items())}
+        rows.append({"step": i, "ms": 1e3 * dt, "phases_ms": ph})
+        print(f"  step {i}: {1e3 * dt:7.1f} ms  " + "  ".join(f"{k} {v:.1f}" for k, v in ph.items()))
+        if all(r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running) \
+                and len(sched.running) == wl.num_requests:
+            break
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "add_request_ms": 1e3 * t_add, "steps": rows}, f,
+                      indent=1)
     return 0
 
 
