@@ -63,20 +63,19 @@ backend falls back to ``paged_attention_ref``, like the index layer's launchers 
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from pagedkv.attention._triton_common import num_sms
+from pagedkv.attention._triton_common import interpreted, num_sms
 from pagedkv.attention.backend import (
     AttentionBackend,
     AttentionLayout,
     AttentionMetadataLike,
     AttentionPlan,
 )
-from pagedkv.attention.merge_states import merge_attention_states
+from pagedkv.attention.merge_states import _merge_kernel, merge_attention_states
 from pagedkv.attention.torch_ref import paged_attention_ref
 from pagedkv.attention.triton_decode import (
     DecodeConfig,
@@ -338,9 +337,10 @@ class TritonAttentionBackend(AttentionBackend):
 
     def _side_stream(self, device: torch.device):
         """The stream of the cascade prefix launch on ``device`` (one per backend and device),
-        or None: not CUDA, ``concurrent_prefix`` off, or the Triton interpreter."""
+        or None: not CUDA, ``concurrent_prefix`` off, or the kernels interpreted (decided on
+        the kernel object, as ``use_triton`` does)."""
         if (device.type != "cuda" or not self.cascade.concurrent_prefix
-                or os.environ.get("TRITON_INTERPRET") == "1"):
+                or interpreted(_merge_kernel)):
             return None
         side = self._side_streams.get(device)
         if side is None:
