@@ -82,6 +82,26 @@ def build_pagedkv(args) -> tuple[LLM, str]:
     return LLM.from_shape(args.shape, **kw), f"{args.shape} (random weights)"
 
 
+def configure_splitk(args) -> None:
+    """``--no-splitk`` / ``--splitk-table``: the split-K decode projections off, or the
+    launches a sweep chose (entries with ``use`` false are left to cuBLAS: split count 1)."""
+    import json
+
+    from pagedkv.kernels import splitk_gemm as sk
+
+    if args.no_splitk:
+        sk.SPLITK_ENABLED = False
+    if args.splitk_table:
+        with open(args.splitk_table) as f:
+            table = json.load(f)
+        for key, e in table.items():
+            n, k = (int(v) for v in key.split(","))
+            bm, bn, bk, warps, stages = e["config"]
+            sk.SPLITK_CONFIGS[(n, k)] = sk.SplitKConfig(bm, bn, bk, warps, stages)
+            sk.SPLITK_SPLITS[(n, k)] = int(e["splits"]) if e.get("use", True) else 1
+        print(f"split-K launches from {args.splitk_table}: {table}", flush=True)
+
+
 def hf_config_from_shape(name: str):
     """transformers' config of a named shape whose family has its own config class (Gemma 3,
     DeepSeek-V3, MoE: the shape dict is that class's ``to_dict``); None for the dense Llama-like
@@ -242,6 +262,12 @@ def main(argv=None) -> int:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch_ref", "triton"])
     p.add_argument("--no-cascade", action="store_true",
                    help="the Triton backend without cascade (shared-prefix) attention")
+    p.add_argument("--no-splitk", action="store_true",
+                   help="the decode-step o / down projections through cuBLAS instead of the "
+                        "split-K kernel (pagedkv.kernels.splitk_gemm, A/B runs)")
+    p.add_argument("--splitk-table", default=None,
+                   help="JSON of per-shape split-K launches (bench_splitk_gemm_gpu.py "
+                        "--table-out) installed before the engine starts")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks (worker processes); with --shape each rank draws its own random "
                         "shard (pagedkv.distributed.shard.random_shard)")
@@ -262,6 +288,7 @@ def main(argv=None) -> int:
     if args.max_model_len is None:
         args.max_model_len = WORKLOAD_MAX_MODEL_LEN[args.workload]
 
+    configure_splitk(args)
     wl = workload(args.workload, args.num_requests, args.scale)
     record: dict = {"environment": environment(), "args": vars(args), "workload": {
         "name": wl.name, "requests": wl.num_requests, "prompt_tokens": wl.prompt_tokens,

@@ -296,10 +296,15 @@ def w3_prefill(engine, args) -> int:
           f"async_scheduling={args.async_sched}")
     rows = []
     sched = engine.scheduler
+    prof = cProfile.Profile() if args.cprofile else None
     for i in range(64):
+        if prof is not None:
+            prof.enable()
         t0 = time.perf_counter()
         engine.step(finished_only=True)
         dt = time.perf_counter() - t0
+        if prof is not None:
+            prof.disable()
         timer.end_step(True)
         ph = {k: 1e3 * v for k, v in sorted(timer.steps[-1].items())}
         rows.append({"step": i, "ms": 1e3 * dt, "phases_ms": ph})
@@ -307,6 +312,11 @@ def w3_prefill(engine, args) -> int:
         if all(r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running) \
                 and len(sched.running) == wl.num_requests:
             break
+    if prof is not None:  # the prefill-like steps' host functions (own time, then cumulative)
+        for key in ("tottime", "cumulative"):
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats(key).print_stats(args.cprofile)
+            print(out.getvalue())
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "add_request_ms": 1e3 * t_add, "steps": rows}, f,

@@ -146,8 +146,13 @@ def main(argv=None) -> int:
     p.add_argument("--scale", type=float, default=1.0)
     p.add_argument("--workload", default="w1", choices=["w1", "w2", "w3"],
                    help="the workload (pagedkv.tools.benchmark; W3: one shared system prompt)")
+    p.add_argument("--no-splitk", action="store_true", help="as bench_w1.py's")
+    p.add_argument("--splitk-table", default=None, help="as bench_w1.py's")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    from bench_w1 import configure_splitk
+
+    configure_splitk(args)
 
     if args.decode_config:
         import dataclasses
@@ -292,6 +297,9 @@ def main(argv=None) -> int:
                 os.remove(trace_path)
             with open(os.path.join(args.out, f"kernels_{a}_{b}.txt"), "w") as f:
                 f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=60))
+            # the host side of the window: ops by their own CPU time (launch costs, wrappers)
+            with open(os.path.join(args.out, f"host_{a}_{b}.txt"), "w") as f:
+                f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=60))
             # device kernels only (CPU-side ops have no device self time)
             bd = breakdown(prof.key_averages(), wall, b - a)
             bd["gaps"] = gaps

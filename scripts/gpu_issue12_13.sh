@@ -3,7 +3,9 @@
 # cascade attention on W3's decode shape, W3 and W2 with LLM defaults, Bamba-9B and
 # DeepSeek-V3.2 decode throughput with transformers in the same run; with PROFILE=1 (off by
 # default) also the W1 / W3 step profiles (kernel classes, device gaps) and with FP8=1 the FP8
-# decode sweep and W1 / W2 on an FP8 cache, with GEMM=1 the decode-GEMM bench. Logs/JSON under $OUT. SKIP_* skip single steps;
+# decode sweep and W1 / W2 on an FP8 cache, with GEMM=1 the decode-GEMM bench, with SPLITK=1 the
+# split-K GEMM sweep and W1 with / without it, with REDUCE=1 (OLD_TREE=DIR) the decode kernel on
+# mixed lengths against an older tree's. Logs/JSON under $OUT. SKIP_* skip single steps;
 # more than ~550 s of steps needs two calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +24,16 @@ if [ -n "${FP8:-}" ]; then
 fi
 if [ -n "${GEMM:-}" ]; then
   TAIL=40 run decode_gemm 200 python3 bench/bench_decode_gemm_gpu.py --out "$OUT/decode_gemm.json"
+fi
+if [ -n "${SPLITK:-}" ]; then  # the split-K decode GEMM sweep; W1 with its chosen launches, and without
+  TAIL=24 run splitk_gemm 300 python3 bench/bench_splitk_gemm_gpu.py --out "$OUT/splitk_gemm.json" --table-out "$OUT/splitk_table.json"
+  run w1_splitk 150 python3 bench/bench_w1.py --splitk-table "$OUT/splitk_table.json" --json "$OUT/w1_splitk.json"
+  run w1_no_splitk 150 python3 bench/bench_w1.py --no-splitk --json "$OUT/w1_no_splitk.json"
+fi
+if [ -n "${REDUCE:-}" ]; then  # decode on mixed lengths: this tree vs OLD_TREE (a checkout of the previous reduce kernel)
+  args="--batches ${REDUCE_BATCHES:-1,8,32,64,128,200,256} --splits '' --min-split-tokens '' --variants"
+  TAIL=10 run decode_mixed_new 120 sh -c "python3 bench/bench_decode_mixed.py $args per_head_reduce --out $OUT/decode_mixed_new.json"
+  [ -n "${OLD_TREE:-}" ] && TAIL=10 run decode_mixed_old 120 sh -c "cd $OLD_TREE && PYTHONPATH=. python3 bench/bench_decode_mixed.py $args '' --out $OUT/decode_mixed_old.json"
 fi
 [ -z "${SKIP_MLA:-}" ] && run mla_sweep 120 python3 bench/bench_swa_mla_decode_gpu.py --skip-swa --sweep --out "$OUT/mla_sweep.json"
 [ -z "${SKIP_CASCADE:-}" ] && [ -f bench/bench_cascade_gpu.py ] && TAIL=30 run cascade 120 python3 bench/bench_cascade_gpu.py ${CASCADE_SWEEP:+--sweep-prefix} --out "$OUT/cascade.json"

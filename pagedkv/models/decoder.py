@@ -34,6 +34,7 @@ from pagedkv.attention.backend import (
 from pagedkv.attention.kv_cache import allocate_kv_caches, allocate_layer_caches
 from pagedkv.attention.torch_ref import TorchRefBackend
 from pagedkv.errors import ConfigError, InvalidRequestError
+from pagedkv.kernels.splitk_gemm import linear_partials
 from pagedkv.models.config import ModelArchConfig
 from pagedkv.models.layers import GatedMLP, Linear, QKVProjection, RMSNorm, rms_norm, silu_and_mul
 from pagedkv.models.rotary import RotaryEmbedding, apply_rotary, tokens_seq_lens
@@ -82,7 +83,9 @@ def residual_add(hidden: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     preceding GEMM (``addmm``: cuBLAS then first copies ``hidden`` into the output, an extra
     kernel per residual, measured 1.6 us per layer on the H200); the add fuses into the
     following RMSNorm kernel instead."""
-    if hidden.dtype in (torch.bfloat16, torch.float16) and torch.compiler.is_compiling():
+    if delta.dtype != hidden.dtype or (
+            hidden.dtype in (torch.bfloat16, torch.float16) and torch.compiler.is_compiling()):
+        # a float32 delta (split-K partial sums, ``linear_partials``) is added unrounded
         return (hidden.float() + delta.float()).to(hidden.dtype)
     return hidden + delta
 
@@ -167,9 +170,11 @@ def post_attention(
 
 def _row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 reduce=None) -> torch.Tensor:
-    """``F.linear``; with ``reduce``, the product is summed over the ranks before the bias."""
+    """The product of a projection into the residual stream: ``linear_partials`` (``F.linear``,
+    or on CUDA for decode-sized batches the unrounded float32 split-K sum); with ``reduce``,
+    ``F.linear`` summed over the ranks before the bias."""
     if reduce is None:
-        return F.linear(x, weight, bias)
+        return linear_partials(x, weight, bias)
     out = reduce(F.linear(x, weight))
     return out if bias is None else out + bias
 
@@ -214,7 +219,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden, cos, sin, kv_cache, plan, backend) -> torch.Tensor:
         hidden, delta = self.forward_split(hidden, None, cos, sin, kv_cache, plan, backend)
-        return hidden + delta
+        return residual_add(hidden, delta)
 
     def pre_qkv_args(self) -> tuple:
         """The weights :func:`pre_attention_qkv` takes for this layer."""
@@ -397,14 +402,14 @@ class DecoderForCausalLM(nn.Module):
                                       *layers[i + 1].pre_qkv_args())
                 else:
                     hidden, delta = post(hidden, out, *layer.post_args())
-                    hidden = hidden + delta
+                    hidden = residual_add(hidden, delta)
             return self.norm(hidden)
         delta = None
         for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches)):
             hidden, delta = layer.forward_split(hidden, delta, cos, sin, kv_cache, plans[i],
                                                 backend, pre, post)
         if delta is not None:
-            hidden = hidden + delta
+            hidden = residual_add(hidden, delta)
         return self.norm(hidden)
 
     def forward_layer_modules(self, input_ids: torch.Tensor, positions: torch.Tensor,

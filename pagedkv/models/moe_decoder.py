@@ -117,7 +117,7 @@ class MoeForCausalLM(DecoderForCausalLM):
                                                                            reduce=reduce)
             hidden, delta = layer.forward_split(hidden, delta, cos, sin, kv_cache, attn.plans[i],
                                                 self.attn_backend, pre, layer_post, pre_qkv)
-        return self.norm(hidden + delta)
+        return self.norm(residual_add(hidden, delta))
 
     def compile_regions(self, **kwargs) -> bool:
         """No compiled regions for the MoE models yet: the layers stay eager."""

@@ -1,0 +1,253 @@
+"""Split-K GEMM for few rows (decode steps): ``x [M, K] @ w[N, K]^T`` as ``S`` partial products.
+
+``splitk_linear(x, w, splits) -> partials [S, M, N]`` (float32): partial ``s`` is the product
+over the ``s``-th contiguous chunk of the inner dimension, ``sum(partials, 0) = x @ w^T``. The
+caller adds the partials where it uses the product (a residual add: inside a compiled region
+inductor folds the sum into the add + RMSNorm kernel that follows), so the split costs no
+reduce launch and no atomics, and the result is deterministic.
+
+Why: in a decode step ``M`` is the batch (1 to a few hundred rows), and the projections whose
+output is narrow (o_proj ``N = 1024, K = 2048`` and down_proj ``N = 1024, K = 3072`` at the
+Qwen3-0.6B shape) give a row-tiled GEMM only ``N / BLOCK_N`` programs: too few to keep the
+H200's memory busy. cuBLAS took 5.8-6.4 us (o) and 7.3-7.9 us (down) at every ``M`` from 1 to
+256 there, for 4.2 and 6.3 MB of weights (1-1.5 us at 4.27 TB/s; ``bench/bench_decode_gemm_gpu.py``).
+Splitting the inner dimension gives ``S`` times the programs, each streaming ``K / S`` columns.
+
+Kernel ``_splitk_gemm_kernel``, grid ``(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), S)``: a
+``[BLOCK_M, BLOCK_N]`` float32 tile over its chunk in ``BLOCK_K`` steps with ``tl.dot`` (the
+row tiles of one weight tile are neighbours in the grid: they share its bytes through the
+L2), stored unrounded. ``M`` is not specialized (one compiled variant for every batch size).
+Rows past ``M``, columns past ``N`` and inner indices past ``K`` are masked (never read).
+
+``splitk_linear_ref`` is the torch twin (float32 products of the same chunks);
+``splitk_linear_op`` the custom op ``pagedkv::splitk_linear`` that ``torch.compile`` regions keep
+as one launch (its launch parameters depend on ``N``, ``K`` and ``S`` only, so a dynamic
+batch dimension compiles one variant). No host syncs: CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+from triton.runtime.interpreter import InterpretedFunction
+
+from pagedkv.errors import ConfigError
+from pagedkv.kernels._common import cdiv, use_triton
+
+GEMM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class SplitKConfig:
+    """Launch parameters: tile sizes (powers of two >= 16), warps, pipeline stages."""
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ConfigError(f"SplitKConfig.{name} must be a power of two >= 16, got {v}")
+        if self.num_warps < 1 or self.num_stages < 1:
+            raise ConfigError("SplitKConfig: num_warps and num_stages must be positive")
+
+
+INTERPRET_CONFIG = SplitKConfig(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _splitk_gemm_kernel(
+    x_ptr, x_s0, w_ptr, w_s0, out_ptr, o_split, o_s0,
+    M, N, K, k_per_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PREC: tl.constexpr, RANGE_LOOP: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    s = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    k0 = s * k_per_split
+    k1 = tl.minimum(k0 + k_per_split, K)
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * x_s0
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * w_s0
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if RANGE_LOOP:  # compiled: a for-range loop, software-pipelined by Triton
+        for k in range(k0, k1, BLOCK_K):
+            kk = k + rk
+            k_ok = kk < k1
+            a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
+    else:  # the interpreter cannot iterate range() over runtime scalars
+        k = k0
+        while k < k1:
+            kk = k + rk
+            k_ok = kk < k1
+            a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
+            k += BLOCK_K
+    out = out_ptr + s.to(tl.int64) * o_split + rm.to(tl.int64)[:, None] * o_s0 + rn[None, :]
+    tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _check(fn: str, x: torch.Tensor, w: torch.Tensor, splits: int) -> tuple[int, int, int]:
+    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
+        raise ConfigError(f"{fn}: x and w must be tensors")
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ConfigError(f"{fn}: need x [M, K] and w [N, K], got {tuple(x.shape)} and "
+                          f"{tuple(w.shape)}")
+    if x.dtype not in GEMM_DTYPES or w.dtype != x.dtype:
+        raise ConfigError(f"{fn}: x and w must share one of bf16/fp16/fp32, got {x.dtype} and "
+                          f"{w.dtype}")
+    if x.device != w.device:
+        raise ConfigError(f"{fn}: x on {x.device}, w on {w.device}")
+    if (x.shape[1] > 1 and x.stride(1) != 1) or (w.shape[1] > 1 and w.stride(1) != 1):
+        raise ConfigError(f"{fn}: x and w must be contiguous in their last dimension")
+    if isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= 64:
+        raise ConfigError(f"{fn}: splits must be an int in [1, 64], got {splits!r}")
+    return x.shape[0], w.shape[0], x.shape[1]
+
+
+def split_chunk(K: int, splits: int, block_k: int) -> int:
+    """Inner-dimension columns per split: ``K / splits`` rounded up to whole ``block_k`` steps
+    (the last split takes the rest; a split past ``K`` contributes zeros)."""
+    return cdiv(cdiv(K, splits), block_k) * block_k
+
+
+def splitk_linear_ref(x: torch.Tensor, w: torch.Tensor, splits: int,
+                      config: SplitKConfig | None = None) -> torch.Tensor:
+    """Plain torch twin: float32 products over the same inner-dimension chunks as the kernel
+    (``config``'s ``block_k`` rounds the chunk; default the device's config)."""
+    M, N, K = _check("splitk_linear_ref", x, w, splits)
+    cfg = config or default_splitk_config(x.device)
+    chunk = split_chunk(K, splits, cfg.block_k)
+    out = torch.zeros(splits, M, N, dtype=torch.float32, device=x.device)
+    xf, wf = x.float(), w.float()
+    for s in range(splits):
+        lo, hi = s * chunk, min((s + 1) * chunk, K)
+        if lo < hi:
+            out[s] = xf[:, lo:hi] @ wf[:, lo:hi].T
+    return out
+
+
+def default_splitk_config(device: torch.device) -> SplitKConfig:
+    return SplitKConfig() if device.type == "cuda" else INTERPRET_CONFIG
+
+
+def _launch(launcher, x, w, out, splits: int, cfg: SplitKConfig, range_loop: bool) -> None:
+    M, K = x.shape
+    N = w.shape[0]
+    chunk = split_chunk(K, splits, cfg.block_k)
+    grid = (cdiv(M, cfg.block_m), cdiv(N, cfg.block_n), splits)
+    launcher[grid](
+        x, x.stride(0), w, w.stride(0), out, out.stride(0), out.stride(1),
+        M, N, K, chunk,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", RANGE_LOOP=range_loop,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def splitk_linear(x: torch.Tensor, w: torch.Tensor, splits: int,
+                  config: SplitKConfig | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``splits`` float32 partial products ``[S, M, N]`` of ``x @ w^T`` (module docstring)
+    with the Triton kernel (CUDA tensors, or any tensor under the Triton interpreter);
+    otherwise the torch twin. ``out``: a float32 ``[S, M, N]`` buffer to write."""
+    M, N, K = _check("splitk_linear", x, w, splits)
+    cfg = config or default_splitk_config(x.device)
+    if out is not None and (out.shape != (splits, M, N) or out.dtype != torch.float32
+                            or out.device != x.device or (N > 1 and out.stride(2) != 1)):
+        raise ConfigError(f"splitk_linear: out must be float32 [{splits}, {M}, {N}] on "
+                          f"{x.device}, contiguous in its last dimension")
+    if not use_triton(_splitk_gemm_kernel, x):
+        res = splitk_linear_ref(x, w, splits, cfg)
+        return res if out is None else out.copy_(res)
+    if out is None:
+        out = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    if M and N:
+        if K == 0:
+            return out.zero_()
+        _launch(_splitk_gemm_kernel, x, w, out, splits, cfg,
+                range_loop=not isinstance(_splitk_gemm_kernel, InterpretedFunction))
+    return out
+
+
+@triton_op("pagedkv::splitk_linear", mutates_args={})
+def splitk_linear_op(x: torch.Tensor, w: torch.Tensor, splits: int) -> torch.Tensor:
+    """``splitk_linear`` as a custom op ``torch.compile`` can trace (one launch inside a compiled
+    graph, launch parameters from ``N``, ``K`` and ``splits`` only); the torch twin on a
+    non-CUDA tensor."""
+    if x.device.type != "cuda":
+        return splitk_linear_ref(x, w, splits)
+    M, N, K = _check("splitk_linear", x, w, splits)
+    cfg = splitk_config_for(N, K)
+    out = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    if K == 0:
+        return out.zero_()
+    _launch(wrap_triton(_splitk_gemm_kernel), x, w, out, splits, cfg, range_loop=True)
+    return out
+
+
+# Launch parameters and split counts per weight shape (N, K) on the GPU, measured
+# (bench/bench_splitk_gemm_gpu.py); other shapes get the default config and ``splitk_splits``'
+# rule.
+SPLITK_CONFIGS: dict[tuple[int, int], SplitKConfig] = {}
+SPLITK_SPLITS: dict[tuple[int, int], int] = {}
+# Where ``linear_partials`` takes the split-K kernel: CUDA, at most ``SPLITK_MAX_ROWS`` rows
+# (decode batches; prefill-sized products stay with cuBLAS), and a weight shape whose row-tiled
+# GEMM has fewer than ``SPLITK_MIN_PROGRAMS`` tiles of ``block_n`` columns (narrow outputs).
+# ``SPLITK_ENABLED`` False: never (A/B runs).
+SPLITK_ENABLED = True
+SPLITK_MAX_ROWS = 256
+SPLITK_MIN_PROGRAMS = 132
+SPLITK_MAX_SPLITS = 8
+SPLITK_MIN_CHUNK = 256
+
+
+def splitk_config_for(N: int, K: int) -> SplitKConfig:
+    return SPLITK_CONFIGS.get((N, K), SplitKConfig())
+
+
+def splitk_splits(N: int, K: int) -> int:
+    """The split count for a weight ``[N, K]`` (1: not worth splitting): enough programs for
+    ``SPLITK_MIN_PROGRAMS`` at one row tile, at most ``SPLITK_MAX_SPLITS``, chunks of at least
+    ``SPLITK_MIN_CHUNK`` columns."""
+    if (N, K) in SPLITK_SPLITS:
+        return SPLITK_SPLITS[(N, K)]
+    tiles = cdiv(N, splitk_config_for(N, K).block_n)
+    if tiles >= SPLITK_MIN_PROGRAMS:
+        return 1
+    return max(1, min(SPLITK_MAX_SPLITS, cdiv(SPLITK_MIN_PROGRAMS, tiles), K // SPLITK_MIN_CHUNK))
+
+
+def linear_partials(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """``x @ w^T (+ bias)`` for a product that is added to something next (a residual stream):
+    on CUDA for a decode-sized ``x`` and a narrow ``w`` (see ``SPLITK_*``), the float32 sum of
+    the split-K partials, unrounded (inside a compiled region the sum and the cast fold into the
+    consumer's kernel); otherwise ``F.linear`` in ``x``'s dtype. The caller adds it in float32
+    (``pagedkv.models.decoder.residual_add``)."""
+    if SPLITK_ENABLED and x.is_cuda and x.dim() == 2 and x.shape[0] <= SPLITK_MAX_ROWS:
+        splits = splitk_splits(w.shape[0], w.shape[1])
+        if splits > 1:
+            out = splitk_linear_op(x, w, splits).sum(0)
+            return out if bias is None else out + bias.float()
+    return torch.nn.functional.linear(x, w, bias)
+
+
+__all__ = ["INTERPRET_CONFIG", "SPLITK_CONFIGS", "SPLITK_SPLITS", "SplitKConfig", "default_splitk_config",
+           "linear_partials", "split_chunk", "splitk_config_for", "splitk_linear",
+           "splitk_linear_op", "splitk_linear_ref", "splitk_splits"]

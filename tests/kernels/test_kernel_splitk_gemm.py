@@ -1,0 +1,152 @@
+"""The split-K GEMM (``pagedkv.kernels.splitk_gemm``) against its torch twin and the float32
+product: random inputs, poisoned outputs, ragged shapes (rows, columns and the inner dimension
+not multiples of the tiles, empty splits), strided rows; the split choice by hand; on the GPU the
+model's decode shapes in bf16, the custom op inside ``torch.compile`` and a CUDA-graph replay."""
+
+import pytest
+import torch
+
+from pagedkv.errors import ConfigError
+from pagedkv.kernels import splitk_gemm as sk
+from pagedkv.kernels.splitk_gemm import (
+    SplitKConfig,
+    linear_partials,
+    split_chunk,
+    splitk_linear,
+    splitk_linear_op,
+    splitk_linear_ref,
+    splitk_splits,
+)
+
+CFG = SplitKConfig(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1)
+
+
+@pytest.mark.parametrize("M,N,K,S", [(1, 40, 100, 3), (17, 33, 64, 2), (5, 64, 48, 4),
+                                     (3, 16, 16, 1), (20, 16, 200, 8), (2, 7, 40, 6)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kernel_matches_twin_and_product(M, N, K, S, dtype):
+    g = torch.Generator().manual_seed(M * 1000 + N * 10 + K + S)
+    xb = torch.randn(M, K + 5, generator=g).to(dtype)
+    x = xb[:, 2:2 + K]  # row stride > width, offset start
+    w = torch.randn(N, K, generator=g).to(dtype)
+    out = torch.full((S, M, N), float("nan"))
+    got = splitk_linear(x, w, S, CFG, out=out)
+    assert got is out and not torch.isnan(got).any()
+    ref = splitk_linear_ref(x, w, S, CFG)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got, ref, **tol)
+    torch.testing.assert_close(got.sum(0), x.float() @ w.float().T, **tol)
+
+
+def test_partials_are_the_chunks_by_hand():
+    """K = 40 over 3 splits of 16-column steps: chunks [0, 16), [16, 32), [32, 40)."""
+    assert split_chunk(40, 3, 16) == 16
+    assert split_chunk(100, 3, 16) == 48  # 34 rounded up to whole steps: [0, 48), [48, 96), [96, 100)
+    assert split_chunk(48, 8, 16) == 16  # splits 3..7 past K are empty (zeros)
+    x = torch.ones(1, 40)
+    w = torch.arange(40, dtype=torch.float32)[None, :]
+    got = splitk_linear(x, w, 3, CFG)
+    assert got.shape == (3, 1, 1)
+    assert got.flatten().tolist() == [sum(range(16)), sum(range(16, 32)), sum(range(32, 40))]
+    empty = splitk_linear(torch.ones(2, 48), torch.ones(3, 48), 8, CFG)
+    assert empty[:3].eq(16).all() and empty[3:].eq(0).all()
+
+
+def test_argument_errors():
+    with pytest.raises(ConfigError, match=r"x \[M, K\]"):
+        splitk_linear(torch.zeros(2, 3), torch.zeros(4, 5), 2, CFG)
+    with pytest.raises(ConfigError, match="share"):
+        splitk_linear(torch.zeros(2, 4), torch.zeros(3, 4, dtype=torch.float16), 2, CFG)
+    with pytest.raises(ConfigError, match="splits"):
+        splitk_linear(torch.zeros(2, 4), torch.zeros(3, 4), 0, CFG)
+    with pytest.raises(ConfigError, match="contiguous"):
+        splitk_linear(torch.zeros(4, 2).t(), torch.zeros(3, 4), 2, CFG)
+    with pytest.raises(ConfigError, match="out must be"):
+        splitk_linear(torch.zeros(2, 4), torch.zeros(3, 4), 2, CFG, out=torch.zeros(2, 2, 4))
+    with pytest.raises(ConfigError, match="power of two"):
+        SplitKConfig(block_n=24)
+
+
+def test_split_choice_by_hand(monkeypatch):
+    """Default tiles of 64 columns: N = 1024 gives 16 tiles, 132 programs wanted -> 9 splits,
+    capped at 8; K = 512 allows only 2 chunks of 256; N = 8448 (132 tiles) is not split."""
+    monkeypatch.setattr(sk, "SPLITK_CONFIGS", {})
+    assert splitk_splits(1024, 3072) == 8
+    assert splitk_splits(1024, 512) == 2
+    assert splitk_splits(4096, 1024) == 3  # 64 tiles -> ceil(132 / 64)
+    assert splitk_splits(8448, 4096) == 1
+    assert splitk_splits(64, 128) == 1  # a chunk would be under 256 columns
+
+
+def test_linear_partials_off_cuda_is_linear():
+    """Off CUDA (and for prefill-sized batches) the plain product in the input's dtype."""
+    x = torch.randn(5, 64, dtype=torch.float16)
+    w = torch.randn(32, 64, dtype=torch.float16)
+    b = torch.randn(32, dtype=torch.float16)
+    got = linear_partials(x, w, b)
+    assert got.dtype == torch.float16
+    assert torch.equal(got, torch.nn.functional.linear(x, w, b))
+
+
+def test_custom_op_off_cuda_is_the_twin():
+    x, w = torch.randn(3, 64), torch.randn(8, 64)
+    torch.testing.assert_close(splitk_linear_op(x, w, 2), splitk_linear_ref(x, w, 2))
+
+
+# ---- native GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 8, 64, 200, 256])
+@pytest.mark.parametrize("N,K", [(1024, 2048), (1024, 3072), (4096, 1024)])
+def test_gpu_decode_shapes_bf16(M, N, K):
+    g = torch.Generator(device="cuda").manual_seed(M + N + K)
+    x = torch.randn(M, K, generator=g, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, K, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
+    S = splitk_splits(N, K)
+    out = torch.full((S, M, N), float("nan"), device="cuda")
+    got = splitk_linear(x, w, S, sk.splitk_config_for(N, K), out=out)
+    ref = x.double() @ w.double().T
+    err = float((got.sum(0).double() - ref).norm() / ref.norm())
+    assert err < 1e-5, err  # float32 products of bf16 inputs: the sum is near exact
+    assert torch.equal(splitk_linear_op(x, w, S), got)
+
+
+@pytest.mark.gpu
+def test_gpu_residual_in_compiled_region_and_graph():
+    """``hidden + o_proj(x)`` through ``linear_partials`` compiled (dynamic rows), against the
+    eager split-K path and the float64 product; then replayed in a CUDA graph with new inputs."""
+    from pagedkv.models.decoder import residual_add
+
+    torch.manual_seed(0)
+    w = torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16) * 0.02
+
+    def f(h, x):
+        return residual_add(h, linear_partials(x, w))
+
+    cf = torch.compile(f)
+    for m in (3, 64, 256, 300):  # 300: past SPLITK_MAX_ROWS, cuBLAS
+        h = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
+        torch._dynamo.mark_dynamic(h, 0)
+        torch._dynamo.mark_dynamic(x, 0)
+        got, eager = cf(h, x), f(h, x)
+        ref = h.double() + x.double() @ w.double().T
+        assert got.dtype == torch.bfloat16
+        for y in (got, eager):
+            assert float((y.double() - ref).norm() / ref.norm()) < 4e-3
+        if m <= sk.SPLITK_MAX_ROWS:
+            torch.testing.assert_close(got, eager, atol=2e-2, rtol=1e-2)
+    h = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    cf(h, x)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        y = cf(h, x)
+    for seed in range(3):
+        torch.manual_seed(seed + 1)
+        h.copy_(torch.randn_like(h))
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.testing.assert_close(y, cf(h, x), atol=0, rtol=0)
