@@ -40,8 +40,6 @@ from pagedkv.attention.triton_decode import (  # noqa: E402
 COLD_BYTES = 512 << 20
 VARIANTS = {
     "mid1": DecodeConfig(mid_splits=1),
-    # the split reduce with one program per query head (before: one per KV head's group)
-    "per_head_reduce": DecodeConfig(reduce_by_kv_head=False),
     # launch-parameter variants (every regime)
     "s3": DecodeConfig(num_stages=3),
     "s4": DecodeConfig(num_stages=4),

@@ -32,7 +32,7 @@ if [ -n "${SPLITK:-}" ]; then  # the split-K decode GEMM sweep; W1 with its chos
 fi
 if [ -n "${REDUCE:-}" ]; then  # decode on mixed lengths: this tree vs OLD_TREE (a checkout of the previous reduce kernel)
   args="--batches ${REDUCE_BATCHES:-1,8,32,64,128,200,256} --splits '' --min-split-tokens '' --variants"
-  TAIL=10 run decode_mixed_new 120 sh -c "python3 bench/bench_decode_mixed.py $args per_head_reduce --out $OUT/decode_mixed_new.json"
+  TAIL=10 run decode_mixed_new 120 sh -c "python3 bench/bench_decode_mixed.py $args '' --out $OUT/decode_mixed_new.json"
   [ -n "${OLD_TREE:-}" ] && TAIL=10 run decode_mixed_old 120 sh -c "cd $OLD_TREE && PYTHONPATH=. python3 bench/bench_decode_mixed.py $args '' --out $OUT/decode_mixed_old.json"
 fi
 [ -z "${SKIP_MLA:-}" ] && run mla_sweep 120 python3 bench/bench_swa_mla_decode_gpu.py --skip-swa --sweep --out "$OUT/mla_sweep.json"

@@ -132,7 +132,6 @@ class DecodeConfig:
     balanced_min_programs_per_sm: float = 2.0
     wave_programs_per_sm: float = 5.0
     balanced_fraction: float = 0.8
-    reduce_by_kv_head: bool = True
 
     def __post_init__(self):
         if self.tile_n < 16 or self.tile_n & (self.tile_n - 1):
@@ -407,33 +406,27 @@ def _decode_reduce_kernel(
     lse_ptr=None,
     lse_s0=0,
     WRITE_LSE: tl.constexpr = False,
-    GROUP: tl.constexpr = 1,
-    GROUP_PAD: tl.constexpr = 1,
 ):
-    """Program ``(r, j)`` merges the split ranges of query heads ``[j G, (j + 1) G)`` of request
-    ``r`` (``G = GROUP``: one head, or the heads sharing a KV head, whose partials one split
-    program wrote). The request's rows, its length and its first ``SPLIT_CHUNK`` ranges of
-    partials are loaded at once, before anything is known about them (every address depends on
-    ``r`` and ``j`` only; ranges the request did not use are masked out of the merge by value,
-    so stale partials are never used): one round trip to memory for up to ``SPLIT_CHUNK``
-    ranges, where loading the lengths first and the partials after them took three."""
+    """Program ``(r, h)`` merges the split ranges of query head ``h`` of request ``r``. The
+    request's rows, its length and its first ``SPLIT_CHUNK`` ranges of partials are loaded at
+    once, before anything is known about them (every address depends on ``r`` and ``h`` only;
+    ranges the request did not use are masked out of the merge by value, so stale partials
+    never reach the output): one round trip to memory for up to ``SPLIT_CHUNK`` ranges, where
+    loading the lengths first and the partials after them took two more."""
     r = tl.program_id(0)
-    g = tl.arange(0, GROUP_PAD)
-    head = tl.program_id(1) * GROUP + g
-    g_ok = g < GROUP
+    h = tl.program_id(1)
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
     c = tl.arange(0, SPLIT_CHUNK)
-    base = (r.to(tl.int64) * NUM_HEADS + head) * num_splits  # [G]
+    base = (r.to(tl.int64) * NUM_HEADS + h) * num_splits
     q_row = tl.load(qsl_ptr + r)
     q_end = tl.load(qsl_ptr + r + 1)
     seq_len = tl.load(seq_ptr + r)
-    idx = base[None, :] + c[:, None]  # [C, G]
-    in_buf = (c < num_splits)[:, None] & g_ok[None, :]
-    m = tl.load(m_ptr + idx, mask=in_buf, other=float("-inf"))
-    l = tl.load(l_ptr + idx, mask=in_buf, other=0.0)
-    a = tl.load(acc_ptr + idx[:, :, None] * D_PAD + d[None, None, :],
-                mask=in_buf[:, :, None] & d_ok[None, None, :], other=0.0)
+    in_buf = c < num_splits
+    m = tl.load(m_ptr + base + c, mask=in_buf, other=float("-inf"))
+    l = tl.load(l_ptr + base + c, mask=in_buf, other=0.0)
+    a = tl.load(acc_ptr + (base + c)[:, None] * D_PAD + d[None, :],
+                mask=in_buf[:, None] & d_ok[None, :], other=0.0)
     if q_end - q_row != 1:
         return
     t0, t1, per, n_tiles = _split_range(seq_len, _window_start(seq_len, window), 0, num_splits,
@@ -441,35 +434,33 @@ def _decode_reduce_kernel(
     if per >= n_tiles:
         return  # written directly by the split kernel
     used = tl.cdiv(n_tiles, per)
-    # ranges [sp, sp + SPLIT_CHUNK) per iteration, merged online in base 2
-    m_run = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_run = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    # ranges [sp, sp + SPLIT_CHUNK) per iteration (one variant for every split count), merged
+    # online in base 2
+    m_run = tl.full([], float("-inf"), tl.float32)
+    l_run = tl.full([], 0.0, tl.float32)
+    acc = tl.zeros([D_PAD], tl.float32)
     sp = tl.full([], 0, tl.int32)
     while sp < used:
         if sp > 0:  # ranges past the first chunk (more than SPLIT_CHUNK splits)
-            idx = base[None, :] + (sp + c)[:, None]
-            in_buf = ((sp + c) < num_splits)[:, None] & g_ok[None, :]
-            m = tl.load(m_ptr + idx, mask=in_buf, other=float("-inf"))
-            l = tl.load(l_ptr + idx, mask=in_buf, other=0.0)
-            a = tl.load(acc_ptr + idx[:, :, None] * D_PAD + d[None, None, :],
-                        mask=in_buf[:, :, None] & d_ok[None, None, :], other=0.0)
-        ok = ((sp + c) < used)[:, None] & g_ok[None, :]
+            in_buf = (sp + c) < num_splits
+            m = tl.load(m_ptr + base + sp + c, mask=in_buf, other=float("-inf"))
+            l = tl.load(l_ptr + base + sp + c, mask=in_buf, other=0.0)
+            a = tl.load(acc_ptr + (base + sp + c)[:, None] * D_PAD + d[None, :],
+                        mask=in_buf[:, None] & d_ok[None, :], other=0.0)
+        ok = (sp + c) < used
         m = tl.where(ok, m, float("-inf"))
         m_new = tl.maximum(m_run, tl.max(m, 0))
-        m_new = tl.where(m_new > float("-inf"), m_new, 0.0)  # padded heads: no range at all
         alpha = tl.exp2(m_run - m_new)
-        w = tl.exp2(m - m_new[None, :])  # 0 for unused ranges
+        w = tl.exp2(m - m_new)  # 0 for the ranges not used
         l_run = l_run * alpha + tl.sum(tl.where(ok, w * l, 0.0), 0)
-        acc = acc * alpha[:, None] + tl.sum(tl.where(ok[:, :, None], w[:, :, None] * a, 0.0), 0)
+        acc = acc * alpha + tl.sum(tl.where(ok[:, None], w[:, None] * a, 0.0), 0)
         m_run = m_new
         sp += SPLIT_CHUNK
-    l_run = _sink_denominator(l_run, m_run, sinks_ptr, head, g_ok, HAS_SINKS)
-    out_rows = out_ptr + q_row.to(tl.int64) * o_s0 + head[:, None].to(tl.int64) * o_s1 + d[None, :]
-    tl.store(out_rows, (acc / l_run[:, None]).to(out_ptr.dtype.element_ty),
-             mask=g_ok[:, None] & d_ok[None, :])
+    l_run = _sink_denominator(l_run, m_run, sinks_ptr, h, h < NUM_HEADS, HAS_SINKS)
+    tl.store(out_ptr + q_row.to(tl.int64) * o_s0 + h.to(tl.int64) * o_s1 + d,
+             (acc / l_run).to(out_ptr.dtype.element_ty), mask=d_ok)
     if WRITE_LSE:
-        tl.store(lse_ptr + q_row.to(tl.int64) * lse_s0 + head, _lse(m_run, l_run), mask=g_ok)
+        tl.store(lse_ptr + q_row.to(tl.int64) * lse_s0 + h, _lse(m_run, l_run))
 
 
 def paged_decode_attention(
@@ -603,8 +594,7 @@ def paged_decode_attention(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
-        group = shape.group if cfg.reduce_by_kv_head else 1
-        _decode_reduce_kernel[(num_reqs, shape.num_heads // group)](
+        _decode_reduce_kernel[(num_reqs, shape.num_heads)](
             query_start_loc, seq_lens, num_reqs, num_splits, min_split_tiles, window,
             out, out.stride(0), out.stride(1),
             m_buf, l_buf, acc_buf,
@@ -612,7 +602,6 @@ def paged_decode_attention(
             NUM_HEADS=shape.num_heads, HEAD_DIM=shape.head_dim, D_PAD=d_pad,
             TILE_N=cfg.tile_n, SPLIT_CHUNK=8, HAS_SINKS=sinks is not None,
             lse_ptr=lse, lse_s0=0 if lse is None else lse.stride(0), WRITE_LSE=lse is not None,
-            GROUP=group, GROUP_PAD=next_pow2(group),
             num_warps=4 if d_pad >= 128 else 1,
         )
     return out

@@ -43,13 +43,16 @@ GEMM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @dataclass(frozen=True)
 class SplitKConfig:
-    """Launch parameters: tile sizes (powers of two >= 16), warps, pipeline stages."""
+    """Launch parameters: tile sizes (powers of two >= 16), warps, pipeline stages. Default:
+    the H200 sweep's choice (``bench/bench_splitk_gemm_gpu.py``, o_proj 1024 x 2048 and
+    down_proj 1024 x 3072 of the Qwen3-0.6B shape, summed over M = 64 / 128 / 256 with the
+    consumer's extra read of the partials): 64 x 64 x 64 tiles, 4 warps, 5 stages, 4 splits."""
 
     block_m: int = 64
     block_n: int = 64
-    block_k: int = 128
+    block_k: int = 64
     num_warps: int = 4
-    num_stages: int = 4
+    num_stages: int = 5
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -209,10 +212,13 @@ SPLITK_SPLITS: dict[tuple[int, int], int] = {}
 # Where ``linear_partials`` takes the split-K kernel: CUDA, at most ``SPLITK_MAX_ROWS`` rows
 # (decode batches; prefill-sized products stay with cuBLAS), and a weight shape whose row-tiled
 # GEMM has fewer than ``SPLITK_MIN_PROGRAMS`` tiles of ``block_n`` columns (narrow outputs).
-# ``SPLITK_ENABLED`` False: never (A/B runs).
+# ``SPLITK_ENABLED`` False: never (A/B runs). Measured on the H200 (us per GEMM, cold weights,
+# split-K kernel + its partials' extra read / cuBLAS): o_proj 1024 x 2048 at M = 8 / 64 / 128 /
+# 256: 4.5 / 4.7 / 5.1 / 7.0 against 5.9 / 5.9 / 6.1 / 6.5; down_proj 1024 x 3072: 5.5 / 5.7 /
+# 6.1 / 8.2 against 7.5 / 7.9 / 8.0 / 7.7 (4 splits): a gain up to 128 rows, a loss at 256.
 SPLITK_ENABLED = True
-SPLITK_MAX_ROWS = 256
-SPLITK_MIN_PROGRAMS = 132
+SPLITK_MAX_ROWS = 128
+SPLITK_MIN_PROGRAMS = 64
 SPLITK_MAX_SPLITS = 8
 SPLITK_MIN_CHUNK = 256
 

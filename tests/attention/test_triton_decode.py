@@ -200,24 +200,6 @@ def test_decode_merge_more_ranges_than_a_chunk(kernel_device):
     check(case, run_decode(case, num_splits=20))
 
 
-@pytest.mark.parametrize("heads", [(4, 2), (4, 4), (6, 2), (8, 1)])
-def test_decode_reduce_by_kv_head_equals_per_head(kernel_device, heads):
-    """The reduce merges a KV head's query heads in one program (``reduce_by_kv_head``, the
-    default; group sizes 2, 1, 3 (padded to 4) and 8) or one head per program: bitwise the
-    same outputs up to float32 summation order, exact against the reference, with ranges of
-    unequal use (requests of 1 to 13 tiles over 6 forced ranges)."""
-    case = make_case([(207, 1), (5, 1), (130, 1), (40, 1), (15, 1)], block_size=4,
-                     num_heads=heads[0], num_kv_heads=heads[1], device=kernel_device,
-                     write_new=True, seed=21)
-    base = dict(tile_n=16, num_warps=1, num_stages=1, min_split_tokens=16)
-    grouped = run_decode(case, num_splits=6, config=DecodeConfig(**base))
-    per_head = run_decode(case, num_splits=6, config=DecodeConfig(reduce_by_kv_head=False, **base))
-    check(case, grouped)
-    check(case, per_head)
-    torch.testing.assert_close(grouped.nan_to_num(7.0), per_head.nan_to_num(7.0), atol=1e-6,
-                               rtol=1e-6)
-
-
 def test_decode_reduce_ignores_stale_partials(kernel_device):
     """The reduce loads a request's partials before it knows which ranges the request used:
     stale values in the ranges it did not use (NaN / inf here, left in the workspace by an

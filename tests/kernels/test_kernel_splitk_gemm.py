@@ -68,14 +68,18 @@ def test_argument_errors():
 
 
 def test_split_choice_by_hand(monkeypatch):
-    """Default tiles of 64 columns: N = 1024 gives 16 tiles, 132 programs wanted -> 9 splits,
-    capped at 8; K = 512 allows only 2 chunks of 256; N = 8448 (132 tiles) is not split."""
+    """Default tiles of 64 columns, 64 programs wanted: N = 1024 gives 16 tiles -> 4 splits;
+    N = 320 (5 tiles) -> 13, capped at 8; K = 512 allows only 2 chunks of 256; N = 4096
+    (64 tiles) is not split; a shape in the measured table takes its entry."""
     monkeypatch.setattr(sk, "SPLITK_CONFIGS", {})
-    assert splitk_splits(1024, 3072) == 8
+    monkeypatch.setattr(sk, "SPLITK_SPLITS", {(1024, 2048): 3})
+    assert splitk_splits(1024, 3072) == 4
+    assert splitk_splits(320, 4096) == 8
     assert splitk_splits(1024, 512) == 2
-    assert splitk_splits(4096, 1024) == 3  # 64 tiles -> ceil(132 / 64)
-    assert splitk_splits(8448, 4096) == 1
+    assert splitk_splits(2048, 2048) == 2
+    assert splitk_splits(4096, 1024) == 1
     assert splitk_splits(64, 128) == 1  # a chunk would be under 256 columns
+    assert splitk_splits(1024, 2048) == 3
 
 
 def test_linear_partials_off_cuda_is_linear():
@@ -125,7 +129,7 @@ def test_gpu_residual_in_compiled_region_and_graph():
         return residual_add(h, linear_partials(x, w))
 
     cf = torch.compile(f)
-    for m in (3, 64, 256, 300):  # 300: past SPLITK_MAX_ROWS, cuBLAS
+    for m in (3, 64, 128, 300):  # 300: past SPLITK_MAX_ROWS, cuBLAS
         h = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
         x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
         torch._dynamo.mark_dynamic(h, 0)
