@@ -249,7 +249,12 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None 
     if SPLITK_ENABLED and x.is_cuda and x.dim() == 2 and x.shape[0] <= SPLITK_MAX_ROWS:
         splits = splitk_splits(w.shape[0], w.shape[1])
         if splits > 1:
-            out = splitk_linear_op(x, w, splits).sum(0)
+            # the partials added one by one (pointwise: inside a compiled region they fold
+            # into the consumer's kernel; a .sum(0) is a reduction of its own, a kernel more)
+            parts = splitk_linear_op(x, w, splits)
+            out = parts[0]
+            for i in range(1, splits):
+                out = out + parts[i]
             return out if bias is None else out + bias.float()
     return torch.nn.functional.linear(x, w, bias)
 
