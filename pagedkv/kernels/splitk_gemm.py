@@ -246,8 +246,12 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None 
     the split-K partials, unrounded (inside a compiled region the sum and the cast fold into the
     consumer's kernel); otherwise ``F.linear`` in ``x``'s dtype. The caller adds it in float32
     (``pagedkv.models.decoder.residual_add``)."""
-    if SPLITK_ENABLED and x.is_cuda and x.dim() == 2 and x.shape[0] <= SPLITK_MAX_ROWS:
-        splits = splitk_splits(w.shape[0], w.shape[1])
+    n, k = w.shape
+    # static weight dims only: a compiled region that has seen several models' shapes (tests
+    # build many in one process) traces them as symbols, and the launch table is keyed on ints
+    if (SPLITK_ENABLED and x.is_cuda and x.dim() == 2 and x.shape[0] <= SPLITK_MAX_ROWS
+            and type(n) is int and type(k) is int):
+        splits = splitk_splits(n, k)
         if splits > 1:
             # the partials added one by one (pointwise: inside a compiled region they fold
             # into the consumer's kernel; a .sum(0) is a reduction of its own, a kernel more)

@@ -154,3 +154,24 @@ def test_gpu_residual_in_compiled_region_and_graph():
         x.copy_(torch.randn_like(x))
         graph.replay()
         torch.testing.assert_close(y, cf(h, x), atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_symbolic_weight_shapes_take_cublas():
+    """A region compiled with dynamic weight dims (dynamo's automatic dynamic shapes after it
+    met several models' shapes) traces through ``linear_partials`` (cuBLAS then; the split-K
+    launch table is keyed on ints) instead of failing."""
+    torch.manual_seed(1)
+
+    def f(x, w):
+        return linear_partials(x, w)
+
+    cf = torch.compile(f, dynamic=True)
+    for n, k in ((1024, 2048), (1024, 3072), (512, 1024)):
+        x = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        torch._dynamo.mark_dynamic(w, 0)
+        torch._dynamo.mark_dynamic(w, 1)
+        got = cf(x, w)
+        ref = x.double() @ w.double().T
+        assert float((got.double() - ref).norm() / ref.norm()) < 4e-3
