@@ -83,14 +83,14 @@ def build_pagedkv(args) -> tuple[LLM, str]:
 
 
 def configure_splitk(args) -> None:
-    """``--no-splitk`` / ``--splitk-table``: the split-K decode projections off, or the
-    launches a sweep chose (entries with ``use`` false are left to cuBLAS: split count 1)."""
+    """``--[no-]splitk`` / ``--splitk-table``: the split-K decode projections on or off, and
+    the launches a sweep chose (entries with ``use`` false are left to cuBLAS: split count 1)."""
     import json
 
     from pagedkv.kernels import splitk_gemm as sk
 
-    if args.no_splitk:
-        sk.SPLITK_ENABLED = False
+    if args.splitk is not None:
+        sk.SPLITK_ENABLED = args.splitk
     if args.splitk_table:
         with open(args.splitk_table) as f:
             table = json.load(f)
@@ -262,9 +262,9 @@ def main(argv=None) -> int:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch_ref", "triton"])
     p.add_argument("--no-cascade", action="store_true",
                    help="the Triton backend without cascade (shared-prefix) attention")
-    p.add_argument("--no-splitk", action="store_true",
-                   help="the decode-step o / down projections through cuBLAS instead of the "
-                        "split-K kernel (pagedkv.kernels.splitk_gemm, A/B runs)")
+    p.add_argument("--splitk", action=argparse.BooleanOptionalAction, default=None,
+                   help="the decode-step o / down projections through the split-K kernel "
+                        "(pagedkv.kernels.splitk_gemm; off by default) or cuBLAS (A/B runs)")
     p.add_argument("--splitk-table", default=None,
                    help="JSON of per-shape split-K launches (bench_splitk_gemm_gpu.py "
                         "--table-out) installed before the engine starts")

@@ -146,7 +146,8 @@ def main(argv=None) -> int:
     p.add_argument("--scale", type=float, default=1.0)
     p.add_argument("--workload", default="w1", choices=["w1", "w2", "w3"],
                    help="the workload (pagedkv.tools.benchmark; W3: one shared system prompt)")
-    p.add_argument("--no-splitk", action="store_true", help="as bench_w1.py's")
+    p.add_argument("--splitk", action=argparse.BooleanOptionalAction, default=None,
+                   help="as bench_w1.py's")
     p.add_argument("--splitk-table", default=None, help="as bench_w1.py's")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)

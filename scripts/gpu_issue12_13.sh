@@ -27,7 +27,7 @@ if [ -n "${GEMM:-}" ]; then
 fi
 if [ -n "${SPLITK:-}" ]; then  # the split-K decode GEMM sweep; W1 with its chosen launches, and without
   TAIL=24 run splitk_gemm 300 python3 bench/bench_splitk_gemm_gpu.py --out "$OUT/splitk_gemm.json" --table-out "$OUT/splitk_table.json"
-  run w1_splitk 150 python3 bench/bench_w1.py --splitk-table "$OUT/splitk_table.json" --json "$OUT/w1_splitk.json"
+  run w1_splitk 150 python3 bench/bench_w1.py --splitk --splitk-table "$OUT/splitk_table.json" --json "$OUT/w1_splitk.json"
   run w1_no_splitk 150 python3 bench/bench_w1.py --no-splitk --json "$OUT/w1_no_splitk.json"
 fi
 if [ -n "${REDUCE:-}" ]; then  # decode on mixed lengths: this tree vs OLD_TREE (a checkout of the previous reduce kernel)

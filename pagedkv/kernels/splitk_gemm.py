@@ -212,11 +212,15 @@ SPLITK_SPLITS: dict[tuple[int, int], int] = {}
 # Where ``linear_partials`` takes the split-K kernel: CUDA, at most ``SPLITK_MAX_ROWS`` rows
 # (decode batches; prefill-sized products stay with cuBLAS), and a weight shape whose row-tiled
 # GEMM has fewer than ``SPLITK_MIN_PROGRAMS`` tiles of ``block_n`` columns (narrow outputs).
-# ``SPLITK_ENABLED`` False: never (A/B runs). Measured on the H200 (us per GEMM, cold weights,
+# ``SPLITK_ENABLED`` (off by default): a region that has met several models' weight shapes in
+# one process (dynamo's automatic dynamic shapes) traces the weight dims as symbols, and the
+# custom op's launch-table lookup then fails to trace (seen in the H200 suite at 46adb91), so
+# the engine's default path stays cuBLAS until the op takes symbolic weight dims; on (one model
+# per process) W1 measured 25,109 against 24,550 output tok/s in one A/B. Measured on the H200 (us per GEMM, cold weights,
 # split-K kernel + its partials' extra read / cuBLAS): o_proj 1024 x 2048 at M = 8 / 64 / 128 /
 # 256: 4.5 / 4.7 / 5.1 / 7.0 against 5.9 / 5.9 / 6.1 / 6.5; down_proj 1024 x 3072: 5.5 / 5.7 /
 # 6.1 / 8.2 against 7.5 / 7.9 / 8.0 / 7.7 (4 splits): a gain up to 128 rows, a loss at 256.
-SPLITK_ENABLED = True
+SPLITK_ENABLED = False
 SPLITK_MAX_ROWS = 128
 SPLITK_MIN_PROGRAMS = 64
 SPLITK_MAX_SPLITS = 8
@@ -246,12 +250,8 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None 
     the split-K partials, unrounded (inside a compiled region the sum and the cast fold into the
     consumer's kernel); otherwise ``F.linear`` in ``x``'s dtype. The caller adds it in float32
     (``pagedkv.models.decoder.residual_add``)."""
-    n, k = w.shape
-    # static weight dims only: a compiled region that has seen several models' shapes (tests
-    # build many in one process) traces them as symbols, and the launch table is keyed on ints
-    if (SPLITK_ENABLED and x.is_cuda and x.dim() == 2 and x.shape[0] <= SPLITK_MAX_ROWS
-            and type(n) is int and type(k) is int):
-        splits = splitk_splits(n, k)
+    if SPLITK_ENABLED and x.is_cuda and x.dim() == 2 and x.shape[0] <= SPLITK_MAX_ROWS:
+        splits = splitk_splits(w.shape[0], w.shape[1])
         if splits > 1:
             # the partials added one by one (pointwise: inside a compiled region they fold
             # into the consumer's kernel; a .sum(0) is a reduction of its own, a kernel more)
