@@ -121,7 +121,10 @@ def _check(fn: str, x: torch.Tensor, w: torch.Tensor, splits: int) -> tuple[int,
         raise ConfigError(f"{fn}: x and w must be contiguous in their last dimension")
     if isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= 64:
         raise ConfigError(f"{fn}: splits must be an int in [1, 64], got {splits!r}")
-    return x.shape[0], w.shape[0], x.shape[1]
+    # N and K from the weight: a parameter's dims stay static in a compiled region, where the
+    # activation's inner dim can be a product of symbols (``attn_out.reshape(T, -1)``), which
+    # the launch table cannot be keyed on (the H200 suite's failure at a1cac97)
+    return x.shape[0], w.shape[0], w.shape[1]
 
 
 def split_chunk(K: int, splits: int, block_k: int) -> int:
@@ -212,11 +215,12 @@ SPLITK_SPLITS: dict[tuple[int, int], int] = {}
 # Where ``linear_partials`` takes the split-K kernel: CUDA, at most ``SPLITK_MAX_ROWS`` rows
 # (decode batches; prefill-sized products stay with cuBLAS), and a weight shape whose row-tiled
 # GEMM has fewer than ``SPLITK_MIN_PROGRAMS`` tiles of ``block_n`` columns (narrow outputs).
-# ``SPLITK_ENABLED`` (off by default): a region that has met several models' weight shapes in
-# one process (dynamo's automatic dynamic shapes) traces the weight dims as symbols, and the
-# custom op's launch-table lookup then fails to trace (seen in the H200 suite at 46adb91), so
-# the engine's default path stays cuBLAS until the op takes symbolic weight dims; on (one model
-# per process) W1 measured 25,109 against 24,550 output tok/s in one A/B. Measured on the H200 (us per GEMM, cold weights,
+# ``SPLITK_ENABLED`` (off by default): in the H200 suite (a1cac97, 46adb91) regions that had met
+# several models' shapes in one process traced the activation's inner dim as a product of
+# symbols and the op's launch-table lookup failed to trace (the model then fell back to eager);
+# the op now takes N and K from the weight (a parameter: static), not yet run on the GPU, so the
+# engine's default path stays cuBLAS; on (one model per process) W1 measured 25,109 against
+# 24,550 output tok/s in one A/B. Measured on the H200 (us per GEMM, cold weights,
 # split-K kernel + its partials' extra read / cuBLAS): o_proj 1024 x 2048 at M = 8 / 64 / 128 /
 # 256: 4.5 / 4.7 / 5.1 / 7.0 against 5.9 / 5.9 / 6.1 / 6.5; down_proj 1024 x 3072: 5.5 / 5.7 /
 # 6.1 / 8.2 against 7.5 / 7.9 / 8.0 / 7.7 (4 splits): a gain up to 128 rows, a loss at 256.
