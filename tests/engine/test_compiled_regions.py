@@ -110,3 +110,17 @@ def test_compiled_fused_path_in_the_engine_on_cpu(tiny_dir, hf_ref):
     layers = len(model.layers)
     steps = calls.count("pre_qkv")
     assert steps > 0 and calls.count("mid") == steps * (layers - 1) and calls.count("post") == steps
+
+
+def test_region_check_tolerance_follows_the_model_dtype():
+    """``compile_regions``' eager-vs-compiled check takes its tolerance from the model's dtype,
+    not the output's: a float32 output of a bf16 model (the split-K partial sums) carries bf16
+    roundings (before: checked at float32's 1e-3, the H200 engine silently stayed eager)."""
+    from pagedkv.models.decoder import _close
+
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(7, 64, generator=g)
+    got = ref * 1.005  # relative error 5e-3
+    _close(ref, got, torch.bfloat16)
+    with pytest.raises(ValueError, match="relative error"):
+        _close(ref, got, torch.float32)
