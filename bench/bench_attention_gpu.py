@@ -315,11 +315,22 @@ def bench_decode_shape(batch: int, ctx: int, sweep: bool, sms: int, base: Decode
 # prefill
 
 PREFILL_SWEEP = [
+    PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=4),
     PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
     PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3),
-    PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=5),
     PrefillConfig(block_m=64, block_n=128, num_warps=4, num_stages=3),
-    PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=5),
+    # the two query heads of a K/V head packed into one program (rows = block_m x 2)
+    PrefillConfig(block_m=64, block_n=64, num_warps=8, num_stages=3, pack_heads=2),
+    PrefillConfig(block_m=64, block_n=64, num_warps=8, num_stages=4, pack_heads=2),
+    PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, pack_heads=2),
+    PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=4, pack_heads=2),
+    PrefillConfig(block_m=64, block_n=128, num_warps=8, num_stages=3, pack_heads=2),
+    PrefillConfig(block_m=64, block_n=128, num_warps=8, num_stages=2, pack_heads=2),
+    PrefillConfig(block_m=32, block_n=64, num_warps=4, num_stages=4, pack_heads=2),
+    PrefillConfig(block_m=32, block_n=64, num_warps=4, num_stages=3, pack_heads=2),
+    PrefillConfig(block_m=32, block_n=128, num_warps=4, num_stages=3, pack_heads=2),
+    PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, pack_heads=2),
+    PrefillConfig(block_m=128, block_n=32, num_warps=8, num_stages=3, pack_heads=2),
 ]
 
 
@@ -366,7 +377,7 @@ def bench_prefill(sweep: bool, num_seqs: int = 8, seq: int = 2048) -> dict:
     if sweep:
         variants = {}
         for cfg in PREFILL_SWEEP:
-            name = f"m{cfg.block_m}n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}"
+            name = f"m{cfg.block_m}n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}p{cfg.pack_heads}"
             try:
                 out.fill_(float("nan"))
                 ours(cfg)()

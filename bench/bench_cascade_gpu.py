@@ -231,11 +231,11 @@ def bench_case(shape: Shape, generated: int, layers: int, dtype, device: str, cu
     return res
 
 
-# (block_m, block_n, num_warps, num_stages) x key splits tried by --sweep-prefix
-PREFIX_TILES = ((64, 64, 4, 4), (64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3),
-                (32, 64, 4, 4), (64, 128, 8, 3), (16, 64, 4, 4))
-PREFIX_SPLITS = (1, 2, 4, 8)
-TINY_TILES = ((16, 16, 1, 1),)
+# (block_m, block_n, num_warps, num_stages, pack_heads) x key splits tried by --sweep-prefix
+PREFIX_TILES = ((64, 64, 4, 4, 1), (128, 64, 8, 3, 1), (64, 64, 8, 3, 2), (64, 64, 4, 4, 2),
+                (32, 64, 4, 4, 2), (64, 128, 8, 3, 2), (32, 128, 4, 3, 2), (128, 64, 8, 2, 2))
+PREFIX_SPLITS = (1, 2, 4)
+TINY_TILES = ((16, 16, 1, 1, 1), (16, 16, 1, 1, 2))
 
 
 def sweep_prefix(step: Step, parts, cuda: bool, tiny: bool = False) -> list[dict]:
@@ -245,8 +245,8 @@ def sweep_prefix(step: Step, parts, cuda: bool, tiny: bool = False) -> list[dict
     n = q.shape[0]
     tiles = TINY_TILES if tiny else PREFIX_TILES
     rows = []
-    for bm, bn, w, st in tiles:
-        cfg = PrefillConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+    for bm, bn, w, st, pack in tiles:
+        cfg = PrefillConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st, pack_heads=pack)
         for splits in PREFIX_SPLITS:
             lead = (splits,) if splits > 1 else ()
             out = torch.empty(*lead, *q.shape, dtype=torch.float32, device=q.device)
@@ -267,10 +267,11 @@ def sweep_prefix(step: Step, parts, cuda: bool, tiny: bool = False) -> list[dict
                 err = rel_err(merged, ref)
                 us = time_fn(run, cuda)
                 rows.append({"block_m": bm, "block_n": bn, "num_warps": w, "num_stages": st,
-                             "splits": splits, "us": us, "rel_err": err})
+                             "pack_heads": pack, "splits": splits, "us": us, "rel_err": err})
             except Exception as e:  # a config that does not compile / fit
                 rows.append({"block_m": bm, "block_n": bn, "num_warps": w, "num_stages": st,
-                             "splits": splits, "error": f"{type(e).__name__}: {e}"})
+                             "pack_heads": pack, "splits": splits,
+                             "error": f"{type(e).__name__}: {e}"})
     return sorted(rows, key=lambda r: r.get("us", float("inf")))
 
 

@@ -5,7 +5,8 @@
 # default) also the W1 / W3 step profiles (kernel classes, device gaps) and with FP8=1 the FP8
 # decode sweep and W1 / W2 on an FP8 cache, with GEMM=1 the decode-GEMM bench, with SPLITK=1 the
 # split-K GEMM sweep and W1 with / without it, with REDUCE=1 (OLD_TREE=DIR) the decode kernel on
-# mixed lengths against an older tree's. Logs/JSON under $OUT. SKIP_* skip single steps;
+# mixed lengths against an older tree's, with PREFILL=1 the prefill / cascade-prefix tile sweeps
+# (packed heads) and their GPU tests, with W1_AB=1 W1 split-K on / off twice. Logs/JSON under $OUT. SKIP_* skip single steps;
 # more than ~550 s of steps needs two calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +30,17 @@ if [ -n "${SPLITK:-}" ]; then  # the split-K decode GEMM sweep; W1 with its chos
   TAIL=24 run splitk_gemm 300 python3 bench/bench_splitk_gemm_gpu.py --out "$OUT/splitk_gemm.json" --table-out "$OUT/splitk_table.json"
   run w1_splitk 150 python3 bench/bench_w1.py --splitk --splitk-table "$OUT/splitk_table.json" --json "$OUT/w1_splitk.json"
   run w1_no_splitk 150 python3 bench/bench_w1.py --no-splitk --json "$OUT/w1_no_splitk.json"
+fi
+if [ -n "${PREFILL:-}" ]; then  # the prefill kernel's tile / packed-heads sweep on 8 x 2048, the cascade prefix's on W3's shape, their GPU tests
+  TAIL=40 run prefill_sweep 200 python3 bench/bench_attention_gpu.py --sweep --skip-decode --out "$OUT/prefill_sweep.json"
+  TAIL=40 run cascade_prefix 200 python3 bench/bench_cascade_gpu.py --sweep-prefix --generated 1 128 --out "$OUT/cascade_prefix.json"
+  TAIL=6 run prefill_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/attention/test_triton_prefill.py tests/attention/test_cascade_kernels.py tests/attention/test_cascade_backend.py
+fi
+if [ -n "${W1_AB:-}" ]; then  # W1 with split-K on / off, twice each, alternating processes
+  for i in 1 2; do
+    run w1_splitk_$i 120 python3 bench/bench_w1.py --splitk --json "$OUT/w1_splitk_$i.json"
+    run w1_no_splitk_$i 120 python3 bench/bench_w1.py --no-splitk --json "$OUT/w1_no_splitk_$i.json"
+  done
 fi
 if [ -n "${REDUCE:-}" ]; then  # decode on mixed lengths: this tree vs OLD_TREE (a checkout of the previous reduce kernel)
   args="--batches ${REDUCE_BATCHES:-1,8,32,64,128,200,256} --splits '' --min-split-tokens '' --variants"

@@ -152,7 +152,9 @@ class CascadeConfig:
     def prefix_splits(self, rows: int, num_heads: int, block_m: int, sms: int,
                       prefix_len: int = 0) -> int:
         """Key splits of the prefix launch over ``rows`` query rows (grid ``(rows // block_m +
-        1) x num_heads`` programs per split); ``prefix_len`` (0: unknown) caps them."""
+        1) x num_heads`` programs per split: ``num_heads`` counts the launch's head programs,
+        the query heads over ``PrefillConfig.heads_per_program``); ``prefix_len`` (0:
+        unknown) caps them."""
         programs = (rows // block_m + 1) * num_heads
         splits = min(self.max_prefix_splits, cdiv(int(self.prefix_waves * sms), programs))
         if prefix_len > 0:
@@ -528,8 +530,11 @@ class _CascadeParts:
         rows, heads, dim = q.shape
         self.rows = rows if plan.decode_only else plan.end
         self.prefix_config = cascade.prefix_config or prefill_config or default_prefill_config(dev)
-        self.splits = cascade.prefix_splits(self.rows, heads, self.prefix_config.block_m,
-                                            num_sms(dev), plan.prefix)
+        # programs per split: one per query tile and head group of the launch (packed heads)
+        group = heads // kv_cache.shape[3]
+        self.splits = cascade.prefix_splits(
+            self.rows, heads // self.prefix_config.heads_per_program(group),
+            self.prefix_config.block_m, num_sms(dev), plan.prefix)
         f32 = torch.float32
         lead = (self.splits,) if self.splits > 1 else ()
         self.prefix_out = torch.empty(*lead, rows, heads, dim, dtype=f32, device=dev)

@@ -7,10 +7,12 @@ included: the backend writes them first); query ``i`` of request ``r`` is row
 attends causally to positions ``<= ctx + i``, all read through ``block_table[r]``. Serves
 chunked prefill and prefix-cache hits (``ctx > 0``) and fresh prefill (``ctx == 0``) alike.
 
-Kernel (``_prefill_kernel``), grid ``(num_tokens // BLOCK_M + num_reqs, H)``, flash-attention
-style: program ``(p, h)`` takes one tile of ``BLOCK_M`` query rows of one request for query
-head ``h`` and streams that request's K/V in ``BLOCK_N`` tiles with ``tl.dot`` and an online
-softmax (base 2, fp32 accumulation). Tile ``p`` belongs to the request ``r`` with the largest
+Kernel (``_prefill_kernel``), grid ``(num_tokens // BLOCK_M + num_reqs, H / P)``,
+flash-attention style: program ``(p, h)`` takes one tile of ``BLOCK_M`` query tokens of one
+request for the ``P`` query heads ``[h P, (h + 1) P)`` (``PrefillConfig.pack_heads``: ``P``
+heads of one K/V head packed into ``BLOCK_M x P`` rows, so each K/V tile loaded serves all of
+them; ``P = 1``: one head) and streams that request's K/V in ``BLOCK_N`` tiles with ``tl.dot``
+and an online softmax (base 2, fp32 accumulation). Tile ``p`` belongs to the request ``r`` with the largest
 ``query_start_loc[r] // BLOCK_M + r <= p`` (a binary search on the device; request ``r``'s
 tiles fit between its bound and the next request's, so the grid depends on host ints only).
 Within a request the tiles run last-first (the longest rows start first). Key tiles wholly
@@ -78,6 +80,7 @@ class PrefillConfig:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 4
+    pack_heads: int = 1
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -86,6 +89,14 @@ class PrefillConfig:
                 raise ConfigError(f"PrefillConfig.{name} must be a power of two >= 16, got {v}")
         if self.num_warps < 1 or self.num_stages < 1:
             raise ConfigError("PrefillConfig: num_warps and num_stages must be positive")
+        p = self.pack_heads
+        if isinstance(p, bool) or not isinstance(p, int) or p < 1 or p & (p - 1):
+            raise ConfigError(f"PrefillConfig.pack_heads must be a power of two >= 1, got {p!r}")
+
+    def heads_per_program(self, group: int) -> int:
+        """Query heads one program serves: the largest power of two that divides the GQA
+        group (query heads per K/V head) and is at most ``pack_heads``."""
+        return min(self.pack_heads, group & -group)
 
 
 INTERPRET_PREFILL_CONFIG = PrefillConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
@@ -197,9 +208,10 @@ def _prefill_kernel(
     Q_FP16: tl.constexpr = False,
     o_split=0,
     lse_split=0,
+    PACK: tl.constexpr = 1,
 ):
     p = tl.program_id(0)
-    h = tl.program_id(1)
+    h = tl.program_id(1)  # query heads [h PACK, (h + 1) PACK), all of one K/V head
     s = tl.program_id(2)  # the key split (non-causal mode; 0 otherwise)
     # request of tile p: the largest r with query_start_loc[r] // BLOCK_M + r <= p
     lo = tl.full([], 0, tl.int32)
@@ -222,23 +234,28 @@ def _prefill_kernel(
     seq_len = tl.load(seq_ptr + r)
     ctx = seq_len - q_len
 
-    m_idx = j * BLOCK_M + tl.arange(0, BLOCK_M)
+    # tile rows: BLOCK_M query tokens x PACK heads, token-major (row i: token i // PACK,
+    # head h PACK + i % PACK)
+    i = tl.arange(0, BLOCK_M * PACK)
+    m_idx = j * BLOCK_M + i // PACK
+    hq = h * PACK + i % PACK
     m_ok = m_idx < q_len
     d = tl.arange(0, D_PAD)
     rows = (q_start + m_idx).to(tl.int64)
     md_mask = m_ok[:, None] & (d < HEAD_DIM)[None, :]
-    q = tl.load(q_ptr + rows[:, None] * q_s0 + h * q_s1 + d[None, :], mask=md_mask, other=0.0)
+    q = tl.load(q_ptr + rows[:, None] * q_s0 + hq[:, None] * q_s1 + d[None, :], mask=md_mask,
+                other=0.0)
     if not KV_FP8:  # an FP8 cache's K / V are cast to the query dtype instead
         q = q.to(k_ptr.dtype.element_ty)
     elif Q_FP16:  # bf16 query, FP8 cache: the products in fp16 (as the decode kernel)
         q = q.to(tl.float16)
     q_pos = ctx + m_idx
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    m_i = tl.full([BLOCK_M * PACK], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M * PACK], tl.float32)
+    acc = tl.zeros([BLOCK_M * PACK, D_PAD], tl.float32)
     bt_row = bt_ptr + r.to(tl.int64) * bt_s0
-    head_off = (h // GROUP).to(tl.int64) * c_sh
+    head_off = (h * PACK // GROUP).to(tl.int64) * c_sh
     if CAUSAL:
         end = tl.minimum(seq_len, ctx + (j + 1) * BLOCK_M)
         kv_end = seq_len
@@ -293,16 +310,16 @@ def _prefill_kernel(
             start += BLOCK_N
     if KV_FP8:
         acc = acc * v_scale
-    l_i = _sink_denominator(l_i, m_i, sinks_ptr, h, h >= 0, HAS_SINKS)
+    l_i = _sink_denominator(l_i, m_i, sinks_ptr, hq, hq >= 0, HAS_SINKS)
     if CAUSAL:
         o = acc / l_i[:, None]
     else:  # a split without keys: output 0, log-sum-exp -inf
         o = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)
     split = s.to(tl.int64)
-    tl.store(out_ptr + split * o_split + rows[:, None] * o_s0 + h * o_s1 + d[None, :],
+    tl.store(out_ptr + split * o_split + rows[:, None] * o_s0 + hq[:, None] * o_s1 + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=md_mask)
     if WRITE_LSE:
-        tl.store(lse_ptr + split * lse_split + rows * lse_s0 + h, _lse(m_i, l_i), mask=m_ok)
+        tl.store(lse_ptr + split * lse_split + rows * lse_s0 + hq, _lse(m_i, l_i), mask=m_ok)
 
 
 def paged_prefill_attention(
@@ -400,7 +417,8 @@ def paged_prefill_attention(
     fp8 = is_fp8_kv(kv_cache.dtype)
     cfg = config or default_prefill_config(q.device)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    grid = (num_tokens // cfg.block_m + num_reqs, shape.num_heads, splits)
+    pack = cfg.heads_per_program(shape.group)
+    grid = (num_tokens // cfg.block_m + num_reqs, shape.num_heads // pack, splits)
     _prefill_kernel[grid](
         q, q.stride(0), q.stride(1),
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -419,7 +437,7 @@ def paged_prefill_attention(
         WRITE_LSE=lse is not None, v_scale=float(v_scale), KV_FP8=fp8, kv_splits=splits,
         Q_FP16=fp8 and q.dtype == torch.bfloat16,
         o_split=0 if splits == 1 else out.stride(0),
-        lse_split=0 if splits == 1 else lse.stride(0),
+        lse_split=0 if splits == 1 else lse.stride(0), PACK=pack,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -83,6 +83,85 @@ def test_prefill_twin_agrees(kernel_device):
     torch.testing.assert_close(a.nan_to_num(7.0), b.nan_to_num(7.0), atol=1e-4, rtol=1e-4)
 
 
+def test_heads_per_program_by_hand():
+    """The largest power of two dividing the GQA group, capped by ``pack_heads``."""
+    for pack, group, want in [(4, 2, 2), (4, 8, 4), (4, 6, 2), (4, 3, 1), (2, 1, 1), (1, 8, 1),
+                              (8, 8, 8), (2, 12, 2)]:
+        assert PrefillConfig(pack_heads=pack).heads_per_program(group) == want, (pack, group)
+    for bad in (0, 3, -2, True, 2.0):
+        with pytest.raises(ConfigError, match="pack_heads"):
+            PrefillConfig(pack_heads=bad)
+
+
+@pytest.mark.parametrize("heads,pack", [((4, 2), 2), ((8, 2), 4), ((6, 2), 4), ((4, 1), 4)])
+def test_prefill_packed_heads(kernel_device, heads, pack):
+    """The query heads of one K/V head packed into one program's rows (group 2: 2 heads;
+    group 4: 4; group 3: odd, so one head a program): the reference's output, and the one-head
+    launch's row for row (the same arithmetic per row); padding rows untouched."""
+    case = make_case(MIXED, block_size=3, num_heads=heads[0], num_kv_heads=heads[1],
+                     device=kernel_device, write_new=True, pad_tokens=2, seed=11 + pack)
+    tiles = dict(block_m=16, block_n=16, num_warps=1, num_stages=1)
+    packed = run_prefill(case, config=PrefillConfig(pack_heads=pack, **tiles))
+    one = run_prefill(case, config=PrefillConfig(**tiles))
+    rows = rows_of(case, lambda ql: ql > 0)
+    assert_rows_close(packed, reference(case), rows, TOL[torch.float32])
+    torch.testing.assert_close(packed.cpu()[rows], one.cpu()[rows], atol=1e-6, rtol=1e-6)
+    assert torch.isnan(packed[-2:].cpu()).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_packed_heads_window_cap_sinks(kernel_device, dtype):
+    """Packed heads with a sliding window, a soft cap and per-head sinks (each row reads its
+    own head's sink), decodes skipped: the twin's output."""
+    reqs = [(50, 20), (0, 40), (3, 17), (9, 1)]
+    case = make_case(reqs, block_size=8, num_heads=8, num_kv_heads=2, write_new=True,
+                     sliding_window=6, device=kernel_device, dtype=dtype, seed=12)
+    m = case["meta"]
+    gen = torch.Generator().manual_seed(3)
+    sinks = (torch.randn(8, generator=gen) * 2).to(kernel_device).to(dtype)
+    kw = dict(skip_decode=True, sliding_window=6, logits_soft_cap=7.0, sinks=sinks)
+    out = poisoned_out(case)
+    paged_prefill_attention(case["q"], case["cache"], m.block_table_tensor, m.query_start_loc,
+                            m.seq_lens, m.num_reqs, case["scale"], out,
+                            config=PrefillConfig(block_m=16, block_n=16, num_warps=1,
+                                                 num_stages=1, pack_heads=4), **kw)
+    want = paged_prefill_attention_ref(case["q"].float(), case["cache"].float(),
+                                       m.block_table_tensor, m.query_start_loc, m.seq_lens,
+                                       m.num_reqs, case["scale"], poisoned_out(case).float(),
+                                       **kw)
+    rows = rows_of(case, lambda ql: ql > 1)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    got = out.float().cpu()
+    assert not torch.isnan(got[rows]).any()
+    torch.testing.assert_close(got[rows], want.cpu()[rows], atol=tol, rtol=tol)
+    assert torch.isnan(got[rows_of(case, lambda ql: ql == 1)]).all()
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_prefill_packed_heads_non_causal_lse(kernel_device, splits):
+    """Cascade attention's shared-prefix launch with packed heads: every row against all keys,
+    each row's own head's log-sum-exp, key splits: the twin's outputs and lse."""
+    case = make_case([(0, 37)], block_size=4, num_heads=4, num_kv_heads=2, write_new=True,
+                     device=kernel_device, seed=13)
+    m, q = case["meta"], case["q"]
+    T, H, D = q.shape
+    results = []
+    for fn, cfg in ((paged_prefill_attention,
+                     PrefillConfig(block_m=16, block_n=16, num_warps=1, num_stages=1,
+                                   pack_heads=2)),
+                    (paged_prefill_attention_ref, None)):
+        shape = (splits, T, H) if splits > 1 else (T, H)
+        out = torch.full(shape + (D,), float("nan"), device=kernel_device)
+        lse = torch.full(shape, float("nan"), device=kernel_device)
+        fn(q, case["cache"], m.block_table_tensor, m.query_start_loc, m.seq_lens, 1,
+           case["scale"], out, causal=False, lse=lse, kv_splits=splits, config=cfg)
+        results.append((out.cpu(), lse.cpu()))
+    (ko, kl), (to, tl_) = results
+    assert not torch.isnan(ko).any() and not torch.isnan(kl).any()
+    torch.testing.assert_close(ko, to, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kl, tl_, atol=1e-4, rtol=1e-4)
+
+
 def test_prefill_argument_errors():
     case = make_case([(0, 3)], block_size=2, write_new=True)
     m = case["meta"]
@@ -103,12 +182,18 @@ def test_prefill_argument_errors():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [16, 1, 48, 256])
-def test_prefill_gpu_bf16(block_size):
+@pytest.mark.parametrize("config", [
+    None,  # the default
+    PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=4, pack_heads=1),
+    PrefillConfig(block_m=64, block_n=64, num_warps=8, num_stages=3, pack_heads=2),
+    PrefillConfig(block_m=32, block_n=128, num_warps=4, num_stages=3, pack_heads=2),
+], ids=["default", "m64p1", "m64p2", "m32n128p2"])
+def test_prefill_gpu_bf16(block_size, config):
     reqs = [(0, 700), (1000, 300), (5, 1), (129, 128), (0, 2048), (3000, 17), (63, 65)]
     case = make_case(reqs, block_size=block_size, num_heads=16, num_kv_heads=8, head_dim=128,
                      dtype=torch.bfloat16, device="cuda", write_new=True, pad_tokens=5,
                      padded_reqs=2, seed=block_size)
-    out = run_prefill(case)
+    out = run_prefill(case, config=config)
     assert_rows_close(out, reference(case), rows_of(case, lambda ql: ql > 0),
                       TOL[torch.bfloat16])
 
