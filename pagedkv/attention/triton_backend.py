@@ -86,8 +86,8 @@ from pagedkv.attention.triton_decode import (
     paged_decode_attention,
 )
 from pagedkv.attention.triton_prefill import (
+    INTERPRET_PREFILL_CONFIG,
     PrefillConfig,
-    default_prefill_config,
     paged_prefill_attention,
     varlen_available_for,
     varlen_prefill_attention,
@@ -99,15 +99,30 @@ from pagedkv.kernels.reshape_and_cache import reshape_and_cache
 
 FRESH_PREFILL_CHOICES = ("auto", "triton", "varlen")
 # What "auto" picks for batches of fresh prefills on CUDA (bf16/fp16). Measured on the H200
-# (bench/bench_attention_gpu.py, 8 x 2048 causal, 16 q / 8 KV heads, head_dim 128, bf16):
-# the paged Triton kernel 511 us (269 TFLOP/s); torch 2.11's varlen_attn 676 us (203) with the
-# K/V heads repeated to 16 as that torch requires (it has no enable_gqa), 500 us (275) for its
-# kernel alone. The Triton kernel wins as the backend can call them.
+# (bench/bench_attention_gpu.py, 8 x 2048 causal, 16 q / 8 KV heads, head_dim 128, bf16,
+# 7ad6768): the paged Triton kernel 477 us (288 TFLOP/s, two query heads a program); torch
+# 2.11's varlen_attn 674 us (204) with the K/V heads repeated to 16 as that torch requires (it
+# has no enable_gqa), 500 us (275) for its kernel alone. The Triton kernel wins as the backend
+# can call them.
 AUTO_FRESH_PREFILL = "triton"
 # The graph variant of cascade steps (see the module docstring).
 CASCADE = "cascade"
 # Copy bandwidth of the H200 (PERF.md): turns the shared-prefix bytes cascade saves into time.
 _COPY_BYTES_PER_US = 4.27e6
+
+
+# The shared-prefix launch's tiles on CUDA when neither the cascade config nor the backend
+# names one: W3's decode shape (256 rows, 2,048 shared keys, 16 query / 8 K/V heads; H200,
+# bench/bench_cascade_gpu.py --sweep-prefix, 7ad6768, us at 4 key splits): one head a program
+# 64 x 64 x 4 warps x 4 stages 20.7-21.0, 128 x 64 x 8 warps 20.3-20.5; the prefill default's
+# two heads a program (64 x 64 x 4 warps) 32.5: half the programs for a short batch.
+_CUDA_PREFIX_CONFIG = PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=4,
+                                    pack_heads=1)
+
+
+def default_prefix_config(device: torch.device) -> PrefillConfig:
+    """The cascade prefix launch's default tiles (see ``_CUDA_PREFIX_CONFIG``)."""
+    return _CUDA_PREFIX_CONFIG if device.type == "cuda" else INTERPRET_PREFILL_CONFIG
 
 
 @dataclass(frozen=True)
@@ -128,7 +143,7 @@ class CascadeConfig:
     # wanted, at most ``max_prefix_splits`` splits of at least ``min_prefix_split_tokens``
     # keys (when the prefix length is known on the host; a graph's launch is sized by its
     # batch alone), merged with the suffix by one merge launch (untuned first choices)
-    prefix_config: PrefillConfig | None = None
+    prefix_config: PrefillConfig | None = None  # None: the backend's, else default_prefix_config
     prefix_waves: float = 2.0
     max_prefix_splits: int = 8
     min_prefix_split_tokens: int = 256
@@ -529,7 +544,8 @@ class _CascadeParts:
         self.suffix_seq_lens = (metadata.seq_lens[:n] - p[:1]).clamp_(min=0)
         rows, heads, dim = q.shape
         self.rows = rows if plan.decode_only else plan.end
-        self.prefix_config = cascade.prefix_config or prefill_config or default_prefill_config(dev)
+        self.prefix_config = (cascade.prefix_config or prefill_config
+                              or default_prefix_config(dev))
         # programs per split: one per query tile and head group of the launch (packed heads)
         group = heads // kv_cache.shape[3]
         self.splits = cascade.prefix_splits(

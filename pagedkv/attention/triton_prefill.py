@@ -72,15 +72,21 @@ from pagedkv.kernels.fp8_kv import check_kv_scale, dequantize_ref, is_fp8_kv
 class PrefillConfig:
     """Launch parameters of the prefill kernel (``block_m``/``block_n`` powers of two >= 16).
 
-    Defaults from the H200 sweep (8 x 2048 causal, bf16, head_dim 128): 64 x 64 tiles, 4
-    warps, 4 stages, 511 us (269 TFLOP/s); 128 x 64 x 8 warps 546 us, 64 x 128 681 us.
+    ``pack_heads``: up to this many query heads of one K/V head share a program (see
+    :meth:`heads_per_program`); ``block_m`` counts query tokens, so a program holds ``block_m x
+    heads`` rows.
+
+    Defaults from the H200 sweep (``bench/bench_attention_gpu.py --sweep``, 7ad6768; 8 x 2048
+    causal, bf16, 16 query / 8 K/V heads, head_dim 128): 64 x 64 tiles, 4 warps, 3 stages, 2
+    heads a program: 477 us (288 TFLOP/s); one head a program (the earlier default, 4 stages)
+    512 us (269); packed with 8 warps 561, 64 x 128 x 8 warps x 2 stages 505, 32 x 64 523.
     """
 
     block_m: int = 64
     block_n: int = 64
     num_warps: int = 4
-    num_stages: int = 4
-    pack_heads: int = 1
+    num_stages: int = 3
+    pack_heads: int = 2
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):

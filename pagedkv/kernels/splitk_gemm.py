@@ -215,16 +215,16 @@ SPLITK_SPLITS: dict[tuple[int, int], int] = {}
 # Where ``linear_partials`` takes the split-K kernel: CUDA, at most ``SPLITK_MAX_ROWS`` rows
 # (decode batches; prefill-sized products stay with cuBLAS), and a weight shape whose row-tiled
 # GEMM has fewer than ``SPLITK_MIN_PROGRAMS`` tiles of ``block_n`` columns (narrow outputs).
-# ``SPLITK_ENABLED`` (off by default): in the H200 suite (a1cac97, 46adb91) regions that had met
-# several models' shapes in one process traced the activation's inner dim as a product of
-# symbols and the op's launch-table lookup failed to trace (the model then fell back to eager);
-# the op now takes N and K from the weight (a parameter: static), not yet run on the GPU, so the
-# engine's default path stays cuBLAS; on (one model per process) W1 measured 25,109 against
-# 24,550 output tok/s in one A/B. Measured on the H200 (us per GEMM, cold weights,
+# ``SPLITK_ENABLED`` (on by default): W1 with ``LLM()`` defaults on the H200, split-K on / off
+# in alternating processes of one lease: 23,985 / 22,910 and 23,726 / 23,162 output tok/s
+# (7ad6768), 25,109 / 24,550 in an earlier lease (a1cac97). The op takes N and K from the weight
+# (a parameter: static): traced from the activation, a process that had compiled several models'
+# shapes saw a product of symbols there and the launch-table lookup failed (a1cac97's suite).
+# Measured on the H200 (us per GEMM, cold weights,
 # split-K kernel + its partials' extra read / cuBLAS): o_proj 1024 x 2048 at M = 8 / 64 / 128 /
 # 256: 4.5 / 4.7 / 5.1 / 7.0 against 5.9 / 5.9 / 6.1 / 6.5; down_proj 1024 x 3072: 5.5 / 5.7 /
 # 6.1 / 8.2 against 7.5 / 7.9 / 8.0 / 7.7 (4 splits): a gain up to 128 rows, a loss at 256.
-SPLITK_ENABLED = False
+SPLITK_ENABLED = True
 SPLITK_MAX_ROWS = 128
 SPLITK_MIN_PROGRAMS = 64
 SPLITK_MAX_SPLITS = 8

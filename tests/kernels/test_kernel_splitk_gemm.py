@@ -116,9 +116,10 @@ def test_gpu_decode_shapes_bf16(M, N, K):
     assert torch.equal(splitk_linear_op(x, w, S), got)
 
 
-def test_split_k_is_off_by_default():
-    """The engine's default path is cuBLAS (``SPLITK_ENABLED``: see its comment)."""
-    assert sk.SPLITK_ENABLED is False
+def test_split_k_is_on_by_default():
+    """The engine's default decode path for narrow projections is split-K on CUDA
+    (``SPLITK_ENABLED``: see its comment)."""
+    assert sk.SPLITK_ENABLED is True
 
 
 @pytest.mark.gpu
