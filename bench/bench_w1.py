@@ -73,10 +73,19 @@ def build_pagedkv(args) -> tuple[LLM, str]:
         tensor_parallel_size=args.tensor_parallel_size,
         decode_context_parallel_size=args.decode_context_parallel_size,
     )
-    if args.no_cascade:  # the Triton backend with cascade (shared-prefix) attention off
-        from pagedkv.attention.triton_backend import TritonAttentionBackend
+    if args.no_cascade or args.prefill_config:
+        # the Triton backend with cascade (shared-prefix) attention off, or with other
+        # prefill launches (which the cascade prefix launch then takes as well)
+        from pagedkv.attention.triton_backend import CascadeConfig, TritonAttentionBackend
+        from pagedkv.attention.triton_prefill import PrefillConfig
 
-        kw["attention_backend"] = TritonAttentionBackend(cascade=None)
+        pc = None
+        if args.prefill_config:
+            bm, bn, w, st, pack = (int(v) for v in args.prefill_config.split(","))
+            pc = PrefillConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st,
+                               pack_heads=pack)
+        kw["attention_backend"] = TritonAttentionBackend(
+            prefill_config=pc, cascade=None if args.no_cascade else CascadeConfig())
     if args.model:
         return LLM(args.model, tokenizer=False, **kw), args.model
     return LLM.from_shape(args.shape, **kw), f"{args.shape} (random weights)"
@@ -262,9 +271,12 @@ def main(argv=None) -> int:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch_ref", "triton"])
     p.add_argument("--no-cascade", action="store_true",
                    help="the Triton backend without cascade (shared-prefix) attention")
+    p.add_argument("--prefill-config", default=None, metavar="BM,BN,WARPS,STAGES,PACK",
+                   help="the Triton backend's prefill launches (PrefillConfig: tokens and keys "
+                        "a tile, warps, stages, query heads a program), e.g. 64,64,4,4,1 (A/B)")
     p.add_argument("--splitk", action=argparse.BooleanOptionalAction, default=None,
                    help="the decode-step o / down projections through the split-K kernel "
-                        "(pagedkv.kernels.splitk_gemm; off by default) or cuBLAS (A/B runs)")
+                        "(pagedkv.kernels.splitk_gemm; on by default) or cuBLAS (A/B runs)")
     p.add_argument("--splitk-table", default=None,
                    help="JSON of per-shape split-K launches (bench_splitk_gemm_gpu.py "
                         "--table-out) installed before the engine starts")
