@@ -100,10 +100,10 @@ from pagedkv.kernels.reshape_and_cache import reshape_and_cache
 FRESH_PREFILL_CHOICES = ("auto", "triton", "varlen")
 # What "auto" picks for batches of fresh prefills on CUDA (bf16/fp16). Measured on the H200
 # (bench/bench_attention_gpu.py, 8 x 2048 causal, 16 q / 8 KV heads, head_dim 128, bf16,
-# 7ad6768): the paged Triton kernel 477 us (288 TFLOP/s, two query heads a program); torch
-# 2.11's varlen_attn 674 us (204) with the K/V heads repeated to 16 as that torch requires (it
-# has no enable_gqa), 500 us (275) for its kernel alone. The Triton kernel wins as the backend
-# can call them.
+# 7ad6768): the paged Triton kernel 512 us (269 TFLOP/s; 477 with two query heads a program);
+# torch 2.11's varlen_attn 674 us (204) with the K/V heads repeated to 16 as that torch
+# requires (it has no enable_gqa), 500 us (275) for its kernel alone. The Triton kernel wins
+# as the backend can call them.
 AUTO_FRESH_PREFILL = "triton"
 # The graph variant of cascade steps (see the module docstring).
 CASCADE = "cascade"
@@ -114,8 +114,8 @@ _COPY_BYTES_PER_US = 4.27e6
 # The shared-prefix launch's tiles on CUDA when neither the cascade config nor the backend
 # names one: W3's decode shape (256 rows, 2,048 shared keys, 16 query / 8 K/V heads; H200,
 # bench/bench_cascade_gpu.py --sweep-prefix, 7ad6768, us at 4 key splits): one head a program
-# 64 x 64 x 4 warps x 4 stages 20.7-21.0, 128 x 64 x 8 warps 20.3-20.5; the prefill default's
-# two heads a program (64 x 64 x 4 warps) 32.5: half the programs for a short batch.
+# 64 x 64 x 4 warps x 4 stages 20.7-21.0, 128 x 64 x 8 warps 20.3-20.5; two heads a program
+# (64 x 64 x 4 warps) 32.5: half the programs for a short batch.
 _CUDA_PREFIX_CONFIG = PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=4,
                                     pack_heads=1)
 

@@ -76,17 +76,21 @@ class PrefillConfig:
     :meth:`heads_per_program`); ``block_m`` counts query tokens, so a program holds ``block_m x
     heads`` rows.
 
-    Defaults from the H200 sweep (``bench/bench_attention_gpu.py --sweep``, 7ad6768; 8 x 2048
-    causal, bf16, 16 query / 8 K/V heads, head_dim 128): 64 x 64 tiles, 4 warps, 3 stages, 2
-    heads a program: 477 us (288 TFLOP/s); one head a program (the earlier default, 4 stages)
-    512 us (269); packed with 8 warps 561, 64 x 128 x 8 warps x 2 stages 505, 32 x 64 523.
+    Defaults from the H200 (bf16, 16 query / 8 K/V heads, head_dim 128): 64 x 64 tiles, 4
+    warps, 4 stages, one head a program. On the kernel alone (``bench/bench_attention_gpu.py
+    --sweep``, 8 x 2048 causal, 7ad6768) two heads a program with 3 stages is faster, 477 us
+    (288 TFLOP/s) against 512 (269), but through ``LLM.generate`` it lost (eb2ff50, one lease,
+    alternating processes, output tok/s): W3 43,683 / 43,848 and 44,563 / 43,962 against
+    47,147 / 46,422 and 45,487 / 46,762 one head a program; W2 3,482 against 3,450. Other
+    tiles: packed with 8 warps 561 us, 64 x 128 x 8 warps x 2 stages packed 505, 128 x 64 x 8
+    warps 546, 64 x 128 678.
     """
 
     block_m: int = 64
     block_n: int = 64
     num_warps: int = 4
-    num_stages: int = 3
-    pack_heads: int = 2
+    num_stages: int = 4
+    pack_heads: int = 1
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
