@@ -294,6 +294,7 @@ class LLMEngine:
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
             arrival_time=now,
             block_hasher=self.scheduler.block_hasher,
+            prompt_ids_checked=True,  # validate_request's own list of plain ints
         )
         detok = None
         if self.tokenizer is not None:

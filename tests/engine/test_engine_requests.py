@@ -256,6 +256,34 @@ def test_prompt_forms(llm):
         llm.generate({"prompt": "a", "x": 1}, p, use_tqdm=False)
 
 
+def test_queued_prompt_ids_are_plain_ints_and_not_shared(llm):
+    """The scheduler's request takes validate_request's list as it is (``prompt_ids_checked``,
+    no second conversion): plain ints from any prompt form (numpy ints converted once), never
+    the caller's list, and never the list a RequestOutput hands out."""
+    import numpy as np
+
+    from pagedkv.core.request import Request
+
+    engine = llm.engine
+    ids = llm.tokenizer.encode(TEXTS[1])
+    p = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for form in (ids, np.array(ids), [np.int64(t) for t in ids], tuple(ids)):
+        rid = engine.add_request(form, p)
+        req = engine.scheduler.requests[rid]
+        assert req.prompt_token_ids == ids and req.prompt_token_ids is not form
+        assert {type(t) for t in req.prompt_token_ids} == {int}
+        assert req.all_token_ids == ids and req.all_token_ids is not req.prompt_token_ids
+        out = engine.get_request(rid)
+        assert out.prompt_token_ids == ids and out.prompt_token_ids is not req.prompt_token_ids
+        engine.abort(rid)
+        engine.release(rid)
+    # without the flag a Request converts (numpy ints hash to other bytes)
+    r = Request("x", [np.int64(5), np.int64(7)])
+    assert r.prompt_token_ids == [5, 7] and {type(t) for t in r.prompt_token_ids} == {int}
+    own = [5, 7]
+    assert Request("y", own, prompt_ids_checked=True).prompt_token_ids is own
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_min_tokens_keeps_stop_tokens_out_until_reached(tiny_dir, async_scheduling):
     """min_tokens (vLLM semantics): before a request has min_tokens outputs its stop tokens
