@@ -12,9 +12,10 @@ flash-attention style: program ``(p, h)`` takes one tile of ``BLOCK_M`` query to
 request for the ``P`` query heads ``[h P, (h + 1) P)`` (``PrefillConfig.pack_heads``: ``P``
 heads of one K/V head packed into ``BLOCK_M x P`` rows, so each K/V tile loaded serves all of
 them; ``P = 1``: one head) and streams that request's K/V in ``BLOCK_N`` tiles with ``tl.dot``
-and an online softmax (base 2, fp32 accumulation). Tile ``p`` belongs to the request ``r`` with the largest
-``query_start_loc[r] // BLOCK_M + r <= p`` (a binary search on the device; request ``r``'s
-tiles fit between its bound and the next request's, so the grid depends on host ints only).
+and an online softmax (base 2, fp32 accumulation). Tile ``p`` belongs to the request ``r``
+with the largest ``query_start_loc[r] // BLOCK_M + r <= p`` (a binary search on the device;
+request ``r``'s tiles fit between its bound and the next request's, so the grid depends on
+host ints only).
 Within a request the tiles run last-first (the longest rows start first). Key tiles wholly
 visible to all rows of the query tile run without masks; only the tiles on the causal diagonal
 and the sequence end are masked. Positions past ``seq_lens[r]`` and block-table columns past
