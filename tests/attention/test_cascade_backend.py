@@ -106,6 +106,28 @@ def test_cascade_decode_equals_plain(kernel_device, block_size, shared, heads, d
                   seed=block_size + shared, config=config, split=config is ALWAYS)
 
 
+def test_cascade_packed_prefix_counts_head_programs(kernel_device):
+    """A prefix launch packing 2 query heads a program (group 4 -> 2 heads a program): its key
+    splits are sized by the launch's 4 head programs, not the 8 query heads, and the result
+    equals the plain path and the reference. By hand: 6 rows, block_m 16 -> 1 row tile;
+    prefix_waves 0.1 x 132 SMs -> 13 programs wanted; ceil(13 / (1 x 4)) = 4 splits (8 query
+    heads would give ceil(13 / 8) = 2); the 12-key prefix allows up to 12."""
+    import dataclasses
+
+    from pagedkv.attention.triton_prefill import PrefillConfig
+
+    cfg = dataclasses.replace(ALWAYS, prefix_waves=0.1, max_prefix_splits=64,
+                              prefix_config=PrefillConfig(block_m=16, block_n=16, num_warps=1,
+                                                          num_stages=1, pack_heads=2))
+    case = make_shared_case(DECODES, shared_blocks=3, block_size=4, num_heads=8, num_kv_heads=2,
+                            device=kernel_device, seed=21, write_new=True)
+    plan = TritonAttentionBackend(cascade=cfg).plan(case["meta"],
+                                                    AttentionLayout.of(case["q"], case["cache"]))
+    assert plan.cascade_parts(case["q"], case["cache"]).splits == 4
+    check_cascade(DECODES, config=cfg, shared_blocks=3, block_size=4, num_heads=8,
+                  num_kv_heads=2, device=kernel_device, seed=21, write_new=True)
+
+
 def test_cascade_decode_with_graph_padding(kernel_device):
     check_cascade(DECODES[:4], shared_blocks=2, block_size=4, device=kernel_device,
                   pad_tokens=3, padded_reqs=3, seed=11)
