@@ -48,6 +48,11 @@ VARIANTS = {
     "t64s4": DecodeConfig(tile_n=64, num_stages=4),
     "w2": DecodeConfig(num_warps=2),
     "w8": DecodeConfig(num_warps=8),
+    # query heads a reduce program merges (default 4)
+    "rh1": DecodeConfig(reduce_heads=1),
+    "rh2": DecodeConfig(reduce_heads=2),
+    "rh8": DecodeConfig(reduce_heads=8),
+    "rh16": DecodeConfig(reduce_heads=16),
 }
 
 

@@ -73,10 +73,12 @@ def build_pagedkv(args) -> tuple[LLM, str]:
         tensor_parallel_size=args.tensor_parallel_size,
         decode_context_parallel_size=args.decode_context_parallel_size,
     )
-    if args.no_cascade or args.prefill_config:
+    if args.no_cascade or args.prefill_config or args.reduce_heads:
         # the Triton backend with cascade (shared-prefix) attention off, or with other
-        # prefill launches (which the cascade prefix launch then takes as well)
+        # prefill launches (which the cascade prefix launch then takes as well), or another
+        # reduce width of the decode kernel
         from pagedkv.attention.triton_backend import CascadeConfig, TritonAttentionBackend
+        from pagedkv.attention.triton_decode import DecodeConfig
         from pagedkv.attention.triton_prefill import PrefillConfig
 
         pc = None
@@ -84,8 +86,10 @@ def build_pagedkv(args) -> tuple[LLM, str]:
             bm, bn, w, st, pack = (int(v) for v in args.prefill_config.split(","))
             pc = PrefillConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st,
                                pack_heads=pack)
+        dc = DecodeConfig(reduce_heads=args.reduce_heads) if args.reduce_heads else None
         kw["attention_backend"] = TritonAttentionBackend(
-            prefill_config=pc, cascade=None if args.no_cascade else CascadeConfig())
+            prefill_config=pc, decode_config=dc,
+            cascade=None if args.no_cascade else CascadeConfig())
     if args.model:
         return LLM(args.model, tokenizer=False, **kw), args.model
     return LLM.from_shape(args.shape, **kw), f"{args.shape} (random weights)"
@@ -274,6 +278,8 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-config", default=None, metavar="BM,BN,WARPS,STAGES,PACK",
                    help="the Triton backend's prefill launches (PrefillConfig: tokens and keys "
                         "a tile, warps, stages, query heads a program), e.g. 64,64,4,4,1 (A/B)")
+    p.add_argument("--reduce-heads", type=int, default=None, metavar="N",
+                   help="query heads a decode reduce program merges (DecodeConfig.reduce_heads)")
     p.add_argument("--splitk", action=argparse.BooleanOptionalAction, default=None,
                    help="the decode-step o / down projections through the split-K kernel "
                         "(pagedkv.kernels.splitk_gemm; on by default) or cuBLAS (A/B runs)")

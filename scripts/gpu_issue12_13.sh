@@ -6,7 +6,9 @@
 # decode sweep and W1 / W2 on an FP8 cache, with GEMM=1 the decode-GEMM bench, with SPLITK=1 the
 # split-K GEMM sweep and W1 with / without it, with REDUCE=1 (OLD_TREE=DIR) the decode kernel on
 # mixed lengths against an older tree's, with PREFILL=1 the prefill / cascade-prefix tile sweeps
-# (packed heads) and their GPU tests, with W1_AB=1 W1 split-K on / off twice. Logs/JSON under $OUT. SKIP_* skip single steps;
+# (packed heads) and their GPU tests, with W1_AB=1 W1 split-K on / off twice, with NCU=1 Nsight
+# Compute sections of the attention launches (bench/ncu_attention_driver.py), with REDUCE_AB=1
+# the decode reduce's heads per program (mixed lengths, W1 4 vs 1 twice). Logs/JSON under $OUT. SKIP_* skip single steps;
 # more than ~550 s of steps needs two calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,8 +16,24 @@ OUT=${OUT:-/tmp/pagedkv-gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 cat COMMIT 2>/dev/null | tee "$OUT/env.txt"
 run() { local name=$1 t=$2; shift 2; echo "== $name"; timeout $t "$@" 2>&1 | grep -v -i warn | tee "$OUT/$name.log" | tail -${TAIL:-14}; }
+if [ -n "${NCU:-}" ]; then  # Nsight Compute counters of the prefill / cascade-prefix / decode launches, and their TTGIR / PTX
+  cases="prefill prefill_packed prefix decode_mixed decode_mixed_rh1"
+  TAIL=20 run ncu_regs 120 python3 bench/ncu_attention_driver.py --dump "$OUT/asm" $cases
+  timeout 300 ncu --clock-control none --profile-from-start off --section SpeedOfLight --section Occupancy \
+    --section LaunchStats --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
+    --section MemoryWorkloadAnalysis python3 bench/ncu_attention_driver.py $cases > "$OUT/ncu.txt" 2>&1; tail -4 "$OUT/ncu.txt"
+  tar czf "$OUT/asm.tgz" -C "$OUT" asm && rm -rf "$OUT/asm"
+fi
+if [ -n "${REDUCE_AB:-}" ]; then  # query heads per decode reduce program: the kernel on mixed lengths, then W1 with 4 (default) / 1, twice each
+  TAIL=10 run decode_mixed_rh 200 python3 bench/bench_decode_mixed.py --batches 8,64,128,200,256 --splits '' \
+    --min-split-tokens '' --variants rh1,rh2,rh8 --out "$OUT/decode_mixed_rh.json"
+  for i in 1 2; do
+    run w1_rh4_$i 120 python3 bench/bench_w1.py --json "$OUT/w1_rh4_$i.json"
+    run w1_rh1_$i 120 python3 bench/bench_w1.py --reduce-heads 1 --json "$OUT/w1_rh1_$i.json"
+  done
+fi
 if [ -n "${PROFILE:-}" ]; then
-  TAIL=40 run profile_w1 240 python3 bench/profile_w1_gpu.py --out "$OUT/prof_w1" --no-trace-files --windows ${W1_WINDOWS:-4:7,400:403,800:803}
+  [ -z "${SKIP_PROFILE_W1:-}" ] && TAIL=40 run profile_w1 240 python3 bench/profile_w1_gpu.py --out "$OUT/prof_w1" --no-trace-files --windows ${W1_WINDOWS:-4:7,400:403,800:803}
   TAIL=40 run profile_w3 200 python3 bench/profile_w1_gpu.py --workload w3 --out "$OUT/prof_w3" --no-trace-files --windows ${W3_WINDOWS:-4:7,40:43,150:153}
 fi
 if [ -n "${FP8:-}" ]; then

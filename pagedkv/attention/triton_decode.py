@@ -21,9 +21,10 @@ Kernel (``_decode_kernel``), grid ``(num_reqs, Hkv, num_splits)``:
     uses only ``min(num_splits, ceil(tiles / min_split_tiles))`` ranges, so short contexts in a
     split launch do not pay for splitting. A request that ends up in one range writes its
     normalized output directly; otherwise each range stores its partial ``(max, sum, acc)`` in
-    fp32 and ``_decode_reduce_kernel`` (grid ``(num_reqs, H)``) merges them, loading 8 ranges
-    per iteration at once (one compiled variant for every split count; on the H200 as fast as
-    a loop over single ranges within lease variance, with fewer dependent loads for 16-32
+    fp32 and ``_decode_reduce_kernel`` (grid ``(num_reqs, H / reduce_heads)``: each program
+    merges ``DecodeConfig.reduce_heads`` query heads) merges them, loading 8 ranges per
+    iteration at once (one compiled variant for every split count; on the H200 as fast as a
+    loop over single ranges within lease variance, with fewer dependent loads for 16-32
     ranges). Merging inside the split kernel (the last range of a request merges, after an
     atomic ticket) was measured slower (BENCHMARKS.md) and is not used.
 
@@ -116,6 +117,9 @@ class DecodeConfig:
     of >= 32 positions) 3-18% faster at every batch size from 8 to 256; the regimes' values
     are the sweep's best or within 1% of it. ``min_split_tokens`` (when set) overrides every
     regime's minimum (sweeps, tests).
+
+    ``reduce_heads``: query heads one program of the reduce kernel merges (a power of two; the
+    merge is a latency-bound round trip per program, so fewer, wider programs finish sooner).
     """
 
     tile_n: int = 32
@@ -132,6 +136,7 @@ class DecodeConfig:
     balanced_min_programs_per_sm: float = 2.0
     wave_programs_per_sm: float = 5.0
     balanced_fraction: float = 0.8
+    reduce_heads: int = 4
 
     def __post_init__(self):
         if self.tile_n < 16 or self.tile_n & (self.tile_n - 1):
@@ -145,6 +150,9 @@ class DecodeConfig:
             raise ConfigError("DecodeConfig: split counts and small_waves must be positive")
         if self.num_warps < 1 or self.num_stages < 1:
             raise ConfigError("DecodeConfig: num_warps and num_stages must be positive")
+        r = self.reduce_heads
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1 or r & (r - 1):
+            raise ConfigError(f"DecodeConfig.reduce_heads must be a power of two >= 1, got {r!r}")
         if not 0 <= self.balanced_min_programs_per_sm <= self.wave_programs_per_sm \
                 or not 0.0 < self.balanced_fraction <= 1.0:
             raise ConfigError("DecodeConfig: need 0 <= balanced_min_programs_per_sm <= "
@@ -406,27 +414,32 @@ def _decode_reduce_kernel(
     lse_ptr=None,
     lse_s0=0,
     WRITE_LSE: tl.constexpr = False,
+    BLOCK_H: tl.constexpr = 1,
 ):
-    """Program ``(r, h)`` merges the split ranges of query head ``h`` of request ``r``. The
-    request's rows, its length and its first ``SPLIT_CHUNK`` ranges of partials are loaded at
-    once, before anything is known about them (every address depends on ``r`` and ``h`` only;
-    ranges the request did not use are masked out of the merge by value, so stale partials
-    never reach the output): one round trip to memory for up to ``SPLIT_CHUNK`` ranges, where
-    loading the lengths first and the partials after them took two more."""
+    """Program ``(r, b)`` merges the split ranges of query heads ``[b BLOCK_H, (b + 1)
+    BLOCK_H)`` of request ``r`` (heads past ``NUM_HEADS`` masked). The request's rows, its
+    length and its first ``SPLIT_CHUNK`` ranges of partials are loaded at once, before anything
+    is known about them (every address depends on ``r`` and the heads only; ranges the request
+    did not use are masked out of the merge by value, so stale partials never reach the
+    output): one round trip to memory for up to ``SPLIT_CHUNK`` ranges, where loading the
+    lengths first and the partials after them took two more. Several heads a program: fewer
+    programs, each as long (the merge is latency, not bytes)."""
     r = tl.program_id(0)
-    h = tl.program_id(1)
+    hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = hh < NUM_HEADS
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
     c = tl.arange(0, SPLIT_CHUNK)
-    base = (r.to(tl.int64) * NUM_HEADS + h) * num_splits
+    base = (r.to(tl.int64) * NUM_HEADS + hh) * num_splits  # [BLOCK_H]
     q_row = tl.load(qsl_ptr + r)
     q_end = tl.load(qsl_ptr + r + 1)
     seq_len = tl.load(seq_ptr + r)
-    in_buf = c < num_splits
-    m = tl.load(m_ptr + base + c, mask=in_buf, other=float("-inf"))
-    l = tl.load(l_ptr + base + c, mask=in_buf, other=0.0)
-    a = tl.load(acc_ptr + (base + c)[:, None] * D_PAD + d[None, :],
-                mask=in_buf[:, None] & d_ok[None, :], other=0.0)
+    idx = base[:, None] + c[None, :]  # [BLOCK_H, SPLIT_CHUNK]
+    in_buf = h_ok[:, None] & (c < num_splits)[None, :]
+    m = tl.load(m_ptr + idx, mask=in_buf, other=float("-inf"))
+    l = tl.load(l_ptr + idx, mask=in_buf, other=0.0)
+    a = tl.load(acc_ptr + idx[:, :, None] * D_PAD + d[None, None, :],
+                mask=in_buf[:, :, None] & d_ok[None, None, :], other=0.0)
     if q_end - q_row != 1:
         return
     t0, t1, per, n_tiles = _split_range(seq_len, _window_start(seq_len, window), 0, num_splits,
@@ -435,32 +448,34 @@ def _decode_reduce_kernel(
         return  # written directly by the split kernel
     used = tl.cdiv(n_tiles, per)
     # ranges [sp, sp + SPLIT_CHUNK) per iteration (one variant for every split count), merged
-    # online in base 2
-    m_run = tl.full([], float("-inf"), tl.float32)
-    l_run = tl.full([], 0.0, tl.float32)
-    acc = tl.zeros([D_PAD], tl.float32)
+    # online in base 2; a masked head's row is all -inf and never stored
+    m_run = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_run = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D_PAD], tl.float32)
     sp = tl.full([], 0, tl.int32)
     while sp < used:
         if sp > 0:  # ranges past the first chunk (more than SPLIT_CHUNK splits)
-            in_buf = (sp + c) < num_splits
-            m = tl.load(m_ptr + base + sp + c, mask=in_buf, other=float("-inf"))
-            l = tl.load(l_ptr + base + sp + c, mask=in_buf, other=0.0)
-            a = tl.load(acc_ptr + (base + sp + c)[:, None] * D_PAD + d[None, :],
-                        mask=in_buf[:, None] & d_ok[None, :], other=0.0)
-        ok = (sp + c) < used
+            idx = base[:, None] + (sp + c)[None, :]
+            in_buf = h_ok[:, None] & ((sp + c) < num_splits)[None, :]
+            m = tl.load(m_ptr + idx, mask=in_buf, other=float("-inf"))
+            l = tl.load(l_ptr + idx, mask=in_buf, other=0.0)
+            a = tl.load(acc_ptr + idx[:, :, None] * D_PAD + d[None, None, :],
+                        mask=in_buf[:, :, None] & d_ok[None, None, :], other=0.0)
+        ok = ((sp + c) < used)[None, :]
         m = tl.where(ok, m, float("-inf"))
-        m_new = tl.maximum(m_run, tl.max(m, 0))
+        m_new = tl.maximum(m_run, tl.max(m, 1))
         alpha = tl.exp2(m_run - m_new)
-        w = tl.exp2(m - m_new)  # 0 for the ranges not used
-        l_run = l_run * alpha + tl.sum(tl.where(ok, w * l, 0.0), 0)
-        acc = acc * alpha + tl.sum(tl.where(ok[:, None], w[:, None] * a, 0.0), 0)
+        w = tl.exp2(m - m_new[:, None])  # 0 for the ranges not used
+        l_run = l_run * alpha + tl.sum(tl.where(ok, w * l, 0.0), 1)
+        acc = acc * alpha[:, None] + tl.sum(tl.where(ok[:, :, None], w[:, :, None] * a, 0.0), 1)
         m_run = m_new
         sp += SPLIT_CHUNK
-    l_run = _sink_denominator(l_run, m_run, sinks_ptr, h, h < NUM_HEADS, HAS_SINKS)
-    tl.store(out_ptr + q_row.to(tl.int64) * o_s0 + h.to(tl.int64) * o_s1 + d,
-             (acc / l_run).to(out_ptr.dtype.element_ty), mask=d_ok)
+    l_run = _sink_denominator(l_run, m_run, sinks_ptr, hh, h_ok, HAS_SINKS)
+    tl.store(out_ptr + q_row.to(tl.int64) * o_s0 + hh[:, None].to(tl.int64) * o_s1 + d[None, :],
+             (acc / l_run[:, None]).to(out_ptr.dtype.element_ty),
+             mask=h_ok[:, None] & d_ok[None, :])
     if WRITE_LSE:
-        tl.store(lse_ptr + q_row.to(tl.int64) * lse_s0 + h, _lse(m_run, l_run))
+        tl.store(lse_ptr + q_row.to(tl.int64) * lse_s0 + hh, _lse(m_run, l_run), mask=h_ok)
 
 
 def paged_decode_attention(
@@ -594,7 +609,8 @@ def paged_decode_attention(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
-        _decode_reduce_kernel[(num_reqs, shape.num_heads)](
+        block_h = min(cfg.reduce_heads, next_pow2(shape.num_heads))
+        _decode_reduce_kernel[(num_reqs, cdiv(shape.num_heads, block_h))](
             query_start_loc, seq_lens, num_reqs, num_splits, min_split_tiles, window,
             out, out.stride(0), out.stride(1),
             m_buf, l_buf, acc_buf,
@@ -602,7 +618,7 @@ def paged_decode_attention(
             NUM_HEADS=shape.num_heads, HEAD_DIM=shape.head_dim, D_PAD=d_pad,
             TILE_N=cfg.tile_n, SPLIT_CHUNK=8, HAS_SINKS=sinks is not None,
             lse_ptr=lse, lse_s0=0 if lse is None else lse.stride(0), WRITE_LSE=lse is not None,
-            num_warps=4 if d_pad >= 128 else 1,
+            BLOCK_H=block_h, num_warps=4 if d_pad >= 128 else 1,
         )
     return out
 

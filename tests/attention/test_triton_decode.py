@@ -221,6 +221,44 @@ def test_decode_reduce_ignores_stale_partials(kernel_device):
     check(case, out)
 
 
+@pytest.mark.parametrize("reduce_heads", [1, 2, 4, 8])
+def test_decode_reduce_heads_per_program(kernel_device, reduce_heads):
+    """The reduce merges ``reduce_heads`` query heads a program: 6 heads (3 K/V heads) with 4
+    or 8 a program leave heads past the sixth masked in the last program (never stored, no
+    NaN reaching the output); forced splits, attention sinks and the log-sum-exp all pass
+    through the merge and equal the torch twin; rows of the longer request stay untouched."""
+    reqs = [(90, 1), (3, 1), (41, 5), (200, 1)]
+    case = make_case(reqs, block_size=4, num_heads=6, num_kv_heads=3, device=kernel_device,
+                     write_new=True, seed=31)
+    m = case["meta"]
+    gen = torch.Generator().manual_seed(5)
+    sinks = torch.randn(6, generator=gen).to(kernel_device)
+    cfg = DecodeConfig(tile_n=16, num_warps=1, num_stages=1, min_split_tokens=16,
+                       reduce_heads=reduce_heads)
+    rows = case["q"].shape[0]
+    lse = torch.full((rows, 6), float("nan"), device=kernel_device)
+    out = poisoned_out(case)
+    paged_decode_attention(case["q"], case["cache"], m.block_table_tensor, m.query_start_loc,
+                           m.seq_lens, m.num_reqs, case["scale"], out, num_splits=5,
+                           config=cfg, sinks=sinks, lse=lse)
+    want_lse = torch.full((rows, 6), float("nan"), device=kernel_device)
+    want = paged_decode_attention_ref(case["q"], case["cache"], m.block_table_tensor,
+                                      m.query_start_loc, m.seq_lens, m.num_reqs, case["scale"],
+                                      poisoned_out(case), sinks=sinks, lse=want_lse)
+    dec = rows_of(case, lambda ql: ql == 1)
+    torch.testing.assert_close(out.cpu()[dec], want.cpu()[dec], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.cpu()[dec], want_lse.cpu()[dec], atol=1e-5, rtol=1e-5)
+    assert_rows_untouched(out, rows_of(case, lambda ql: ql != 1))
+    assert torch.isnan(lse.cpu()[rows_of(case, lambda ql: ql != 1)]).all()
+
+
+def test_decode_reduce_heads_config():
+    assert DecodeConfig().reduce_heads == 4
+    for bad in (0, 3, 6, True, 2.0):
+        with pytest.raises(ConfigError, match="reduce_heads"):
+            DecodeConfig(reduce_heads=bad)
+
+
 # ---- native GPU
 
 
