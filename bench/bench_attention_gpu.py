@@ -315,22 +315,21 @@ def bench_decode_shape(batch: int, ctx: int, sweep: bool, sms: int, base: Decode
 # prefill
 
 PREFILL_SWEEP = [
+    # with the block table loaded a tile ahead, 3 stages keep 2 K/V tiles in flight (4 stages:
+    # 3 tiles, 147 KB of shared memory, one program a multiprocessor)
     PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=4),
-    PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
     PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3),
-    PrefillConfig(block_m=64, block_n=128, num_warps=4, num_stages=3),
+    PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=2),
+    PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=4),
+    PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=3),
+    PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
+    PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
+    PrefillConfig(block_m=64, block_n=64, num_warps=8, num_stages=3),
+    PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3),
     # the two query heads of a K/V head packed into one program (rows = block_m x 2)
-    PrefillConfig(block_m=64, block_n=64, num_warps=8, num_stages=3, pack_heads=2),
-    PrefillConfig(block_m=64, block_n=64, num_warps=8, num_stages=4, pack_heads=2),
     PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, pack_heads=2),
-    PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=4, pack_heads=2),
-    PrefillConfig(block_m=64, block_n=128, num_warps=8, num_stages=3, pack_heads=2),
-    PrefillConfig(block_m=64, block_n=128, num_warps=8, num_stages=2, pack_heads=2),
-    PrefillConfig(block_m=32, block_n=64, num_warps=4, num_stages=4, pack_heads=2),
-    PrefillConfig(block_m=32, block_n=64, num_warps=4, num_stages=3, pack_heads=2),
-    PrefillConfig(block_m=32, block_n=128, num_warps=4, num_stages=3, pack_heads=2),
+    PrefillConfig(block_m=64, block_n=64, num_warps=8, num_stages=3, pack_heads=2),
     PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, pack_heads=2),
-    PrefillConfig(block_m=128, block_n=32, num_warps=8, num_stages=3, pack_heads=2),
 ]
 
 

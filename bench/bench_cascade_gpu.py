@@ -232,9 +232,9 @@ def bench_case(shape: Shape, generated: int, layers: int, dtype, device: str, cu
 
 
 # (block_m, block_n, num_warps, num_stages, pack_heads) x key splits tried by --sweep-prefix
-PREFIX_TILES = ((64, 64, 4, 4, 1), (128, 64, 8, 3, 1), (64, 64, 8, 3, 2), (64, 64, 4, 4, 2),
-                (32, 64, 4, 4, 2), (64, 128, 8, 3, 2), (32, 128, 4, 3, 2), (128, 64, 8, 2, 2))
-PREFIX_SPLITS = (1, 2, 4)
+PREFIX_TILES = ((64, 64, 4, 3, 1), (64, 64, 4, 4, 1), (64, 64, 4, 2, 1), (64, 32, 4, 4, 1),
+                (128, 64, 8, 3, 1), (64, 64, 8, 3, 2), (128, 64, 8, 2, 2))
+PREFIX_SPLITS = (1, 2, 4, 8)
 TINY_TILES = ((16, 16, 1, 1, 1), (16, 16, 1, 1, 2))
 
 

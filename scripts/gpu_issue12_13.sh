@@ -8,7 +8,8 @@
 # mixed lengths against an older tree's, with PREFILL=1 the prefill / cascade-prefix tile sweeps
 # (packed heads) and their GPU tests, with W1_AB=1 W1 split-K on / off twice, with NCU=1 Nsight
 # Compute sections of the attention launches (bench/ncu_attention_driver.py), with REDUCE_AB=1
-# the decode reduce's heads per program (mixed lengths, W1 4 vs 1 twice). Logs/JSON under $OUT. SKIP_* skip single steps;
+# the decode reduce's heads per program (mixed lengths, W1 4 vs 1 twice), with PREFILL_AB=1
+# (OLD_TREE=DIR) the prefill kernel's sweeps and W3 / W2 against an older tree's. Logs/JSON under $OUT. SKIP_* skip single steps;
 # more than ~550 s of steps needs two calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +24,16 @@ if [ -n "${NCU:-}" ]; then  # Nsight Compute counters of the prefill / cascade-p
     --section LaunchStats --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
     --section MemoryWorkloadAnalysis python3 bench/ncu_attention_driver.py $cases > "$OUT/ncu.txt" 2>&1; tail -4 "$OUT/ncu.txt"
   tar czf "$OUT/asm.tgz" -C "$OUT" asm && rm -rf "$OUT/asm"
+fi
+if [ -n "${PREFILL_AB:-}" ]; then  # the prefill kernel (block table a tile ahead): kernel and prefix sweeps, its GPU tests, then W3 / W2 (W1 with PREFILL_AB_W1=1) against OLD_TREE's alternating
+  TAIL=16 run prefill_sweep 150 python3 bench/bench_attention_gpu.py --sweep --skip-decode --out "$OUT/prefill_sweep.json"
+  TAIL=30 run cascade_prefix 150 python3 bench/bench_cascade_gpu.py --sweep-prefix --generated 128 --out "$OUT/cascade_prefix.json"
+  TAIL=4 run prefill_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/attention/test_triton_prefill.py \
+    tests/attention/test_cascade_kernels.py tests/attention/test_cascade_backend.py tests/attention/test_triton_decode.py
+  for w in w3 w2 ${PREFILL_AB_W1:+w1}; do
+    TAIL=3 run ${w}_new 150 python3 bench/bench_w1.py --workload $w --json "$OUT/${w}_new.json"
+    [ -n "${OLD_TREE:-}" ] && TAIL=3 run ${w}_old 150 sh -c "cd $OLD_TREE && PYTHONPATH=. python3 bench/bench_w1.py --workload $w --json $OUT/${w}_old.json"
+  done
 fi
 if [ -n "${REDUCE_AB:-}" ]; then  # query heads per decode reduce program: the kernel on mixed lengths, then W1 with 4 (default) / 1, twice each
   TAIL=10 run decode_mixed_rh 200 python3 bench/bench_decode_mixed.py --batches 8,64,128,200,256 --splits '' \

@@ -116,7 +116,7 @@ _COPY_BYTES_PER_US = 4.27e6
 # bench/bench_cascade_gpu.py --sweep-prefix, 7ad6768, us at 4 key splits): one head a program
 # 64 x 64 x 4 warps x 4 stages 20.7-21.0, 128 x 64 x 8 warps 20.3-20.5; two heads a program
 # (64 x 64 x 4 warps) 32.5: half the programs for a short batch.
-_CUDA_PREFIX_CONFIG = PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=4,
+_CUDA_PREFIX_CONFIG = PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3,
                                     pack_heads=1)
 
 

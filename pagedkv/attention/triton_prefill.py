@@ -90,7 +90,7 @@ class PrefillConfig:
     block_m: int = 64
     block_n: int = 64
     num_warps: int = 4
-    num_stages: int = 4
+    num_stages: int = 3
     pack_heads: int = 1
 
     def __post_init__(self):
@@ -118,9 +118,23 @@ def default_prefill_config(device: torch.device) -> PrefillConfig:
 
 
 @triton.jit
+def _tile_blocks(bt_row, bt_width, start, limit, BLOCK_SIZE: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """The block-table entries of key tile ``[start, start + BLOCK_N)``, one per key (0 for
+    keys at or past ``limit`` and columns past the table width: never read). The loops load
+    them one tile ahead (the next tile's while this one is computed), so each tile's K / V
+    copies depend on no load of their own iteration and Triton's pipeliner can issue them
+    ``num_stages - 1`` tiles ahead (a table load in the same iteration held them to one tile
+    ahead: H200, 8 x 2048 causal, BENCHMARKS.md)."""
+    n = start + tl.arange(0, BLOCK_N)
+    col = n // BLOCK_SIZE
+    return tl.load(bt_row + col, mask=(n < limit) & (col < bt_width), other=0)
+
+
+@triton.jit
 def _attend_tile(
     acc, l_i, m_i, q, q_pos,
-    k_ptr, v_ptr, bt_row, bt_width, c_sb, c_st, head_off,
+    k_ptr, v_ptr, blk, bt_width, c_sb, c_st, head_off,
     start, seq_len, kv_lo, window, d, scale_log2,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -135,18 +149,15 @@ def _attend_tile(
     """One key tile ``[start, start + BLOCK_N)`` of the online softmax. ``MASKED``: apply the
     causal mask (``CAUSAL``) and the sequence end (otherwise every key is visible to every
     row). With ``HAS_WINDOW`` (always masked) keys before ``kv_lo`` (the tile's first key in
-    any row's window) are not read, and row ``i`` sees keys ``> q_pos[i] - window``. K / V
-    are cast to ``q``'s dtype after the load (a no-op unless the cache is FP8)."""
+    any row's window) are not read, and row ``i`` sees keys ``> q_pos[i] - window``. ``blk``:
+    the tile's block-table entries (:func:`_tile_blocks`). K / V are cast to ``q``'s dtype
+    after the load (a no-op unless the cache is FP8)."""
     n = start + tl.arange(0, BLOCK_N)
-    col = n // BLOCK_SIZE
     if MASKED:
-        valid = (n < seq_len) & (col < bt_width)
+        valid = (n < seq_len) & (n // BLOCK_SIZE < bt_width)
         if HAS_WINDOW:
             valid = valid & (n >= kv_lo)
-    else:
-        valid = col < bt_width
-    blk = tl.load(bt_row + col, mask=valid, other=0).to(tl.int64)
-    tok = blk * c_sb + (n % BLOCK_SIZE).to(tl.int64) * c_st + head_off
+    tok = blk.to(tl.int64) * c_sb + (n % BLOCK_SIZE).to(tl.int64) * c_st + head_off
     if MASKED:
         kt = tl.load(k_ptr + tok[None, :] + d[:, None],
                      mask=valid[None, :] & (d < HEAD_DIM)[:, None], other=0.0)
@@ -290,34 +301,50 @@ def _prefill_kernel(
         else:
             first = s * per
             full_end = first + tl.maximum(end - first, 0) // BLOCK_N * BLOCK_N
+    # each loop loads the next tile's block-table entries while it computes this one's
+    # (:func:`_tile_blocks`); the masked tiles' entries up to the sequence end (keys past a
+    # tile's causal limit are read, then masked out of the scores: finite values, never NaN)
+    blk = _tile_blocks(bt_row, bt_width, first, full_end, BLOCK_SIZE, BLOCK_N)
     if RANGE_LOOP:  # compiled: for-range loops, software-pipelined by Triton
         for start in range(first, full_end, BLOCK_N):
-            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row,
+            nxt = _tile_blocks(bt_row, bt_width, start + BLOCK_N, full_end, BLOCK_SIZE, BLOCK_N)
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, blk,
                                          bt_width, c_sb, c_st, head_off, start, kv_end, kv_lo,
                                          window, d, scale_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
                                          D_PAD, False, DOT_PREC, HAS_WINDOW, SOFTCAP,
                                          CAUSAL)
+            blk = nxt
+        blk = _tile_blocks(bt_row, bt_width, full_end, kv_end, BLOCK_SIZE, BLOCK_N)
         for start in range(full_end, end, BLOCK_N):
-            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row,
+            nxt = _tile_blocks(bt_row, bt_width, start + BLOCK_N, kv_end, BLOCK_SIZE,
+                               BLOCK_N)
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, blk,
                                          bt_width, c_sb, c_st, head_off, start, kv_end, kv_lo,
                                          window, d, scale_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
                                          D_PAD, True, DOT_PREC, HAS_WINDOW, SOFTCAP,
                                          CAUSAL)
+            blk = nxt
     else:  # the interpreter cannot iterate range() over runtime scalars
         start = first + full_end * 0
         while start < full_end:
-            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row,
+            nxt = _tile_blocks(bt_row, bt_width, start + BLOCK_N, full_end, BLOCK_SIZE, BLOCK_N)
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, blk,
                                          bt_width, c_sb, c_st, head_off, start, kv_end, kv_lo,
                                          window, d, scale_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
                                          D_PAD, False, DOT_PREC, HAS_WINDOW, SOFTCAP,
                                          CAUSAL)
+            blk = nxt
             start += BLOCK_N
+        blk = _tile_blocks(bt_row, bt_width, start, kv_end, BLOCK_SIZE, BLOCK_N)
         while start < end:
-            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row,
+            nxt = _tile_blocks(bt_row, bt_width, start + BLOCK_N, kv_end, BLOCK_SIZE,
+                               BLOCK_N)
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, blk,
                                          bt_width, c_sb, c_st, head_off, start, kv_end, kv_lo,
                                          window, d, scale_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
                                          D_PAD, True, DOT_PREC, HAS_WINDOW, SOFTCAP,
                                          CAUSAL)
+            blk = nxt
             start += BLOCK_N
     if KV_FP8:
         acc = acc * v_scale
