@@ -9,7 +9,8 @@
 # (packed heads) and their GPU tests, with W1_AB=1 W1 split-K on / off twice, with NCU=1 Nsight
 # Compute sections of the attention launches (bench/ncu_attention_driver.py), with REDUCE_AB=1
 # the decode reduce's heads per program (mixed lengths, W1 4 vs 1 twice), with PREFILL_AB=1
-# (OLD_TREE=DIR) the prefill kernel's sweeps and W3 / W2 against an older tree's. Logs/JSON under $OUT. SKIP_* skip single steps;
+# (OLD_TREE=DIR) the prefill kernel's sweeps and W3 / W2 against an older tree's, with DECODE_AB=1
+# the decode kernel against the older tree's. Logs/JSON under $OUT. SKIP_* skip single steps;
 # more than ~550 s of steps needs two calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +35,13 @@ if [ -n "${PREFILL_AB:-}" ]; then  # the prefill kernel (block table a tile ahea
     TAIL=3 run ${w}_new 150 python3 bench/bench_w1.py --workload $w --json "$OUT/${w}_new.json"
     [ -n "${OLD_TREE:-}" ] && TAIL=3 run ${w}_old 150 sh -c "cd $OLD_TREE && PYTHONPATH=. python3 bench/bench_w1.py --workload $w --json $OUT/${w}_old.json"
   done
+fi
+if [ -n "${DECODE_AB:-}" ]; then  # the decode kernel (block table a tile ahead) against OLD_TREE's: equal lengths, then mixed lengths with stage / reduce variants
+  TAIL=8 run decode_new 150 python3 bench/bench_attention_gpu.py --skip-prefill --out "$OUT/decode_new.json"
+  [ -n "${OLD_TREE:-}" ] && TAIL=8 run decode_old 150 sh -c "cd $OLD_TREE && PYTHONPATH=. python3 bench/bench_attention_gpu.py --skip-prefill --out $OUT/decode_old.json"
+  args="--batches ${DECODE_BATCHES:-1,8,64,128,200,256} --splits '' --min-split-tokens ''"
+  TAIL=8 run mixed_new 200 sh -c "python3 bench/bench_decode_mixed.py $args --variants ${DECODE_VARIANTS:-s3,s4,rh1} --out $OUT/mixed_new.json"
+  [ -n "${OLD_TREE:-}" ] && TAIL=8 run mixed_old 150 sh -c "cd $OLD_TREE && PYTHONPATH=. python3 bench/bench_decode_mixed.py $args --variants '' --out $OUT/mixed_old.json"
 fi
 if [ -n "${REDUCE_AB:-}" ]; then  # query heads per decode reduce program: the kernel on mixed lengths, then W1 with 4 (default) / 1, twice each
   TAIL=10 run decode_mixed_rh 200 python3 bench/bench_decode_mixed.py --batches 8,64,128,200,256 --splits '' \
