@@ -279,30 +279,18 @@ def _lse(m_i, l_i):
 
 
 @triton.jit
-def _decode_blocks(bt_row, bt_width, t, seq_len, lo, BLOCK_SIZE: tl.constexpr,
-                   TILE_N: tl.constexpr):
-    """The block-table entries of tile ``t`` (positions ``[t TILE_N, (t + 1) TILE_N)``), one
-    per position, 0 where the position is not read. The loop loads them one tile ahead, so
-    the K / V copies of a tile depend on no load of their own iteration and Triton pipelines
-    them ``num_stages - 1`` tiles ahead (with the table load inside the tile: half as far)."""
-    n = t * TILE_N + tl.arange(0, TILE_N)
-    col = n // BLOCK_SIZE
-    return tl.load(bt_row + col, mask=(n < seq_len) & (n >= lo) & (col < bt_width), other=0)
-
-
-@triton.jit
-def _decode_tile(acc, l_i, m_i, q, t, seq_len, lo, k_ptr, v_ptr, blk, bt_width, c_sb, c_st,
+def _decode_tile(acc, l_i, m_i, q, t, seq_len, lo, k_ptr, v_ptr, bt_row, bt_width, c_sb, c_st,
                  head_off, d, scale_log2, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PREC: tl.constexpr,
                  SOFTCAP: tl.constexpr):
     """Positions ``[t * TILE_N, (t + 1) * TILE_N)`` of the online softmax; positions before
-    ``lo`` (outside the sliding window) are neither read nor attended. ``blk``: the tile's
-    block-table entries (:func:`_decode_blocks`). K / V are cast to ``q``'s dtype after the
-    load (a no-op unless the cache is FP8)."""
+    ``lo`` (outside the sliding window) are neither read nor attended. K / V are cast to
+    ``q``'s dtype after the load (a no-op unless the cache is FP8)."""
     n = t * TILE_N + tl.arange(0, TILE_N)
     col = n // BLOCK_SIZE
     valid = (n < seq_len) & (n >= lo) & (col < bt_width)
-    tok = blk.to(tl.int64) * c_sb + (n % BLOCK_SIZE).to(tl.int64) * c_st + head_off
+    blk = tl.load(bt_row + col, mask=valid, other=0).to(tl.int64)
+    tok = blk * c_sb + (n % BLOCK_SIZE).to(tl.int64) * c_st + head_off
     if HEAD_DIM == D_PAD:
         kv_mask = valid[:, None]
     else:
@@ -382,22 +370,17 @@ def _decode_kernel(
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
     bt_row = bt_ptr + r.to(tl.int64) * bt_s0
     head_off = kvh.to(tl.int64) * c_sh
-    blk = _decode_blocks(bt_row, bt_width, t0, seq_len, lo, BLOCK_SIZE, TILE_N)
     if RANGE_LOOP:  # compiled: a for-range loop, software-pipelined by Triton
         for t in range(t0, t1):
-            nxt = _decode_blocks(bt_row, bt_width, t + 1, seq_len, lo, BLOCK_SIZE, TILE_N)
-            acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, t, seq_len, lo, k_ptr, v_ptr, blk,
+            acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, t, seq_len, lo, k_ptr, v_ptr, bt_row,
                                          bt_width, c_sb, c_st, head_off, d, scale_log2,
                                          HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, DOT_PREC, SOFTCAP)
-            blk = nxt
     else:  # the interpreter cannot iterate range() over runtime scalars
         t = t0
         while t < t1:
-            nxt = _decode_blocks(bt_row, bt_width, t + 1, seq_len, lo, BLOCK_SIZE, TILE_N)
-            acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, t, seq_len, lo, k_ptr, v_ptr, blk,
+            acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, t, seq_len, lo, k_ptr, v_ptr, bt_row,
                                          bt_width, c_sb, c_st, head_off, d, scale_log2,
                                          HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, DOT_PREC, SOFTCAP)
-            blk = nxt
             t += 1
     if KV_FP8:
         acc = acc * v_scale
