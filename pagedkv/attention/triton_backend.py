@@ -113,9 +113,10 @@ _COPY_BYTES_PER_US = 4.27e6
 
 # The shared-prefix launch's tiles on CUDA when neither the cascade config nor the backend
 # names one: W3's decode shape (256 rows, 2,048 shared keys, 16 query / 8 K/V heads; H200,
-# bench/bench_cascade_gpu.py --sweep-prefix, 7ad6768, us at 4 key splits): one head a program
-# 64 x 64 x 4 warps x 4 stages 20.7-21.0, 128 x 64 x 8 warps 20.3-20.5; two heads a program
-# (64 x 64 x 4 warps) 32.5: half the programs for a short batch.
+# bench/bench_cascade_gpu.py --sweep-prefix --generated 128, 871c3d3, us at 4 key splits, the
+# block table read a tile ahead): one head a program 64 x 64 x 4 warps x 3 stages 19.5 (20.7
+# with the table inside the tile), x 2 stages 19.1, x 4 stages 29.2 (one program an SM),
+# 128 x 64 x 8 warps 18.9; two heads a program x 8 warps 18.9; 1, 2 or 8 splits slower.
 _CUDA_PREFIX_CONFIG = PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3,
                                     pack_heads=1)
 

@@ -78,13 +78,15 @@ class PrefillConfig:
     heads`` rows.
 
     Defaults from the H200 (bf16, 16 query / 8 K/V heads, head_dim 128): 64 x 64 tiles, 4
-    warps, 4 stages, one head a program. On the kernel alone (``bench/bench_attention_gpu.py
-    --sweep``, 8 x 2048 causal, 7ad6768) two heads a program with 3 stages is faster, 477 us
-    (288 TFLOP/s) against 512 (269), but through ``LLM.generate`` it lost (eb2ff50, one lease,
-    alternating processes, output tok/s): W3 43,683 / 43,848 and 44,563 / 43,962 against
-    47,147 / 46,422 and 45,487 / 46,762 one head a program; W2 3,482 against 3,450. Other
-    tiles: packed with 8 warps 561 us, 64 x 128 x 8 warps x 2 stages packed 505, 128 x 64 x 8
-    warps 546, 64 x 128 678.
+    warps, 3 stages, one head a program. With the block table read a tile ahead
+    (:func:`_tile_blocks`), 3 stages keep two K/V tiles in flight in 112 KB of shared memory:
+    two programs a multiprocessor. ``bench/bench_attention_gpu.py --sweep`` (8 x 2048 causal,
+    871c3d3, us): 487 (282 TFLOP/s; 512 with the table inside the tile); 4 stages 752 (147 KB:
+    one program an SM); 64 x 32 x 3 stages 465; 128 x 64 x 8 warps 469; 128 x 128 x 8 warps
+    469; two heads a program x 8 warps 452 (304 TFLOP/s), x 4 warps 1369 (131 KB, 255
+    registers). Through ``LLM.generate`` 128 x 64 x 8 warps lost W3 (42,639 against 46,593
+    output tok/s, one lease); in the eighth session two heads a program (64 x 64 x 4 warps x 3
+    stages, the table inside the tile) lost W3 by 5% too.
     """
 
     block_m: int = 64
