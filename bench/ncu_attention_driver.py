@@ -9,7 +9,8 @@ case runs once between ``cudaProfilerStart`` / ``cudaProfilerStop``, so
 * ``prefill``: ``paged_prefill_attention`` 8 x 2048 causal, the default ``PrefillConfig``;
 * ``prefill_packed``: the same with two query heads a program (64 x 64, 4 warps, 3 stages);
 * ``prefix``: cascade attention's shared-prefix launch on W3's decode shape: 256 query rows,
-  non-causal over 2,048 shared positions, 4 key splits with log-sum-exps;
+  non-causal over 2,048 shared positions, 4 key splits with log-sum-exps, the engine's
+  ``default_prefix_config``;
 * ``decode_mixed``: ``paged_decode_attention`` on 200 requests of lengths U[100, 2048] with the
   split count a CUDA graph bakes in for ``max_model_len`` 4096 (the split kernel and the
   reduce kernel: W1's decode shape); ``decode_mixed_rh1``: the same, one head a reduce
@@ -38,6 +39,7 @@ from pagedkv.attention.triton_decode import (  # noqa: E402
     _decode_kernel,
     paged_decode_attention,
 )
+from pagedkv.attention.triton_backend import default_prefix_config  # noqa: E402
 from pagedkv.attention.triton_prefill import (  # noqa: E402
     PrefillConfig,
     _prefill_kernel,
@@ -76,7 +78,7 @@ def case_prefix():
     lens = torch.tensor([prefix], dtype=torch.int32, device="cuda")
     out = torch.empty((splits, rows, H, D), device="cuda", dtype=torch.float32)
     lse = torch.empty((splits, rows, H), device="cuda", dtype=torch.float32)
-    cfg = PrefillConfig(64, 64, 4, 4, 1)
+    cfg = default_prefix_config(torch.device("cuda"))  # the engine's prefix launch
     return lambda: paged_prefill_attention(q, cache, table, qsl, lens, 1, SCALE, out,
                                            num_tokens=rows, config=cfg, causal=False, lse=lse,
                                            kv_splits=splits)
