@@ -1,0 +1,191 @@
+"""What a Triton kernel becomes on a Hopper GPU, found without one: compile for sm_90 on the CPU.
+
+``triton.compile`` with ``GPUTarget("cuda", 90, 32)`` runs the whole NVIDIA pipeline (TTIR,
+TTGIR with its software pipelining, PTX, and Triton's bundled ``ptxas`` to a cubin) on any
+machine; Triton's bundled ``cuobjdump`` then reads the registers and local memory (spills)
+from the cubin. :func:`report` returns, for one launch configuration:
+
+* ``shared`` (bytes of shared memory a program), ``regs`` (registers a thread), ``local``
+  (bytes of local memory a thread: spills);
+* ``waits``: the ``num`` of every ``ttg.async_wait`` in the TTGIR, in order. In a pipelined
+  loop, ``num = k`` lets ``k`` copy groups stay in flight while the iteration computes; ``0``
+  inside a loop means every iteration waits for its own copies (the prefill kernel's state
+  before the ninth session: BENCHMARKS.md);
+* ``loops``: the ``scf.for`` loops; ``programs_per_sm``: how many programs fit on one H200 /
+  H100 multiprocessor by registers (65,536; a thread's count rounded up to 8), shared memory
+  (233,472 bytes, 1,024 reserved per program), warps (64) and the 32-program limit.
+
+Presets for this project's attention kernels on Qwen3-0.6B's attention (bf16, 16 query / 8 K/V
+heads, head_dim 128, block 16): :func:`prefill_report` (``PrefillConfig``; causal prefill or
+the cascade prefix's non-causal launch with log-sum-exps) and :func:`decode_report`
+(``DecodeConfig``). The kernel modules must be imported without ``TRITON_INTERPRET`` (the
+interpreter replaces the kernels with Python functions): the command line clears it and runs
+itself in a fresh process when it is set::
+
+    python -m pagedkv.tools.sm90_report prefill 64,64,4,3,1 [--prefix] [--json]
+    python -m pagedkv.tools.sm90_report decode 32,4,5
+
+The numbers are the compiler's, not the device's: what runs faster is measured on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+REGS_PER_SM = 65536
+SHARED_PER_SM = 233472
+SHARED_RESERVED = 1024
+WARPS_PER_SM = 64
+PROGRAMS_PER_SM = 32
+
+# the attention shape of the presets (Qwen3-0.6B)
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16
+
+
+def programs_per_sm(regs: int, num_warps: int, shared: int) -> int:
+    """Programs of ``num_warps`` warps, ``regs`` registers a thread and ``shared`` bytes of
+    shared memory that fit on one Hopper multiprocessor at once."""
+    per_thread = -(-max(regs, 1) // 8) * 8
+    by_regs = REGS_PER_SM // (per_thread * 32 * num_warps)
+    by_shared = SHARED_PER_SM // (shared + SHARED_RESERVED)
+    by_warps = WARPS_PER_SM // num_warps
+    return max(0, min(by_regs, by_shared, by_warps, PROGRAMS_PER_SM))
+
+
+def _cuobjdump() -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def report(kernel, constexprs: dict, pointers: dict, floats: set, aligned: set,
+           num_warps: int, num_stages: int) -> dict:
+    """Compile ``kernel`` (a ``triton.jit`` function, not interpreted) for sm_90. ``constexprs``:
+    the constexpr arguments; ``pointers``: argument -> Triton pointer type (``"*bf16"``);
+    ``floats``: fp32 arguments; every other argument is an i32; ``aligned``: arguments the
+    launcher would specialize as 16-divisible (pointers, strides that are)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from triton.runtime.jit import JITFunction
+
+    if not isinstance(kernel, JITFunction):
+        raise TypeError("report: the kernel is interpreted (TRITON_INTERPRET is set); run "
+                        "`python -m pagedkv.tools.sm90_report`, which clears it")
+    names = kernel.arg_names
+    sig = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n in floats else "i32")
+           for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in aligned}
+    k = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=dict(constexprs),
+                                 attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": num_warps, "num_stages": num_stages})
+    ttgir = k.asm["ttgir"]
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([_cuobjdump(), "--dump-resource-usage", f.name],
+                               capture_output=True, text=True, check=True).stdout
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    local = int(re.search(r"LOCAL:(\d+)", usage).group(1))
+    shared = int(k.metadata.shared)
+    return {
+        "shared": shared, "regs": regs, "local": local,
+        "waits": [int(m) for m in re.findall(r"ttg\.async_wait[^\n]*\{num = (\d+)", ttgir)],
+        "loops": ttgir.count("scf.for"),
+        "num_warps": num_warps, "num_stages": num_stages,
+        "programs_per_sm": programs_per_sm(regs, num_warps, shared),
+    }
+
+
+def prefill_report(config, causal: bool = True) -> dict:
+    """``_prefill_kernel`` under ``config`` (a ``PrefillConfig``): causal prefill, or with
+    ``causal=False`` the cascade prefix's launch (float32 output, log-sum-exps)."""
+    from pagedkv.attention.triton_prefill import _prefill_kernel
+
+    const = dict(HAS_WINDOW=False, SOFTCAP=0.0, HAS_SINKS=False, GROUP=HEADS // KV_HEADS,
+                 HEAD_DIM=HEAD_DIM, D_PAD=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE,
+                 BLOCK_M=config.block_m, BLOCK_N=config.block_n, DOT_PREC="tf32",
+                 RANGE_LOOP=True, CAUSAL=causal, WRITE_LSE=not causal, KV_FP8=False,
+                 Q_FP16=False, PACK=config.heads_per_program(HEADS // KV_HEADS))
+    ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", bt_ptr="*i32", qsl_ptr="*i32",
+                seq_ptr="*i32", out_ptr="*bf16" if causal else "*fp32", sinks_ptr="*bf16",
+                lse_ptr="*fp32")
+    aligned = set(ptrs) | {"q_s0", "q_s1", "c_sb", "c_st", "c_sh", "o_s0", "o_s1", "bt_s0",
+                           "lse_s0", "o_split", "lse_split"}
+    return report(_prefill_kernel, const, ptrs, {"scale_log2", "v_scale"}, aligned,
+                  config.num_warps, config.num_stages)
+
+
+def decode_report(config) -> dict:
+    """``_decode_kernel`` under ``config`` (a ``DecodeConfig``'s tile, warps and stages)."""
+    from pagedkv.attention.triton_decode import _decode_kernel
+
+    group = HEADS // KV_HEADS
+    const = dict(SOFTCAP=0.0, HAS_SINKS=False, NUM_HEADS=HEADS, GROUP=group,
+                 GROUP_PAD=max(16, group), HEAD_DIM=HEAD_DIM, D_PAD=HEAD_DIM,
+                 BLOCK_SIZE=BLOCK_SIZE, TILE_N=config.tile_n, DOT_PREC="tf32",
+                 RANGE_LOOP=True, WRITE_LSE=False, KV_FP8=False, Q_FP16=False)
+    ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", bt_ptr="*i32", qsl_ptr="*i32",
+                seq_ptr="*i32", out_ptr="*bf16", m_ptr="*fp32", l_ptr="*fp32",
+                acc_ptr="*fp32", sinks_ptr="*bf16", lse_ptr="*fp32")
+    aligned = set(ptrs) | {"q_s0", "q_s1", "c_sb", "c_st", "c_sh", "o_s0", "o_s1", "bt_s0",
+                           "lse_s0"}
+    return report(_decode_kernel, const, ptrs, {"scale_log2", "v_scale"}, aligned,
+                  config.num_warps, config.num_stages)
+
+
+def _ints(text: str, n: int, what: str) -> list[int]:
+    vals = [int(v) for v in text.split(",")]
+    if len(vals) != n:
+        raise SystemExit(f"{what}: expected {n} comma-separated ints, got {text!r}")
+    return vals
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("kernel", choices=["prefill", "decode"])
+    p.add_argument("config", nargs="?", default=None,
+                   help="prefill: BM,BN,WARPS,STAGES,PACK; decode: TILE,WARPS,STAGES "
+                        "(default: the CUDA defaults)")
+    p.add_argument("--prefix", action="store_true",
+                   help="prefill: the cascade prefix's non-causal launch")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET"):  # the kernels must compile: a fresh process
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        return subprocess.run([sys.executable, "-m", "pagedkv.tools.sm90_report",
+                               *(argv if argv is not None else sys.argv[1:])], env=env).returncode
+    if args.kernel == "prefill":
+        from pagedkv.attention.triton_prefill import PrefillConfig
+
+        cfg = PrefillConfig()
+        if args.config:
+            bm, bn, w, st, pack = _ints(args.config, 5, "prefill config")
+            cfg = PrefillConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st,
+                                pack_heads=pack)
+        rep = prefill_report(cfg, causal=not args.prefix)
+    else:
+        from pagedkv.attention.triton_decode import DecodeConfig
+
+        cfg = DecodeConfig()
+        if args.config:
+            tile, w, st = _ints(args.config, 3, "decode config")
+            cfg = DecodeConfig(tile_n=tile, num_warps=w, num_stages=st)
+        rep = decode_report(cfg)
+    if args.json:
+        print(json.dumps(rep))
+    else:
+        print(" ".join(f"{k}={v}" for k, v in rep.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""``pagedkv.tools.sm90_report``: the occupancy arithmetic by hand, and one real compile."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import triton
+
+from pagedkv.tools.sm90_report import programs_per_sm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_programs_per_sm_by_hand():
+    # the prefill default: 224 x 32 x 4 = 28,672 registers (2 by registers); 114,688 + 1,024
+    # bytes of shared memory (233,472 // 115,712 = 2)
+    assert programs_per_sm(224, 4, 114688) == 2
+    # the decode default: 96 x 128 = 12,288 registers (5); 38,144 + 1,024 shared (5)
+    assert programs_per_sm(96, 4, 38144) == 5
+    # registers round up to 8 a thread: 110 -> 112, 65,536 // 14,336 = 4
+    assert programs_per_sm(110, 4, 21632) == 4
+    assert programs_per_sm(104, 4, 21632) == 4 and programs_per_sm(102, 4, 21632) == 4
+    assert programs_per_sm(96, 4, 21632) == 5
+    # shared memory: 147,456 + 1,024 leaves room for one
+    assert programs_per_sm(128, 4, 147456) == 1
+    # warps: 16-warp programs, 64 warps an SM; tiny programs stop at 32
+    assert programs_per_sm(32, 16, 0) == 4
+    assert programs_per_sm(16, 1, 0) == 32
+    assert programs_per_sm(255, 8, 233472) == 0
+
+
+@pytest.mark.skipif(not triton.__version__.startswith("3.6."),
+                    reason="the numbers checked are Triton 3.6's compiler's")
+def test_decode_report_cli_under_the_interpreter_flag():
+    """The command line runs with TRITON_INTERPRET set (as in this test session): it re-runs
+    itself without it. The decode default's numbers (ncu on the H200 read the same register
+    count for the prefill default: 224)."""
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, "-m", "pagedkv.tools.sm90_report", "decode", "--json"],
+                         capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["num_stages"] == 5 and got["num_warps"] == 4 and got["loops"] == 1
+    assert got["local"] == 0 and got["programs_per_sm"] == 5, got
+
+
+def test_report_refuses_an_interpreted_kernel():
+    """This test session interprets kernels (conftest): compiling one is a clear error."""
+    from pagedkv.attention.triton_decode import _decode_kernel
+    from pagedkv.tools.sm90_report import report
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("kernels are compiled in this session")
+    with pytest.raises(TypeError, match="interpreted"):
+        report(_decode_kernel, {}, {}, set(), set(), 4, 3)
