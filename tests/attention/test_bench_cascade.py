@@ -29,8 +29,9 @@ def test_tiny_main_path(tmp_path, capsys):
     for k in ("plain_us", "cascade_us", "prefix_us", "suffix_us", "merge_us"):
         assert r[k] > 0
     sweep = r["prefix_sweep"]
+    assert bench.PREFIX_SPLITS == (1, 2, 4, 8)
     assert sorted((row["pack_heads"], row["splits"]) for row in sweep) == [
-        (p, s) for p in (1, 2) for s in (1, 2, 4)]
+        (p, s) for p in (1, 2) for s in (1, 2, 4, 8)]
     assert all(row["rel_err"] < 1e-5 and row["us"] > 0 for row in sweep)
     # 6 requests, 32 shared positions; a position's K and V: 2 heads x 16 x 2 x 4 bytes = 256
     step = bench.Step(bench.TINY, 3, 1, bench.torch.float32, "cpu", seed=3)
