@@ -13,7 +13,10 @@ from the cubin. :func:`report` returns, for one launch configuration:
   before the ninth session: BENCHMARKS.md);
 * ``loops``: the ``scf.for`` loops; ``programs_per_sm``: how many programs fit on one H200 /
   H100 multiprocessor by registers (65,536; a thread's count rounded up to 8), shared memory
-  (233,472 bytes, 1,024 reserved per program), warps (64) and the 32-program limit.
+  (233,472 bytes, 1,024 reserved per program), warps (64) and the 32-program limit;
+* with ``sass``: ``sass_ops``, the static count of each SASS opcode (``HGMMA``: Hopper's
+  warpgroup tensor-core products; ``LDGSTS``: asynchronous global-to-shared copies; ``IMAD`` /
+  ``IADD3`` / ``SHF``: integer work, mostly addresses).
 
 Presets for this project's attention kernels on Qwen3-0.6B's attention (bf16, 16 query / 8 K/V
 heads, head_dim 128, block 16): :func:`prefill_report` (``PrefillConfig``; causal prefill or
@@ -22,7 +25,7 @@ the cascade prefix's non-causal launch with log-sum-exps) and :func:`decode_repo
 interpreter replaces the kernels with Python functions): the command line clears it and runs
 itself in a fresh process when it is set::
 
-    python -m pagedkv.tools.sm90_report prefill 64,64,4,3,1 [--prefix] [--json]
+    python -m pagedkv.tools.sm90_report prefill 64,64,4,3,1 [--prefix] [--sass] [--json]
     python -m pagedkv.tools.sm90_report decode 32,4,5
 
 The numbers are the compiler's, not the device's: what runs faster is measured on the GPU.
@@ -64,12 +67,28 @@ def _cuobjdump() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
+def sass_ops(cubin: bytes) -> dict:
+    """Static count of each SASS opcode (``IMAD``, ``HGMMA``, ``LDGSTS``, ... without their
+    modifiers) in ``cubin``, most frequent first."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([_cuobjdump(), "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    ops: dict = {}
+    for m in re.finditer(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass,
+                         re.MULTILINE):
+        ops[m.group(1)] = ops.get(m.group(1), 0) + 1
+    return dict(sorted(ops.items(), key=lambda kv: -kv[1]))
+
+
 def report(kernel, constexprs: dict, pointers: dict, floats: set, aligned: set,
-           num_warps: int, num_stages: int) -> dict:
+           num_warps: int, num_stages: int, sass: bool = False) -> dict:
     """Compile ``kernel`` (a ``triton.jit`` function, not interpreted) for sm_90. ``constexprs``:
     the constexpr arguments; ``pointers``: argument -> Triton pointer type (``"*bf16"``);
     ``floats``: fp32 arguments; every other argument is an i32; ``aligned``: arguments the
-    launcher would specialize as 16-divisible (pointers, strides that are)."""
+    launcher would specialize as 16-divisible (pointers, strides that are). ``sass``: also
+    ``sass_ops``, the static opcode counts (:func:`sass_ops`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -96,16 +115,19 @@ def report(kernel, constexprs: dict, pointers: dict, floats: set, aligned: set,
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     local = int(re.search(r"LOCAL:(\d+)", usage).group(1))
     shared = int(k.metadata.shared)
-    return {
+    rep = {
         "shared": shared, "regs": regs, "local": local,
         "waits": [int(m) for m in re.findall(r"ttg\.async_wait[^\n]*\{num = (\d+)", ttgir)],
         "loops": ttgir.count("scf.for"),
         "num_warps": num_warps, "num_stages": num_stages,
         "programs_per_sm": programs_per_sm(regs, num_warps, shared),
     }
+    if sass:
+        rep["sass_ops"] = sass_ops(k.asm["cubin"])
+    return rep
 
 
-def prefill_report(config, causal: bool = True) -> dict:
+def prefill_report(config, causal: bool = True, sass: bool = False) -> dict:
     """``_prefill_kernel`` under ``config`` (a ``PrefillConfig``): causal prefill, or with
     ``causal=False`` the cascade prefix's launch (float32 output, log-sum-exps)."""
     from pagedkv.attention.triton_prefill import _prefill_kernel
@@ -121,10 +143,10 @@ def prefill_report(config, causal: bool = True) -> dict:
     aligned = set(ptrs) | {"q_s0", "q_s1", "c_sb", "c_st", "c_sh", "o_s0", "o_s1", "bt_s0",
                            "lse_s0", "o_split", "lse_split"}
     return report(_prefill_kernel, const, ptrs, {"scale_log2", "v_scale"}, aligned,
-                  config.num_warps, config.num_stages)
+                  config.num_warps, config.num_stages, sass)
 
 
-def decode_report(config) -> dict:
+def decode_report(config, sass: bool = False) -> dict:
     """``_decode_kernel`` under ``config`` (a ``DecodeConfig``'s tile, warps and stages)."""
     from pagedkv.attention.triton_decode import _decode_kernel
 
@@ -139,7 +161,7 @@ def decode_report(config) -> dict:
     aligned = set(ptrs) | {"q_s0", "q_s1", "c_sb", "c_st", "c_sh", "o_s0", "o_s1", "bt_s0",
                            "lse_s0"}
     return report(_decode_kernel, const, ptrs, {"scale_log2", "v_scale"}, aligned,
-                  config.num_warps, config.num_stages)
+                  config.num_warps, config.num_stages, sass)
 
 
 def _ints(text: str, n: int, what: str) -> list[int]:
@@ -157,6 +179,7 @@ def main(argv=None) -> int:
                         "(default: the CUDA defaults)")
     p.add_argument("--prefix", action="store_true",
                    help="prefill: the cascade prefix's non-causal launch")
+    p.add_argument("--sass", action="store_true", help="also the static SASS opcode counts")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):  # the kernels must compile: a fresh process
@@ -171,7 +194,7 @@ def main(argv=None) -> int:
             bm, bn, w, st, pack = _ints(args.config, 5, "prefill config")
             cfg = PrefillConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st,
                                 pack_heads=pack)
-        rep = prefill_report(cfg, causal=not args.prefix)
+        rep = prefill_report(cfg, causal=not args.prefix, sass=args.sass)
     else:
         from pagedkv.attention.triton_decode import DecodeConfig
 
@@ -179,7 +202,7 @@ def main(argv=None) -> int:
         if args.config:
             tile, w, st = _ints(args.config, 3, "decode config")
             cfg = DecodeConfig(tile_n=tile, num_warps=w, num_stages=st)
-        rep = decode_report(cfg)
+        rep = decode_report(cfg, sass=args.sass)
     if args.json:
         print(json.dumps(rep))
     else:

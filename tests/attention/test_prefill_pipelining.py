@@ -34,7 +34,7 @@ def _compile(mode: str) -> dict:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     args = ["--prefix"] if mode == "prefix" else []
     res = subprocess.run([sys.executable, "-m", "pagedkv.tools.sm90_report", "prefill", "--json",
-                          *args], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+                          "--sass", *args], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -43,10 +43,13 @@ def _compile(mode: str) -> dict:
 def test_prefill_kv_copies_two_tiles_ahead(mode):
     """Both loops (unmasked tiles, then the masked diagonal / sequence end) wait for all but
     the next tile's two copy groups; the shared memory (query tile + 3 K/V buffers) leaves
-    room for two programs on an H200 multiprocessor (228 KB, 1 KB reserved per program)."""
+    room for two programs on an H200 multiprocessor (228 KB, 1 KB reserved per program); the
+    products are Hopper's warpgroup MMAs (HGMMA) fed by asynchronous copies (LDGSTS)."""
     got = _compile(mode)
     assert got["num_stages"] == 3 and got["loops"] == 2
     # per loop: the in-loop wait, then the drain after it
     assert got["waits"] == [2, 0, 2, 0], got
     assert 2 * (got["shared"] + 1024) <= 228 * 1024, got
     assert got["programs_per_sm"] == 2 and got["local"] == 0, got
+    ops = got["sass_ops"]
+    assert ops.get("HGMMA", 0) > 0 and ops.get("LDGSTS", 0) > 0 and ops.get("HMMA", 0) == 0, ops
