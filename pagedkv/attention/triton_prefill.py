@@ -84,9 +84,11 @@ class PrefillConfig:
     871c3d3, us): 487 (282 TFLOP/s; 512 with the table inside the tile); 4 stages 752 (147 KB:
     one program an SM); 64 x 32 x 3 stages 465; 128 x 64 x 8 warps 469; 128 x 128 x 8 warps
     469; two heads a program x 8 warps 452 (304 TFLOP/s), x 4 warps 1369 (131 KB, 255
-    registers). Through ``LLM.generate`` 128 x 64 x 8 warps lost W3 (42,639 against 46,593
-    output tok/s, one lease); in the eighth session two heads a program (64 x 64 x 4 warps x 3
-    stages, the table inside the tile) lost W3 by 5% too.
+    registers). Through ``LLM.generate`` 128 x 64 x 8 warps (which the cascade prefix launch
+    then takes too: 18.9 us alone against 19.4) lost W3, 42,639 against 46,593 output tok/s in
+    one lease: not explained (BENCHMARKS.md, ninth session). In the eighth session two heads a
+    program lost W3 by 5%: that A/B gave the prefix launch the packed tiles too (32.5 us
+    against 20.7).
     """
 
     block_m: int = 64
