@@ -87,8 +87,8 @@ class PrefillConfig:
     registers). Through ``LLM.generate`` 128 x 64 x 8 warps (which the cascade prefix launch
     then takes too: 18.9 us alone against 19.4) lost W3, 42,639 against 46,593 output tok/s in
     one lease: not explained (BENCHMARKS.md, ninth session). In the eighth session two heads a
-    program lost W3 by 5%: that A/B gave the prefix launch the packed tiles too (32.5 us
-    against 20.7).
+    program lost W3 by 5%: that A/B gave the prefix launch the packed tiles too (alone, at 4
+    stages, 32.5 us against 20.7).
     """
 
     block_m: int = 64
