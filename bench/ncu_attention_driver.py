@@ -7,7 +7,8 @@ case runs once between ``cudaProfilerStart`` / ``cudaProfilerStop``, so
 8 K/V heads, head_dim 128, Qwen3-0.6B's attention):
 
 * ``prefill``: ``paged_prefill_attention`` 8 x 2048 causal, the default ``PrefillConfig``;
-* ``prefill_packed``: the same with two query heads a program (64 x 64, 4 warps, 3 stages);
+* ``prefill_packed``: the same with two query heads a program (64 x 64, 8 warps, 3 stages:
+  the sweep's best packed tiling);
 * ``prefix``: cascade attention's shared-prefix launch on W3's decode shape: 256 query rows,
   non-causal over 2,048 shared positions, 4 key splits with log-sum-exps, the engine's
   ``default_prefix_config``;
@@ -109,7 +110,7 @@ def case_decode_mixed(config: DecodeConfig | None = None):
 
 CASES = {
     "prefill": lambda: case_prefill(None),
-    "prefill_packed": lambda: case_prefill(PrefillConfig(64, 64, 4, 3, 2)),
+    "prefill_packed": lambda: case_prefill(PrefillConfig(64, 64, 8, 3, 2)),
     "prefix": case_prefix,
     "decode_mixed": case_decode_mixed,
     "decode_mixed_rh1": lambda: case_decode_mixed(DecodeConfig(reduce_heads=1)),
