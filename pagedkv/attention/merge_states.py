@@ -32,6 +32,7 @@ import triton.language as tl
 from pagedkv.attention._triton_common import ATTN_DTYPES
 from pagedkv.errors import ConfigError
 from pagedkv.kernels._common import check_same_device, check_tensor, next_pow2, use_triton
+from pagedkv.kernels.pdl import pdl_launch_args, pdl_prologue
 
 
 # ``end_ptr`` is a view into ``query_start_loc`` at the step's request count: 16-byte aligned
@@ -49,7 +50,9 @@ def _merge_kernel(
     D_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     A_PARTS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, D_PAD)
@@ -157,6 +160,7 @@ def merge_attention_states(
         lse_b if end is None else end,  # never read without end
         HAS_END=end is not None, NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_H=block_h, A_PARTS=a.shape[0], num_warps=4 if block_h * d_pad >= 1024 else 1,
+        **pdl_launch_args(_merge_kernel, out.device),
     )
     return out
 

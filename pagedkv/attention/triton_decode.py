@@ -75,6 +75,7 @@ from pagedkv.attention.torch_ref import paged_attention_ref
 from pagedkv.errors import ConfigError
 from pagedkv.kernels._common import cdiv, next_pow2, use_triton
 from pagedkv.kernels.fp8_kv import check_kv_scale, is_fp8_kv
+from pagedkv.kernels.pdl import pdl_launch_args, pdl_prologue
 
 MAX_SPLITS = 64
 
@@ -344,7 +345,9 @@ def _decode_kernel(
     v_scale=1.0,
     KV_FP8: tl.constexpr = False,
     Q_FP16: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
+    pdl_prologue(PDL)
     r = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -424,6 +427,7 @@ def _decode_reduce_kernel(
     lse_s0=0,
     WRITE_LSE: tl.constexpr = False,
     BLOCK_H: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
 ):
     """Program ``(r, b)`` merges the split ranges of query heads ``[b BLOCK_H, (b + 1)
     BLOCK_H)`` of request ``r`` (heads past ``NUM_HEADS`` masked). The request's rows, its
@@ -433,6 +437,7 @@ def _decode_reduce_kernel(
     output): one round trip to memory for up to ``SPLIT_CHUNK`` ranges, where loading the
     lengths first and the partials after them took two more. Several heads a program: fewer
     programs, each as long (the merge is latency, not bytes)."""
+    pdl_prologue(PDL)
     r = tl.program_id(0)
     hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = hh < NUM_HEADS
@@ -616,6 +621,7 @@ def paged_decode_attention(
         lse_ptr=lse, lse_s0=0 if lse is None else lse.stride(0), WRITE_LSE=lse is not None,
         v_scale=float(v_scale), KV_FP8=fp8, Q_FP16=fp8 and q.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_launch_args(_decode_kernel, q.device),
     )
     if num_splits > 1:
         block_h = min(cfg.reduce_heads, next_pow2(shape.num_heads))
@@ -628,6 +634,7 @@ def paged_decode_attention(
             TILE_N=cfg.tile_n, SPLIT_CHUNK=8, HAS_SINKS=sinks is not None,
             lse_ptr=lse, lse_s0=0 if lse is None else lse.stride(0), WRITE_LSE=lse is not None,
             BLOCK_H=block_h, num_warps=4 if d_pad >= 128 else 1,
+            **pdl_launch_args(_decode_reduce_kernel, q.device),
         )
     return out
 

@@ -67,6 +67,7 @@ from pagedkv.attention.triton_decode import (
 from pagedkv.errors import ConfigError
 from pagedkv.kernels._common import check_tensor, next_pow2, use_triton
 from pagedkv.kernels.fp8_kv import check_kv_scale, dequantize_ref, is_fp8_kv
+from pagedkv.kernels.pdl import pdl_launch_args, pdl_prologue
 
 
 @dataclass(frozen=True)
@@ -235,7 +236,9 @@ def _prefill_kernel(
     o_split=0,
     lse_split=0,
     PACK: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
 ):
+    pdl_prologue(PDL)
     p = tl.program_id(0)
     h = tl.program_id(1)  # query heads [h PACK, (h + 1) PACK), all of one K/V head
     s = tl.program_id(2)  # the key split (non-causal mode; 0 otherwise)
@@ -481,6 +484,7 @@ def paged_prefill_attention(
         o_split=0 if splits == 1 else out.stride(0),
         lse_split=0 if splits == 1 else lse.stride(0), PACK=pack,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_launch_args(_prefill_kernel, q.device),
     )
     return out
 

@@ -73,6 +73,7 @@ from pagedkv.kernels.fp8_kv import (
     is_fp8_kv,
     store_value,
 )
+from pagedkv.kernels.pdl import pdl_launch_args, pdl_prologue
 
 # Most elements (BLOCK_H * next_pow2(D)) of one program's head block.
 _MAX_TILE = 2048
@@ -121,7 +122,9 @@ def _qk_norm_rope_cache_kernel(
     k_scale=1.0,
     v_scale=1.0,
     FP8: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
+    pdl_prologue(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     NQB: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
     NKB: tl.constexpr = (NUM_KV_HEADS + BLOCK_H - 1) // BLOCK_H
@@ -335,7 +338,7 @@ def qk_norm_rope_cache(
         NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=dim, HALF_PAD=geo["HALF_PAD"],
         DIM_PAD=geo["DIM_PAD"], BLOCK_H=geo["BLOCK_H"], HAS_NORM=has_norm,
         k_scale=float(k_scale), v_scale=float(v_scale), FP8=is_fp8_kv(key_cache.dtype),
-        num_warps=geo["num_warps"],
+        num_warps=geo["num_warps"], **pdl_launch_args(_qk_norm_rope_cache_kernel, qkv.device),
     )
     return q_out
 

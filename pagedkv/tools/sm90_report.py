@@ -121,22 +121,38 @@ def report(kernel, constexprs: dict, pointers: dict, floats: set, aligned: set,
         "loops": ttgir.count("scf.for"),
         "num_warps": num_warps, "num_stages": num_stages,
         "programs_per_sm": programs_per_sm(regs, num_warps, shared),
+        # programmatic dependent launch (pagedkv.kernels.pdl): the grid-dependency waits and
+        # launch signals in the PTX, and the ordinal of the first global load / store after
+        # the first wait (-1: no wait)
+        "gdc_wait": k.asm["ptx"].count("griddepcontrol.wait"),
+        "gdc_launch": k.asm["ptx"].count("griddepcontrol.launch_dependents"),
+        "global_before_wait": _global_before_wait(k.asm["ptx"]),
     }
     if sass:
         rep["sass_ops"] = sass_ops(k.asm["cubin"])
     return rep
 
 
-def prefill_report(config, causal: bool = True, sass: bool = False) -> dict:
+def _global_before_wait(ptx: str) -> int:
+    """Global-memory instructions (loads, stores, async copies, atomics) in the PTX text
+    before its first ``griddepcontrol.wait`` (all of them when there is none): 0 for a kernel
+    that touches no global memory before its PDL wait."""
+    cut = ptx.find("griddepcontrol.wait")
+    head = ptx if cut < 0 else ptx[:cut]
+    return len(re.findall(r"\b(?:ld|st|cp\.async|atom|red)\.(?:global|[a-z.]*global)", head))
+
+
+def prefill_report(config, causal: bool = True, sass: bool = False, pdl: bool = False) -> dict:
     """``_prefill_kernel`` under ``config`` (a ``PrefillConfig``): causal prefill, or with
-    ``causal=False`` the cascade prefix's launch (float32 output, log-sum-exps)."""
+    ``causal=False`` the cascade prefix's launch (float32 output, log-sum-exps); ``pdl``: the
+    variant launched with programmatic dependent launch."""
     from pagedkv.attention.triton_prefill import _prefill_kernel
 
     const = dict(HAS_WINDOW=False, SOFTCAP=0.0, HAS_SINKS=False, GROUP=HEADS // KV_HEADS,
                  HEAD_DIM=HEAD_DIM, D_PAD=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE,
                  BLOCK_M=config.block_m, BLOCK_N=config.block_n, DOT_PREC="tf32",
                  RANGE_LOOP=True, CAUSAL=causal, WRITE_LSE=not causal, KV_FP8=False,
-                 Q_FP16=False, PACK=config.heads_per_program(HEADS // KV_HEADS))
+                 Q_FP16=False, PACK=config.heads_per_program(HEADS // KV_HEADS), PDL=pdl)
     ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", bt_ptr="*i32", qsl_ptr="*i32",
                 seq_ptr="*i32", out_ptr="*bf16" if causal else "*fp32", sinks_ptr="*bf16",
                 lse_ptr="*fp32")
@@ -146,15 +162,16 @@ def prefill_report(config, causal: bool = True, sass: bool = False) -> dict:
                   config.num_warps, config.num_stages, sass)
 
 
-def decode_report(config, sass: bool = False) -> dict:
-    """``_decode_kernel`` under ``config`` (a ``DecodeConfig``'s tile, warps and stages)."""
+def decode_report(config, sass: bool = False, pdl: bool = False) -> dict:
+    """``_decode_kernel`` under ``config`` (a ``DecodeConfig``'s tile, warps and stages);
+    ``pdl``: the variant launched with programmatic dependent launch."""
     from pagedkv.attention.triton_decode import _decode_kernel
 
     group = HEADS // KV_HEADS
     const = dict(SOFTCAP=0.0, HAS_SINKS=False, NUM_HEADS=HEADS, GROUP=group,
                  GROUP_PAD=max(16, group), HEAD_DIM=HEAD_DIM, D_PAD=HEAD_DIM,
                  BLOCK_SIZE=BLOCK_SIZE, TILE_N=config.tile_n, DOT_PREC="tf32",
-                 RANGE_LOOP=True, WRITE_LSE=False, KV_FP8=False, Q_FP16=False)
+                 RANGE_LOOP=True, WRITE_LSE=False, KV_FP8=False, Q_FP16=False, PDL=pdl)
     ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", bt_ptr="*i32", qsl_ptr="*i32",
                 seq_ptr="*i32", out_ptr="*bf16", m_ptr="*fp32", l_ptr="*fp32",
                 acc_ptr="*fp32", sinks_ptr="*bf16", lse_ptr="*fp32")
@@ -180,6 +197,8 @@ def main(argv=None) -> int:
     p.add_argument("--prefix", action="store_true",
                    help="prefill: the cascade prefix's non-causal launch")
     p.add_argument("--sass", action="store_true", help="also the static SASS opcode counts")
+    p.add_argument("--pdl", action="store_true",
+                   help="the programmatic-dependent-launch variant (pagedkv.kernels.pdl)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):  # the kernels must compile: a fresh process
@@ -194,7 +213,7 @@ def main(argv=None) -> int:
             bm, bn, w, st, pack = _ints(args.config, 5, "prefill config")
             cfg = PrefillConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st,
                                 pack_heads=pack)
-        rep = prefill_report(cfg, causal=not args.prefix, sass=args.sass)
+        rep = prefill_report(cfg, causal=not args.prefix, sass=args.sass, pdl=args.pdl)
     else:
         from pagedkv.attention.triton_decode import DecodeConfig
 
@@ -202,7 +221,7 @@ def main(argv=None) -> int:
         if args.config:
             tile, w, st = _ints(args.config, 3, "decode config")
             cfg = DecodeConfig(tile_n=tile, num_warps=w, num_stages=st)
-        rep = decode_report(cfg, sass=args.sass)
+        rep = decode_report(cfg, sass=args.sass, pdl=args.pdl)
     if args.json:
         print(json.dumps(rep))
     else:
