@@ -10,7 +10,7 @@
 # Compute sections of the attention launches (bench/ncu_attention_driver.py), with REDUCE_AB=1
 # the decode reduce's heads per program (mixed lengths, W1 4 vs 1 twice), with PREFILL_AB=1
 # (OLD_TREE=DIR) the prefill kernel's sweeps and W3 / W2 against an older tree's, with DECODE_AB=1
-# the decode kernel against the older tree's. Logs/JSON under $OUT. SKIP_* skip single steps;
+# the decode kernel against the older tree's. Logs/JSON under $OUT. SKIP_* skip single steps, ONLY=1 all the default ones;
 # more than ~550 s of steps needs two calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -97,6 +97,7 @@ if [ -n "${REDUCE:-}" ]; then  # decode on mixed lengths: this tree vs OLD_TREE 
   TAIL=10 run decode_mixed_new 120 sh -c "python3 bench/bench_decode_mixed.py $args '' --out $OUT/decode_mixed_new.json"
   [ -n "${OLD_TREE:-}" ] && TAIL=10 run decode_mixed_old 120 sh -c "cd $OLD_TREE && PYTHONPATH=. python3 bench/bench_decode_mixed.py $args '' --out $OUT/decode_mixed_old.json"
 fi
+if [ -n "${ONLY:-}" ]; then exit 0; fi  # ONLY=1: the toggled sections above, none of the defaults below
 [ -z "${SKIP_MLA:-}" ] && run mla_sweep 120 python3 bench/bench_swa_mla_decode_gpu.py --skip-swa --sweep --out "$OUT/mla_sweep.json"
 [ -z "${SKIP_CASCADE:-}" ] && [ -f bench/bench_cascade_gpu.py ] && TAIL=30 run cascade 120 python3 bench/bench_cascade_gpu.py ${CASCADE_SWEEP:+--sweep-prefix} --out "$OUT/cascade.json"
 [ -z "${SKIP_W1:-}" ] && run w1 120 python3 bench/bench_w1.py --json "$OUT/w1.json"
