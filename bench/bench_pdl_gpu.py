@@ -106,8 +106,11 @@ def chain_setup(batch: int, layers: int = 28, seed: int = 0):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--trigger", choices=["early", "exit"], default=pdl.PDL_TRIGGER,
+                   help="where a kernel lets its dependents launch (pagedkv.kernels.pdl)")
     p.add_argument("--out", default="pdl.json")
     args = p.parse_args()
+    pdl.PDL_TRIGGER = args.trigger
     if not pdl.pdl_supported(torch.device("cuda")):
         raise SystemExit("PDL needs compute capability 9.0+")
     rows = []
@@ -129,7 +132,7 @@ def main() -> None:
                        nbytes))
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:
-        json.dump({"rows": rows, "torch": torch.__version__}, f, indent=1)
+        json.dump({"rows": rows, "trigger": args.trigger, "torch": torch.__version__}, f, indent=1)
     print("\n| case | PDL off (us) | PDL on (us) | gain | bitwise equal |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['name']} | {r['off_us']:.2f} | {r['on_us']:.2f} | {r['gain_us']:+.2f} | "

@@ -50,7 +50,7 @@ def _merge_kernel(
     D_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     A_PARTS: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)

@@ -345,7 +345,7 @@ def _decode_kernel(
     v_scale=1.0,
     KV_FP8: tl.constexpr = False,
     Q_FP16: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     pdl_prologue(PDL)
     r = tl.program_id(0)
@@ -427,7 +427,7 @@ def _decode_reduce_kernel(
     lse_s0=0,
     WRITE_LSE: tl.constexpr = False,
     BLOCK_H: tl.constexpr = 1,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """Program ``(r, b)`` merges the split ranges of query heads ``[b BLOCK_H, (b + 1)
     BLOCK_H)`` of request ``r`` (heads past ``NUM_HEADS`` masked). The request's rows, its

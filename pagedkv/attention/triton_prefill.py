@@ -236,7 +236,7 @@ def _prefill_kernel(
     o_split=0,
     lse_split=0,
     PACK: tl.constexpr = 1,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     pdl_prologue(PDL)
     p = tl.program_id(0)

@@ -30,6 +30,10 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 PDL_ENABLED = os.environ.get("PAGEDKV_PDL", "0") == "1"
+# where a kernel lets its dependents launch: "early" (right after its wait: the next kernel's
+# programs become resident while this one runs) or "exit" (implicitly, as its programs exit:
+# only the launch latency overlaps)
+PDL_TRIGGER = os.environ.get("PAGEDKV_PDL_TRIGGER", "early")
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,21 +56,23 @@ def use_pdl(kernel, device: torch.device) -> bool:
 
 
 def pdl_launch_args(kernel, device: torch.device) -> dict:
-    """The keyword arguments of a launch: ``PDL`` (the kernel's constexpr, so its prologue
-    waits) and, when on, ``launch_pdl=True``; a kernel compiled with ``PDL=True`` is always
-    launched with the attribute and the other way round."""
+    """The keyword arguments of a launch: ``PDL`` (the kernel's constexpr: 0 off, 1 wait and
+    trigger early, 2 wait only; ``PDL_TRIGGER``) and, when on, ``launch_pdl=True``; a kernel
+    compiled with ``PDL > 0`` is always launched with the attribute and the other way round."""
     if use_pdl(kernel, device):
-        return {"PDL": True, "launch_pdl": True}
-    return {"PDL": False}
+        return {"PDL": 1 if PDL_TRIGGER == "early" else 2, "launch_pdl": True}
+    return {"PDL": 0}
 
 
 @triton.jit
 def pdl_prologue(PDL: tl.constexpr):
-    """First statement of a PDL-capable kernel: wait for the previous grid's completion and
-    memory, then allow the next kernel to launch (module docstring)."""
-    if PDL:
+    """First statement of a PDL-capable kernel (``PDL`` > 0): wait for the previous grid's
+    completion and memory; with ``PDL == 1`` then allow the next kernel to launch (module
+    docstring); ``PDL == 2`` leaves that to the programs' exit."""
+    if PDL > 0:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if PDL == 1:
+            tl.extra.cuda.gdc_launch_dependents()
 
 
 __all__ = ["PDL_ENABLED", "pdl_launch_args", "pdl_prologue", "pdl_supported", "use_pdl"]

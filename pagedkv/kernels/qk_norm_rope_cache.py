@@ -122,7 +122,7 @@ def _qk_norm_rope_cache_kernel(
     k_scale=1.0,
     v_scale=1.0,
     FP8: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     pdl_prologue(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2

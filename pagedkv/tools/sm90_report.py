@@ -152,7 +152,7 @@ def prefill_report(config, causal: bool = True, sass: bool = False, pdl: bool = 
                  HEAD_DIM=HEAD_DIM, D_PAD=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE,
                  BLOCK_M=config.block_m, BLOCK_N=config.block_n, DOT_PREC="tf32",
                  RANGE_LOOP=True, CAUSAL=causal, WRITE_LSE=not causal, KV_FP8=False,
-                 Q_FP16=False, PACK=config.heads_per_program(HEADS // KV_HEADS), PDL=pdl)
+                 Q_FP16=False, PACK=config.heads_per_program(HEADS // KV_HEADS), PDL=int(pdl))
     ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", bt_ptr="*i32", qsl_ptr="*i32",
                 seq_ptr="*i32", out_ptr="*bf16" if causal else "*fp32", sinks_ptr="*bf16",
                 lse_ptr="*fp32")
@@ -171,7 +171,7 @@ def decode_report(config, sass: bool = False, pdl: bool = False) -> dict:
     const = dict(SOFTCAP=0.0, HAS_SINKS=False, NUM_HEADS=HEADS, GROUP=group,
                  GROUP_PAD=max(16, group), HEAD_DIM=HEAD_DIM, D_PAD=HEAD_DIM,
                  BLOCK_SIZE=BLOCK_SIZE, TILE_N=config.tile_n, DOT_PREC="tf32",
-                 RANGE_LOOP=True, WRITE_LSE=False, KV_FP8=False, Q_FP16=False, PDL=pdl)
+                 RANGE_LOOP=True, WRITE_LSE=False, KV_FP8=False, Q_FP16=False, PDL=int(pdl))
     ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", bt_ptr="*i32", qsl_ptr="*i32",
                 seq_ptr="*i32", out_ptr="*bf16", m_ptr="*fp32", l_ptr="*fp32",
                 acc_ptr="*fp32", sinks_ptr="*bf16", lse_ptr="*fp32")

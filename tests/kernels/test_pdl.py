@@ -28,9 +28,9 @@ def test_no_pdl_off_cuda(monkeypatch):
     monkeypatch.setattr(pdl, "PDL_ENABLED", True)
     assert not pdl.pdl_supported(torch.device("cpu"))
     assert not pdl.use_pdl(_decode_kernel, torch.device("cpu"))
-    assert pdl.pdl_launch_args(_decode_kernel, torch.device("cpu")) == {"PDL": False}
+    assert pdl.pdl_launch_args(_decode_kernel, torch.device("cpu")) == {"PDL": 0}
     monkeypatch.setattr(pdl, "PDL_ENABLED", False)
-    assert pdl.pdl_launch_args(_decode_kernel, torch.device("cpu")) == {"PDL": False}
+    assert pdl.pdl_launch_args(_decode_kernel, torch.device("cpu")) == {"PDL": 0}
 
 
 def _report(*args: str) -> dict:
