@@ -150,6 +150,7 @@ def _attend_tile(
     HAS_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
     CAUSAL: tl.constexpr,
+    OFF32: tl.constexpr,
 ):
     """One key tile ``[start, start + BLOCK_N)`` of the online softmax. ``MASKED``: apply the
     causal mask (``CAUSAL``) and the sequence end (otherwise every key is visible to every
@@ -162,7 +163,10 @@ def _attend_tile(
         valid = (n < seq_len) & (n // BLOCK_SIZE < bt_width)
         if HAS_WINDOW:
             valid = valid & (n >= kv_lo)
-    tok = blk.to(tl.int64) * c_sb + (n % BLOCK_SIZE).to(tl.int64) * c_st + head_off
+    if OFF32:  # every element offset of a cache half fits an int32 (the host checked)
+        tok = blk * c_sb + (n % BLOCK_SIZE) * c_st + head_off
+    else:
+        tok = blk.to(tl.int64) * c_sb + (n % BLOCK_SIZE).to(tl.int64) * c_st + head_off
     if MASKED:
         kt = tl.load(k_ptr + tok[None, :] + d[:, None],
                      mask=valid[None, :] & (d < HEAD_DIM)[:, None], other=0.0)
@@ -236,6 +240,7 @@ def _prefill_kernel(
     o_split=0,
     lse_split=0,
     PACK: tl.constexpr = 1,
+    OFF32: tl.constexpr = False,
     PDL: tl.constexpr = 0,
 ):
     pdl_prologue(PDL)
@@ -284,7 +289,10 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M * PACK], tl.float32)
     acc = tl.zeros([BLOCK_M * PACK, D_PAD], tl.float32)
     bt_row = bt_ptr + r.to(tl.int64) * bt_s0
-    head_off = (h * PACK // GROUP).to(tl.int64) * c_sh
+    if OFF32:
+        head_off = (h * PACK // GROUP) * c_sh
+    else:
+        head_off = (h * PACK // GROUP).to(tl.int64) * c_sh
     if CAUSAL:
         end = tl.minimum(seq_len, ctx + (j + 1) * BLOCK_M)
         kv_end = seq_len
@@ -319,7 +327,7 @@ def _prefill_kernel(
                                          bt_width, c_sb, c_st, head_off, start, kv_end, kv_lo,
                                          window, d, scale_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
                                          D_PAD, False, DOT_PREC, HAS_WINDOW, SOFTCAP,
-                                         CAUSAL)
+                                         CAUSAL, OFF32)
             blk = nxt
         blk = _tile_blocks(bt_row, bt_width, full_end, kv_end, BLOCK_SIZE, BLOCK_N)
         for start in range(full_end, end, BLOCK_N):
@@ -329,7 +337,7 @@ def _prefill_kernel(
                                          bt_width, c_sb, c_st, head_off, start, kv_end, kv_lo,
                                          window, d, scale_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
                                          D_PAD, True, DOT_PREC, HAS_WINDOW, SOFTCAP,
-                                         CAUSAL)
+                                         CAUSAL, OFF32)
             blk = nxt
     else:  # the interpreter cannot iterate range() over runtime scalars
         start = first + full_end * 0
@@ -339,7 +347,7 @@ def _prefill_kernel(
                                          bt_width, c_sb, c_st, head_off, start, kv_end, kv_lo,
                                          window, d, scale_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
                                          D_PAD, False, DOT_PREC, HAS_WINDOW, SOFTCAP,
-                                         CAUSAL)
+                                         CAUSAL, OFF32)
             blk = nxt
             start += BLOCK_N
         blk = _tile_blocks(bt_row, bt_width, start, kv_end, BLOCK_SIZE, BLOCK_N)
@@ -350,7 +358,7 @@ def _prefill_kernel(
                                          bt_width, c_sb, c_st, head_off, start, kv_end, kv_lo,
                                          window, d, scale_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
                                          D_PAD, True, DOT_PREC, HAS_WINDOW, SOFTCAP,
-                                         CAUSAL)
+                                         CAUSAL, OFF32)
             blk = nxt
             start += BLOCK_N
     if KV_FP8:
@@ -483,10 +491,23 @@ def paged_prefill_attention(
         Q_FP16=fp8 and q.dtype == torch.bfloat16,
         o_split=0 if splits == 1 else out.stride(0),
         lse_split=0 if splits == 1 else lse.stride(0), PACK=pack,
+        OFF32=offsets_fit_int32(k_cache),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_launch_args(_prefill_kernel, q.device),
     )
     return out
+
+
+def offsets_fit_int32(cache_half: torch.Tensor) -> bool:
+    """Whether every element offset into one half of a KV cache (``kv_cache[0]`` or ``[1]``,
+    ``[num_blocks, block_size, Hkv, D]`` with its strides) fits an int32: the kernel then
+    computes its K / V addresses in 32-bit integers (``OFF32``), about a fifth fewer
+    instructions on sm_90 (``pagedkv.tools.sm90_report``), else in 64-bit."""
+    if cache_half.numel() == 0:
+        return True
+    span = 1 + sum((size - 1) * abs(stride)
+                   for size, stride in zip(cache_half.shape, cache_half.stride()))
+    return span < 2 ** 31
 
 
 def _check_kv_splits(fn: str, kv_splits, causal: bool, out, lse, q: torch.Tensor) -> int:

@@ -142,17 +142,20 @@ def _global_before_wait(ptx: str) -> int:
     return len(re.findall(r"\b(?:ld|st|cp\.async|atom|red)\.(?:global|[a-z.]*global)", head))
 
 
-def prefill_report(config, causal: bool = True, sass: bool = False, pdl: bool = False) -> dict:
+def prefill_report(config, causal: bool = True, sass: bool = False, off32: bool = True,
+                   pdl: bool = False) -> dict:
     """``_prefill_kernel`` under ``config`` (a ``PrefillConfig``): causal prefill, or with
-    ``causal=False`` the cascade prefix's launch (float32 output, log-sum-exps); ``pdl``: the
-    variant launched with programmatic dependent launch."""
+    ``causal=False`` the cascade prefix's launch (float32 output, log-sum-exps); ``off32``:
+    32-bit K / V offsets (every cache of up to 2^31 elements a half); ``pdl``: the variant
+    launched with programmatic dependent launch."""
     from pagedkv.attention.triton_prefill import _prefill_kernel
 
     const = dict(HAS_WINDOW=False, SOFTCAP=0.0, HAS_SINKS=False, GROUP=HEADS // KV_HEADS,
                  HEAD_DIM=HEAD_DIM, D_PAD=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE,
                  BLOCK_M=config.block_m, BLOCK_N=config.block_n, DOT_PREC="tf32",
                  RANGE_LOOP=True, CAUSAL=causal, WRITE_LSE=not causal, KV_FP8=False,
-                 Q_FP16=False, PACK=config.heads_per_program(HEADS // KV_HEADS), PDL=int(pdl))
+                 Q_FP16=False, PACK=config.heads_per_program(HEADS // KV_HEADS),
+                 OFF32=off32, PDL=int(pdl))
     ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", bt_ptr="*i32", qsl_ptr="*i32",
                 seq_ptr="*i32", out_ptr="*bf16" if causal else "*fp32", sinks_ptr="*bf16",
                 lse_ptr="*fp32")

@@ -13,8 +13,10 @@ from test_triton_cases import (
     rows_of,
 )
 
+import pagedkv.attention.triton_prefill as triton_prefill
 from pagedkv.attention.triton_prefill import (
     PrefillConfig,
+    offsets_fit_int32,
     paged_prefill_attention,
     paged_prefill_attention_ref,
     varlen_available,
@@ -160,6 +162,51 @@ def test_prefill_packed_heads_non_causal_lse(kernel_device, splits):
     assert not torch.isnan(ko).any() and not torch.isnan(kl).any()
     torch.testing.assert_close(ko, to, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(kl, tl_, atol=1e-4, rtol=1e-4)
+
+
+def test_offsets_fit_int32_by_hand():
+    """The largest element offset of a cache half, ``sum((size - 1) x stride)``, below 2^31
+    (meta tensors: shapes and strides without memory)."""
+    fits = torch.empty((65536, 16, 8, 128), device="meta")  # largest offset 2^30 - 1
+    assert offsets_fit_int32(fits)
+    assert not offsets_fit_int32(torch.empty((131072, 16, 8, 128), device="meta"))  # 2^31 - 1
+    assert offsets_fit_int32(torch.empty((131071, 16, 8, 128), device="meta"))  # 2^31 - 16,385
+    # a half of a [2, ...] cache: its strides, not the whole cache's size
+    assert offsets_fit_int32(torch.empty((2, 65536, 16, 8, 128), device="meta")[1])
+    # strided views count their strides, not their sizes: 2^16 blocks, every fourth of 2^18
+    # (largest offset 65,535 x 65,536 + 16,383 > 2^31), every other of 2^17 (2^31 - 16,385)
+    assert not offsets_fit_int32(torch.empty((262144, 16, 8, 128), device="meta")[::4])
+    assert offsets_fit_int32(torch.empty((131072, 16, 8, 128), device="meta")[::2])
+    assert offsets_fit_int32(torch.empty((0, 16, 8, 128), device="meta"))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_prefill_int64_offsets_equal_int32(kernel_device, monkeypatch, causal):
+    """The 64-bit address path (caches past 2^31 elements a half) against the 32-bit one every
+    small test takes: bitwise equal, and equal to the reference (mixed causal batch; the
+    non-causal launch with key splits and log-sum-exps)."""
+    case = make_case(MIXED, block_size=3, device=kernel_device, write_new=True, seed=41)
+    m = case["meta"]
+    if causal:
+        kw, outs = {}, []
+    else:
+        rows, heads, dim = case["q"].shape
+        kw, outs = dict(causal=False, kv_splits=2), []
+    for fits in (True, False):
+        monkeypatch.setattr(triton_prefill, "offsets_fit_int32", lambda half, f=fits: f)
+        if causal:
+            outs.append(run_prefill(case))
+        else:
+            out = torch.full((2, rows, heads, dim), float("nan"), device=kernel_device)
+            lse = torch.full((2, rows, heads), float("nan"), device=kernel_device)
+            paged_prefill_attention(case["q"], case["cache"], m.block_table_tensor,
+                                    m.query_start_loc, m.seq_lens, m.num_reqs, case["scale"],
+                                    out, lse=lse, **kw)
+            outs.append(torch.cat((out.flatten(), lse.flatten())))
+    assert torch.equal(outs[0].nan_to_num(7.0), outs[1].nan_to_num(7.0))
+    if causal:
+        assert_rows_close(outs[1], reference(case), rows_of(case, lambda ql: ql > 0),
+                          TOL[torch.float32])
 
 
 def test_prefill_argument_errors():
