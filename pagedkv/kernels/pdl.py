@@ -16,7 +16,9 @@ completion as usual. Both instructions are no-ops in a kernel launched without P
 
 The switch: ``PDL_ENABLED`` (environment ``PAGEDKV_PDL``, "1" on, "0" off, the default);
 launches use PDL only on CUDA devices of compute capability 9.0 or more, never under the
-Triton interpreter (which has no inline assembly).
+Triton interpreter (which has no inline assembly). With it on, ``compile_regions`` also turns
+on inductor's own PDL code generation (``torch._inductor.config.triton.enable_pdl``, where the
+installed torch has it) for the compiled regions' kernels; cuBLAS GEMMs launch without it.
 
 Measured on the H200 (BENCHMARKS.md, tenth session; ``bench/bench_pdl_gpu.py``): about 1.2 us
 off every boundary between two of these kernels with the early trigger (decode B1/L8192 18.2

@@ -507,6 +507,7 @@ class DecoderForCausalLM(nn.Module):
                     setattr(cfg, name, 64)
                 except (AttributeError, TypeError):
                     pass
+        _inductor_pdl(self.device)
         try:
             pre = _dynamic_tokens(torch.compile(pre_attention, **compile_kwargs), (0, 1, 9, 10))
             post = _dynamic_tokens(torch.compile(post_attention, **compile_kwargs), (0, 1))
@@ -687,6 +688,19 @@ def _close(ref: torch.Tensor, got: torch.Tensor, dtype: torch.dtype) -> None:
     if not (err <= tol) or ref.shape != got.shape:
         raise ValueError(f"compiled region differs from eager: relative error {err:.3g} "
                          f"(tolerance {tol}), shapes {tuple(ref.shape)} / {tuple(got.shape)}")
+
+
+def _inductor_pdl(device: torch.device) -> None:
+    """With programmatic dependent launch on (``PAGEDKV_PDL=1``, ``pagedkv.kernels.pdl``) and
+    a device that has it, inductor's own kernels are generated for it too (its
+    ``triton.enable_pdl``, a process-wide setting, where this torch has it), so the compiled
+    regions' kernels between attention calls also launch early. Off otherwise."""
+    from pagedkv.kernels import pdl
+
+    if pdl.PDL_ENABLED and pdl.pdl_supported(device):
+        ind = torch._inductor.config.triton
+        if hasattr(ind, "enable_pdl"):
+            ind.enable_pdl = True
 
 
 def _dynamic_tokens(fn, token_args: tuple[int, ...]):

@@ -134,3 +134,24 @@ def test_pdl_chain_bitwise_equal_eager_and_graph(monkeypatch):
         graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(snapshot(), want))
+
+
+def test_inductor_pdl_follows_the_switch(monkeypatch):
+    """``PAGEDKV_PDL=1`` on a device with PDL also turns on inductor's PDL codegen for the
+    compiled regions; off the switch or off such a device it stays as it is."""
+    from pagedkv.models.decoder import _inductor_pdl
+
+    ind = torch._inductor.config.triton
+    if not hasattr(ind, "enable_pdl"):
+        pytest.skip("this torch's inductor has no enable_pdl")
+    monkeypatch.setattr(ind, "enable_pdl", False)
+    monkeypatch.setattr(pdl, "PDL_ENABLED", True)
+    _inductor_pdl(torch.device("cpu"))
+    assert ind.enable_pdl is False
+    monkeypatch.setattr(pdl, "pdl_supported", lambda device: True)
+    monkeypatch.setattr(pdl, "PDL_ENABLED", False)
+    _inductor_pdl(torch.device("cuda"))
+    assert ind.enable_pdl is False
+    monkeypatch.setattr(pdl, "PDL_ENABLED", True)
+    _inductor_pdl(torch.device("cuda"))
+    assert ind.enable_pdl is True
