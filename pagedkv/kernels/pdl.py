@@ -38,11 +38,14 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from pagedkv.errors import ConfigError
+
 PDL_ENABLED = os.environ.get("PAGEDKV_PDL", "0") == "1"
 # where a kernel lets its dependents launch: "early" (right after its wait: the next kernel's
 # programs become resident while this one runs) or "exit" (implicitly, as its programs exit:
 # only the launch latency overlaps)
 PDL_TRIGGER = os.environ.get("PAGEDKV_PDL_TRIGGER", "early")
+_TRIGGERS = {"early": 1, "exit": 2}  # the kernels' PDL constexpr (pdl_prologue)
 
 
 @functools.lru_cache(maxsize=None)
@@ -69,7 +72,10 @@ def pdl_launch_args(kernel, device: torch.device) -> dict:
     trigger early, 2 wait only; ``PDL_TRIGGER``) and, when on, ``launch_pdl=True``; a kernel
     compiled with ``PDL > 0`` is always launched with the attribute and the other way round."""
     if use_pdl(kernel, device):
-        return {"PDL": 1 if PDL_TRIGGER == "early" else 2, "launch_pdl": True}
+        if PDL_TRIGGER not in _TRIGGERS:
+            raise ConfigError(f"PAGEDKV_PDL_TRIGGER must be one of {sorted(_TRIGGERS)}, got "
+                              f"{PDL_TRIGGER!r}")
+        return {"PDL": _TRIGGERS[PDL_TRIGGER], "launch_pdl": True}
     return {"PDL": 0}
 
 

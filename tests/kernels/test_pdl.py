@@ -155,3 +155,18 @@ def test_inductor_pdl_follows_the_switch(monkeypatch):
     monkeypatch.setattr(pdl, "PDL_ENABLED", True)
     _inductor_pdl(torch.device("cuda"))
     assert ind.enable_pdl is True
+
+
+def test_launch_args_by_trigger(monkeypatch):
+    """The kernels' ``PDL`` constexpr per trigger placement (1: wait then trigger early, 2:
+    wait only), the launch attribute with it, and a typed error for an unknown placement."""
+    from pagedkv.errors import ConfigError
+
+    monkeypatch.setattr(pdl, "use_pdl", lambda kernel, device: True)
+    monkeypatch.setattr(pdl, "PDL_TRIGGER", "early")
+    assert pdl.pdl_launch_args(None, torch.device("cuda")) == {"PDL": 1, "launch_pdl": True}
+    monkeypatch.setattr(pdl, "PDL_TRIGGER", "exit")
+    assert pdl.pdl_launch_args(None, torch.device("cuda")) == {"PDL": 2, "launch_pdl": True}
+    monkeypatch.setattr(pdl, "PDL_TRIGGER", "late")
+    with pytest.raises(ConfigError, match="PAGEDKV_PDL_TRIGGER"):
+        pdl.pdl_launch_args(None, torch.device("cuda"))
