@@ -10,7 +10,8 @@
 # Compute sections of the attention launches (bench/ncu_attention_driver.py), with REDUCE_AB=1
 # the decode reduce's heads per program (mixed lengths, W1 4 vs 1 twice), with PREFILL_AB=1
 # (OLD_TREE=DIR) the prefill kernel's sweeps and W3 / W2 against an older tree's, with DECODE_AB=1
-# the decode kernel against the older tree's. Logs/JSON under $OUT. SKIP_* skip single steps, ONLY=1 all the default ones;
+# the decode kernel against the older tree's, with FLAGS_AB=1 (AB_FLAGS, AB_WORKLOADS, AB_PAIRS) bench_w1.py's defaults against extra flags,
+# with HOST_W3=1 W3's host phases and a profiler window of its prefill-like steps. Logs/JSON under $OUT. SKIP_* skip single steps, ONLY=1 all the default ones;
 # more than ~550 s of steps needs two calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +35,18 @@ fi
 if [ -n "${W3_STEPS_AB:-}" ]; then  # W3 with per-step wall times (bench_w1.py --step-times, two timed runs), this tree and OLD_TREE's
   TAIL=8 run w3_steps_new 200 python3 bench/bench_w1.py --workload w3 --step-times --repeat 2 --json "$OUT/w3_steps_new.json"
   [ -n "${OLD_TREE:-}" ] && TAIL=8 run w3_steps_old 200 sh -c "cd $OLD_TREE && PYTHONPATH=. python3 bench/bench_w1.py --workload w3 --step-times --repeat 2 --json $OUT/w3_steps_old.json"
+fi
+if [ -n "${FLAGS_AB:-}" ]; then  # bench_w1.py with the defaults (a) against extra flags AB_FLAGS (b), AB_PAIRS alternating pairs per workload in AB_WORKLOADS (W3 with step times)
+  for w in ${AB_WORKLOADS:-w3 w1}; do
+    extra=""; [ "$w" = w3 ] && extra="--step-times --repeat 2"
+    for i in $(seq 1 ${AB_PAIRS:-2}); do
+      TAIL=4 run ${w}_a_$i 200 python3 bench/bench_w1.py --workload $w $extra --json "$OUT/${w}_a_$i.json"
+      TAIL=4 run ${w}_b_$i 200 python3 bench/bench_w1.py --workload $w $extra ${AB_FLAGS:-} --json "$OUT/${w}_b_$i.json"
+    done
+  done
+fi
+if [ -n "${HOST_W3:-}" ]; then  # host milliseconds per engine phase of W3's steps, and a profiler window over its prefill-like steps (host ops by own CPU time)
+  TAIL=60 run prof_w3_host 240 python3 bench/profile_w1_gpu.py --workload w3 --phases --windows ${HOST_W3_WINDOWS:-1:5} --no-trace-files --out "$OUT/prof_w3_host"
 fi
 if [ -n "${NCU:-}" ]; then  # Nsight Compute counters of the prefill / cascade-prefix / decode launches, and their TTGIR / PTX
   cases="prefill prefill_packed prefix decode_mixed decode_mixed_rh1"
