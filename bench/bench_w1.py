@@ -258,7 +258,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="default: LLM()'s (16384 on a >= 70 GiB GPU that is not an A100, else 8192)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="default: 4096 for W1 / W3, 8704 for W2")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)

@@ -168,7 +168,7 @@ def main(argv=None) -> int:
         td.default_decode_config = lambda device: cfg
         print(f"decode config for this run: {cfg}")
     t_build = time.perf_counter()
-    llm = LLM.from_shape(args.shape, block_size=16, max_num_seqs=256, max_num_batched_tokens=8192,
+    llm = LLM.from_shape(args.shape, block_size=16, max_num_seqs=256,
                          max_model_len=WORKLOAD_MAX_MODEL_LEN[args.workload],
                          gpu_memory_utilization=0.9,
                          enforce_eager=args.enforce_eager,

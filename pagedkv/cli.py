@@ -189,13 +189,18 @@ def cmd_trace(args) -> int:
     return 0
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
+def _engine_args(p: argparse.ArgumentParser, batched_tokens: int | None = None) -> None:
+    """The engine options; ``batched_tokens``: the ``--max-num-batched-tokens`` default (None:
+    the engine's, which depends on the device: ``EngineConfig``)."""
     g = p.add_argument_group("engine")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     g.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    g.add_argument("--max-num-batched-tokens", type=int, default=batched_tokens,
+                   help="tokens scheduled per step (default: " + (
+                       str(batched_tokens) if batched_tokens else
+                       "16384 on a CUDA GPU with >= 70 GiB that is not an A100, else 8192") + ")")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -568,7 +573,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--engine-in-thread", action="store_true",
                     help="run the engine in a thread of the server process instead of its own "
                          "process (the default; one interpreter for both is slower under load)")
-    _engine_args(sv)
+    _engine_args(sv, batched_tokens=8192)  # vLLM's API-server default on large GPUs
     sv.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", help="answer chat prompts with a real small model (SmolLM2-135M-Instruct)")

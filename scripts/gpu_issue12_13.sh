@@ -10,7 +10,7 @@
 # Compute sections of the attention launches (bench/ncu_attention_driver.py), with REDUCE_AB=1
 # the decode reduce's heads per program (mixed lengths, W1 4 vs 1 twice), with PREFILL_AB=1
 # (OLD_TREE=DIR) the prefill kernel's sweeps and W3 / W2 against an older tree's, with DECODE_AB=1
-# the decode kernel against the older tree's, with FLAGS_AB=1 (AB_FLAGS, AB_WORKLOADS, AB_PAIRS) bench_w1.py's defaults against extra flags,
+# the decode kernel against the older tree's, with FLAGS_AB=1 (AB_FLAGS, AB_ENV, AB_WORKLOADS, AB_PAIRS) bench_w1.py's defaults against extra flags,
 # with HOST_W3=1 W3's host phases and a profiler window of its prefill-like steps. Logs/JSON under $OUT. SKIP_* skip single steps, ONLY=1 all the default ones;
 # more than ~550 s of steps needs two calls.
 set -uo pipefail
@@ -41,7 +41,7 @@ if [ -n "${FLAGS_AB:-}" ]; then  # bench_w1.py with the defaults (a) against ext
     extra=""; [ "$w" = w3 ] && extra="--step-times --repeat 2"
     for i in $(seq 1 ${AB_PAIRS:-2}); do
       TAIL=4 run ${w}_a_$i 200 python3 bench/bench_w1.py --workload $w $extra --json "$OUT/${w}_a_$i.json"
-      TAIL=4 run ${w}_b_$i 200 python3 bench/bench_w1.py --workload $w $extra ${AB_FLAGS:-} --json "$OUT/${w}_b_$i.json"
+      TAIL=4 run ${w}_b_$i 200 env ${AB_ENV:-AB=b} python3 bench/bench_w1.py --workload $w $extra ${AB_FLAGS:-} --json "$OUT/${w}_b_$i.json"
     done
   done
 fi

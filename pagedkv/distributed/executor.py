@@ -305,7 +305,7 @@ def build_tensor_parallel_engine(model_dir: str | None, tokenizer, config, ec, *
     try:
         # the ranks planned with the agreed block count as an override; the engine reports
         # the options it was given
-        plan = dataclasses.replace(executor.plan, ec=ec.resolved(device.type))
+        plan = dataclasses.replace(executor.plan, ec=ec.resolved(device))
         if dcp > 1:
             plan = scheduler_view_for_dcp(plan, dcp)
         from pagedkv.models.loader import resolve_dtype

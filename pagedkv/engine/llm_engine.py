@@ -701,6 +701,8 @@ class LLMEngine:
             else list(self.runner.cuda_graphs.sizes),
             "async_scheduling": self.async_scheduling,
             "compiled_model": bool(getattr(self.model, "compiled", False)),
+            "max_num_seqs": self.scheduler.scheduler_config.max_num_seqs,
+            "max_num_batched_tokens": self.scheduler.scheduler_config.max_num_batched_tokens,
         }
         if self.sizing is not None:
             d.update(token_capacity=self.sizing.token_capacity,
@@ -920,7 +922,7 @@ def plan_engine(model: Any, config: EngineConfig | None = None, **options) -> En
         config = EngineConfig.from_options(**options)
     elif options:
         raise ConfigError(f"build_engine takes a config or options, not both (got {sorted(options)})")
-    ec = config.resolved(device.type)
+    ec = config.resolved(device)
     block_size, max_num_seqs = ec.block_size, ec.max_num_seqs
     max_num_batched_tokens, max_model_len = ec.max_num_batched_tokens, ec.max_model_len
     enable_prefix_caching, gpu_memory_utilization = ec.enable_prefix_caching, ec.gpu_memory_utilization

@@ -158,3 +158,40 @@ def test_engine_config_owns_the_options(tiny_dir):
     cpu = EngineConfig(async_scheduling=True).resolved("cpu")
     assert (cpu.async_scheduling, cpu.compile_model, cpu.warmup) == (True, False, False)
     assert EngineConfig(cuda_graph_sizes=[1, 2, 8]).cuda_graph_sizes == (1, 2, 8)
+
+
+def test_max_num_batched_tokens_default_follows_the_device(tiny_dir, monkeypatch):
+    """``max_num_batched_tokens=None`` (the default): 16,384 on a CUDA GPU of >= 70 GiB that
+    is not an A100 (vLLM's ``LLM`` rule), 8,192 elsewhere; an explicit value always wins."""
+    import types
+
+    import torch
+
+    from pagedkv.config import EngineConfig, default_max_num_batched_tokens, large_gpu
+
+    gib = 1024**3
+    assert large_gpu(141 * gib, "NVIDIA H200") and large_gpu(80 * gib, "NVIDIA H100 80GB HBM3")
+    assert not large_gpu(80 * gib, "NVIDIA A100-SXM4-80GB")  # A100s keep the smaller default
+    assert not large_gpu(69 * gib, "NVIDIA H100 NVL") and not large_gpu(24 * gib, "NVIDIA L4")
+    assert large_gpu(70 * gib, "x")  # the boundary is inclusive
+    assert EngineConfig().max_num_batched_tokens is None
+    assert EngineConfig().resolved("cpu").max_num_batched_tokens == 8192
+    assert EngineConfig(max_num_batched_tokens=512).resolved("cpu").max_num_batched_tokens == 512
+    assert default_max_num_batched_tokens(torch.device("cpu")) == 8192
+    # a stand-in CUDA runtime: the device's name and memory decide
+    props = {0: ("NVIDIA H200", 141 * gib), 1: ("NVIDIA A100-SXM4-80GB", 80 * gib)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: types.SimpleNamespace(name=props[i][0], total_memory=props[i][1]))
+    assert default_max_num_batched_tokens("cuda") == 16384
+    assert default_max_num_batched_tokens(torch.device("cuda", 1)) == 8192
+    assert EngineConfig().resolved(torch.device("cuda", 0)).max_num_batched_tokens == 16384
+    assert EngineConfig(max_num_batched_tokens=8192).resolved("cuda").max_num_batched_tokens == 8192
+    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+        EngineConfig(max_num_batched_tokens=0)
+    # the engine reports the value it scheduled with
+    monkeypatch.undo()
+    llm = make_llm(tiny_dir("qwen3"), max_num_batched_tokens=None)
+    assert llm.get_kv_stats()["max_num_batched_tokens"] == 8192
+    assert make_llm(tiny_dir("qwen3")).get_kv_stats()["max_num_batched_tokens"] == 256
