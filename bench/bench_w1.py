@@ -63,6 +63,7 @@ def build_pagedkv(args) -> tuple[LLM, str]:
         max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
+        mixed_cuda_graphs=not args.no_mixed_cuda_graphs,
         enable_prefix_caching=not args.no_prefix_caching,
         device=args.device,
         dtype=args.dtype,
@@ -212,19 +213,24 @@ def _record_step_times(llm, record: dict) -> None:
 
     def step(*a, **kw):
         g0 = runner.num_graph_steps
+        m0 = getattr(runner, "num_mixed_graph_steps", 0)
         t = time.perf_counter()
         out = inner_step(*a, **kw)
-        calls[-1].append((time.perf_counter() - t, runner.num_graph_steps > g0))
+        kind = ("g" if runner.num_graph_steps > g0
+                else "m" if getattr(runner, "num_mixed_graph_steps", 0) > m0 else "")
+        calls[-1].append((time.perf_counter() - t, kind))
         return out
 
     def summary(i: int) -> None:
         st = calls[i]
-        graph = sum(dt for dt, g in st if g)
+        graph = sum(dt for dt, g in st if g == "g")
+        mixed = sum(dt for dt, g in st if g == "m")
         other = sum(dt for dt, g in st if not g)
         slow = sorted(range(len(st)), key=lambda j: -st[j][0])[:6]
-        line = (f"generate call {i}: {len(st)} steps, graph steps {graph:.3f} s, other steps "
+        line = (f"generate call {i}: {len(st)} steps, graph steps {graph:.3f} s, mixed-graph "
+                f"steps {mixed:.3f} s, other steps "
                 f"{other:.3f} s, new allocator segments {segs[i + 1] - segs[i] if i + 1 < len(segs) else '?'}; "
-                "slowest: " + ", ".join(f"#{j} {st[j][0] * 1e3:.1f} ms{' g' if st[j][1] else ''}" for j in slow))
+                "slowest: " + ", ".join(f"#{j} {st[j][0] * 1e3:.1f} ms{' ' + st[j][1] if st[j][1] else ''}" for j in slow))
         print(line, flush=True)
         record.setdefault("step_times", []).append(line)
 
@@ -264,6 +270,8 @@ def main(argv=None) -> int:
                    help="default: 4096 for W1 / W3, 8704 for W2")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--no-mixed-cuda-graphs", action="store_true",
+                   help="mixed prefill / decode steps run eagerly (decode graphs only)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step k+1 while step k runs on the device (default: LLM's, "
                         "on with CUDA)")

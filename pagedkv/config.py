@@ -194,6 +194,9 @@ class EngineConfig:
     attention layers' paged K/V in ``float8_e4m3fn`` with per-layer scales 1.0 (vLLM's default
     without checkpoint scales); half the bytes per block, so twice the blocks for a budget.
     ``sanitize``: check every index-layer invariant on every step (slow; for debugging).
+    ``mixed_cuda_graphs``: besides the pure-decode graphs, capture CUDA graphs of mixed
+    prefill / decode steps (padded to a few token counts) where the backend and the model allow
+    it (``pagedkv.worker.cuda_graphs``); off: those steps run eagerly.
     ``tensor_parallel_size``: worker processes, one per rank, each holding a shard of the
     model (``pagedkv.distributed``; NCCL on GPUs, gloo on CPU); 1: the model runs in this
     process. ``distributed_timeout_s``: how long the engine waits for a rank's reply (or a
@@ -217,6 +220,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
+    mixed_cuda_graphs: bool = True
     long_prefill_token_threshold: int = 0
     async_scheduling: bool | None = None
     compile_model: bool | None = None
@@ -238,7 +242,7 @@ class EngineConfig:
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, minimum=2)
         for name in ("enable_prefix_caching", "enforce_eager", "allow_long_max_model_len",
-                     "sanitize"):
+                     "sanitize", "mixed_cuda_graphs"):
             _check_bool(name, getattr(self, name))
         for name in ("async_scheduling", "compile_model", "warmup"):
             if getattr(self, name) is not None:

@@ -131,6 +131,12 @@ class AttentionBackend(ABC):
     * ``graph_variants`` / ``graph_variant``: host decisions a decode graph bakes in besides its
       size (default: none, one graph per size); ``graph_capture_fields``: the metadata fields a
       capture of a variant sets;
+    * ``supports_mixed_cuda_graphs``: a plan made from metadata with ``mixed_graph=True``
+      (``pagedkv.worker.cuda_graphs``: a graph of mixed prefill / decode steps, captured on
+      padded buffers) launches every kernel with grids fixed by the metadata's host bounds
+      (``num_reqs``, ``num_actual_tokens``) and reads every length on the device, so any mixed
+      step up to those bounds replays it; ``mixed_graph_variants`` /
+      ``mixed_graph_capture_fields`` name the decisions such graphs bake in (default: one);
     * ``supports_cascade`` / ``use_cascade``: cascade (shared-prefix) attention: where the
       step's requests share their first ``metadata.common_prefix_len`` positions in the same
       blocks (the scheduler's ``num_common_prefix_blocks``, capped by the runner so that every
@@ -140,6 +146,7 @@ class AttentionBackend(ABC):
 
     name: str = "abstract"
     supports_cuda_graphs: bool = False
+    supports_mixed_cuda_graphs: bool = False
     fused_kv_write: bool = False
     reorder_batch_threshold: int | None = None
     # the metadata builder class of the page-index format ``forward`` reads
@@ -208,6 +215,15 @@ class AttentionBackend(ABC):
         """The metadata fields a capture of graph variant ``variant`` sets (the decisions the
         graph bakes in). Default: ``decode_balanced=variant``."""
         return {"decode_balanced": variant}
+
+    def mixed_graph_variants(self, num_reqs: int) -> tuple:
+        """The variants of a mixed-step graph over ``num_reqs`` (padded) requests (one graph
+        per value; see ``supports_mixed_cuda_graphs``). Default: ``(None,)``."""
+        return (None,)
+
+    def mixed_graph_capture_fields(self, variant) -> dict:
+        """The metadata fields a capture of mixed variant ``variant`` sets. Default: none."""
+        return {}
 
     def use_cascade(self, num_reqs: int, common_prefix_len: int,
                     layout: AttentionLayout) -> bool:

@@ -202,6 +202,7 @@ class TritonAttentionBackend(AttentionBackend):
     # Grids and buffers depend only on host ints fixed in the plan: safe to replay in a CUDA graph.
     supports_cuda_graphs = True
     supports_cascade = True
+    supports_mixed_cuda_graphs = True
 
     def __init__(self, *, fresh_prefill: str = "auto", decode_config: DecodeConfig | None = None,
                  prefill_config: PrefillConfig | None = None,
@@ -253,6 +254,17 @@ class TritonAttentionBackend(AttentionBackend):
         cfg = self._decode_cfg(device)
         return (one_range_if_balanced(num_reqs, num_kv_heads, num_sms(device), cfg)
                 and lengths_balanced(seq_lens, cfg))
+
+    def mixed_graph_variants(self, num_reqs: int) -> tuple:
+        """Mixed-step graphs: the plain one and, where cascade attention is on and
+        ``num_reqs >= min_reqs``, a ``CASCADE`` one."""
+        if self.cascade is not None and num_reqs >= self.cascade.min_reqs:
+            return (None, CASCADE)
+        return (None,)
+
+    def mixed_graph_capture_fields(self, variant) -> dict:
+        """``CASCADE``: ``use_cascade``; else no cascade (the decode launch unbalanced)."""
+        return {"decode_balanced": False, "use_cascade": variant == CASCADE}
 
     def graph_capture_fields(self, variant) -> dict:
         """``CASCADE``: ``use_cascade`` (the suffix decode launch unbalanced); else
@@ -441,6 +453,14 @@ class TritonPlan(AttentionPlan):
         if want is None:
             want = backend.use_cascade(n, self.prefix, layout)
         self.cascade = bool(want) and backend.cascade_capable(layout)
+        if getattr(metadata, "mixed_graph", False):
+            # a mixed-step graph: the launches are sized by the capture's bounds (every row
+            # may be a query row: num_actual_tokens; any request a decode) and the kernels
+            # read the lengths on the device; the host lengths are the capture batch's
+            self.end = self.max_q = int(metadata.num_actual_tokens)
+            self.max_seq_len = int(metadata.max_seq_len)
+            self.has_decode = True
+            return
         self.end = int(_host_ints(metadata.query_start_loc_cpu, n + 1)[n])
         self.max_q = int(metadata.max_query_len)
         self.max_seq_len = int(metadata.max_seq_len)

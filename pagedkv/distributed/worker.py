@@ -110,6 +110,7 @@ def worker_main(rank: int, world_size: int, init_method: str, conn, spec: Worker
             used_device_bytes=first.sizing.used_device_bytes))
         runner = ModelRunner(model, plan.kv, plan.sc, plan.cc, device=device, seed=ec.seed,
                              enforce_eager=not plan.graphs, cuda_graph_sizes=ec.cuda_graph_sizes,
+                             mixed_cuda_graphs=ec.mixed_cuda_graphs,
                              **cp)
         runner.capture_cuda_graphs()
         sizes = None if runner.cuda_graphs is None else list(runner.cuda_graphs.sizes)

@@ -583,7 +583,7 @@ class LLMEngine:
 
         sched, runner = self.scheduler, self.runner
         saved = (dataclasses.replace(self.stats), sched.num_preemptions, runner.num_steps,
-                 runner.num_graph_steps)
+                 runner.num_graph_steps, getattr(runner, "num_mixed_graph_steps", 0))
         rng = random.Random(seed)
         budget = sched.scheduler_config.max_num_batched_tokens
         long_len = max(2, min(budget + 32, self.max_model_len - 4))
@@ -623,7 +623,10 @@ class LLMEngine:
         finally:
             self._pending = []
             sched.reset_prefix_cache()
-            self.stats, sched.num_preemptions, runner.num_steps, runner.num_graph_steps = saved
+            (self.stats, sched.num_preemptions, runner.num_steps, runner.num_graph_steps,
+             mixed) = saved
+            if hasattr(runner, "num_mixed_graph_steps"):
+                runner.num_mixed_graph_steps = mixed
         return steps
 
     def _warm_up_cascade(self, prompt, step, greedy: dict) -> None:
@@ -697,8 +700,11 @@ class LLMEngine:
             "steps": st.steps,
             "tokens_generated": st.tokens_generated,
             "cuda_graph_steps": self.runner.num_graph_steps,
+            "mixed_cuda_graph_steps": getattr(self.runner, "num_mixed_graph_steps", 0),
             "cuda_graph_sizes": [] if self.runner.cuda_graphs is None
             else list(self.runner.cuda_graphs.sizes),
+            "mixed_cuda_graph_sizes": [] if self.runner.cuda_graphs is None
+            else list(self.runner.cuda_graphs.mixed_sizes),
             "async_scheduling": self.async_scheduling,
             "compiled_model": bool(getattr(self.model, "compiled", False)),
             "max_num_seqs": self.scheduler.scheduler_config.max_num_seqs,
@@ -890,7 +896,8 @@ def build_engine(
     plan = plan_engine(model, config, **options)
     runner = ModelRunner(model, plan.kv, plan.sc, plan.cc, device=model.device,
                          seed=plan.ec.seed, enforce_eager=not plan.graphs,
-                         cuda_graph_sizes=plan.ec.cuda_graph_sizes)
+                         cuda_graph_sizes=plan.ec.cuda_graph_sizes,
+                         mixed_cuda_graphs=plan.ec.mixed_cuda_graphs)
     if plan.ec.compile_model and hasattr(model, "compile_regions"):
         model.compile_regions()
     runner.capture_cuda_graphs()

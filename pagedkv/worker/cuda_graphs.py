@@ -1,4 +1,4 @@
-"""CUDA graphs for pure-decode steps (one query token per request).
+"""CUDA graphs for pure-decode steps (one query token per request) and for mixed steps.
 
 A decode step of ``n`` requests is padded to the smallest captured size ``B >= n`` and replays
 the graph captured for ``B``. Padding is the index layer's (``InputPreparer.prepare`` with
@@ -36,7 +36,24 @@ programs per multiprocessor); and a ``CASCADE`` graph for sizes of at least its 
 (``AttentionGroup.common_prefix_len_device``), which the runner writes before a replay: one
 graph serves every shared-prefix length.
 
-Capture: sizes from largest to smallest, all graphs in one memory pool, each on a batch of
+Mixed-step graphs (``mixed_sizes``, where the runner finds them safe:
+``ModelRunner.mixed_cuda_graphs_supported``): a step that is not a pure decode (prefill chunks,
+with or without decode rows) of ``t`` scheduled tokens is padded to the smallest captured token
+count ``T >= t`` (:func:`default_mixed_capture_sizes`) and to ``max_num_seqs`` requests, and
+replays the graph captured for ``T``: the same padding path (padded requests with 0 query tokens,
+padded tokens with slot ``-1``, position 0 and input id 0), and the capture metadata carries
+``mixed_graph=True``, ``num_actual_tokens = T``, ``num_reqs = max_num_seqs`` and ``max_query_len =
+T``: a backend that declares ``supports_mixed_cuda_graphs`` then launches every kernel of a mixed
+step (the decode launch for the one-token rows, the prefill launch for the others, cascade's too)
+with grids sized by those bounds alone and reads every length on the device (the Triton backend's
+plan, ``TritonPlan``). Eager mixed steps spend ~20-35 ms of host time launching 28 layers (more
+than their device time on W3's shared-prefix extends, BENCHMARKS.md); a replay costs one launch.
+Variants: the plain graph and, where cascade attention can run, a ``CASCADE`` graph (the prefix
+length read from the group's device scalar, as in decode). Padding costs up to the gap between two
+sizes in tokens (the padded rows are computed and never read).
+
+Capture: mixed sizes first (the largest activations), then decode sizes, each from largest to
+smallest, all graphs in one memory pool, each on a batch of
 ``B`` *padded* requests exactly as the index layer pads (0 query tokens, ``seq_len`` 0, null-block
 table rows, slots ``-1``, host and device copies consistent), so capture reads no KV and writes
 none, and whatever a backend does for padding rows (the Triton backend zeroes output rows past
@@ -47,6 +64,7 @@ capture are set to the null block on the device only; the host copy (the truth) 
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -69,6 +87,18 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
     sizes += list(range(8, max_num_seqs + 1, 8))
     if sizes[-1] != max_num_seqs:
         sizes.append(max_num_seqs)
+    return sizes
+
+
+def default_mixed_capture_sizes(max_num_batched_tokens: int) -> list[int]:
+    """Token counts of the mixed-step graphs: 512, 1024, 2048, 4096, then every 2048 below
+    ``max_num_batched_tokens``, which is always the largest (a step pads up to 2047 tokens at
+    most past 4096; below, at most as many as it has). Empty below 2 tokens a step."""
+    if max_num_batched_tokens < 2:
+        return []
+    sizes = [s for s in (512, 1024, 2048, 4096) if s < max_num_batched_tokens]
+    sizes += list(range(6144, max_num_batched_tokens, 2048))
+    sizes.append(max_num_batched_tokens)
     return sizes
 
 
@@ -98,7 +128,8 @@ class CudaGraphManager:
     """The captured decode graphs of one ``ModelRunner`` (see the module docstring)."""
 
     def __init__(self, runner: "ModelRunner", sizes: Sequence[int],
-                 graph_capture: CudaGraphCapture | None = None) -> None:
+                 graph_capture: CudaGraphCapture | None = None,
+                 mixed_sizes: Sequence[int] = ()) -> None:
         if graph_capture is None:
             graph_capture = CudaGraphCapture(runner.device)
         max_reqs = runner.input_batch.max_num_reqs
@@ -127,6 +158,15 @@ class CudaGraphManager:
         self._pick = lambda size, seq_lens, cascade: backend.graph_variant(
             size, hkv, seq_lens, runner.device, cascade)
         self._capture_fields = backend.graph_capture_fields
+        # mixed-step graphs: token counts, each with the plain and (where cascade attention
+        # can run) the CASCADE variant; every one padded to max_num_seqs requests
+        mixed = sorted({int(t) for t in mixed_sizes})
+        if mixed and (mixed[0] < 2 or mixed[-1] > runner.input_batch.max_num_batched_tokens):
+            raise ConfigError(f"mixed CUDA-graph sizes must lie in [2, max_num_batched_tokens="
+                              f"{runner.input_batch.max_num_batched_tokens}], got {list(mixed_sizes)}")
+        self.mixed_sizes = mixed
+        self.mixed_reqs = max_reqs
+        self._mixed_variants = tuple(backend.mixed_graph_variants(max_reqs)) if mixed else ()
 
     @property
     def max_size(self) -> int:
@@ -134,7 +174,28 @@ class CudaGraphManager:
 
     @property
     def num_graphs(self) -> int:
-        return sum(len(v) for v in self._variants.values())
+        return (sum(len(v) for v in self._variants.values())
+                + len(self.mixed_sizes) * len(self._mixed_variants))
+
+    @property
+    def mixed_variants(self) -> tuple:
+        """The variants captured for every mixed size (``None``, and ``CASCADE`` where the
+        backend's cascade attention can run)."""
+        return self._mixed_variants
+
+    def mixed_padded_size(self, num_tokens: int, num_reqs: int) -> int | None:
+        """The token count a mixed step of ``num_tokens`` tokens over ``num_reqs`` requests
+        replays, or None (eager: no mixed graphs, or more tokens than the largest)."""
+        if not self.mixed_sizes or num_reqs > self.mixed_reqs or num_tokens < 1:
+            return None
+        i = bisect.bisect_left(self.mixed_sizes, num_tokens)
+        return self.mixed_sizes[i] if i < len(self.mixed_sizes) else None
+
+    def mixed_variant(self, cascade: bool):
+        """The mixed variant to replay: ``CASCADE`` when every attention group takes cascade
+        attention and it was captured, else the plain one."""
+        v = self._mixed_variants
+        return v[-1] if cascade and len(v) > 1 else v[0]
 
     def variants(self, size: int) -> tuple:
         """The graph variants captured for ``size`` (see the module docstring)."""
@@ -171,6 +232,22 @@ class CudaGraphManager:
                                  **self._capture_fields(variant))
         return step.input_ids, step.positions, step, md
 
+    def _mixed_capture_inputs(self, num_tokens: int, variant=None):
+        """As :meth:`_capture_inputs` for the mixed graph of ``num_tokens`` tokens: the empty
+        batch padded to ``max_num_seqs`` requests and ``num_tokens`` tokens; the metadata's
+        baked values are ``mixed_graph=True``, ``num_actual_reqs = max_num_seqs``,
+        ``max_query_len = num_tokens`` and the variant's ``mixed_graph_capture_fields``."""
+        r = self.runner
+        batch = r.input_batch
+        step = r.preparer.prepare(batch, np.zeros(0, dtype=np.int32),
+                                  num_reqs_padded=self.mixed_reqs, num_tokens_padded=num_tokens,
+                                  for_cudagraph_capture=True)
+        md = dataclasses.replace(common_metadata_from_inputs(step, batch.block_table),
+                                 num_actual_reqs=self.mixed_reqs, max_query_len=num_tokens,
+                                 mixed_graph=True,
+                                 **r.attn_backend.mixed_graph_capture_fields(variant))
+        return step.input_ids, step.positions, step, md
+
     @torch.inference_mode()
     def capture(self, warmup: int = 2) -> None:
         """Capture every size (and variant). Each run, eager warm-up or capture, makes its own
@@ -181,18 +258,21 @@ class CudaGraphManager:
         if r.input_batch.num_reqs:
             raise ConfigError("capture CUDA graphs before any request runs")
         gc = self.graph_capture
-        for size in reversed(self.sizes):
-            for variant in self._variants[size]:
-                ids, pos, step, md = self._capture_inputs(size, variant)
+        todo = [(("mixed", t), v, self._mixed_capture_inputs)
+                for t in reversed(self.mixed_sizes) for v in self._mixed_variants]
+        todo += [(size, v, self._capture_inputs)
+                 for size in reversed(self.sizes) for v in self._variants[size]]
+        for key, variant, inputs in todo:
+            ids, pos, step, md = inputs(key[1] if isinstance(key, tuple) else key, variant)
 
-                def run(ids=ids, pos=pos, step=step, md=md):
-                    return model(ids, pos, r.kv_caches,
-                                 r.attention_for(step, md, for_cudagraph_capture=True))
+            def run(ids=ids, pos=pos, step=step, md=md):
+                return model(ids, pos, r.kv_caches,
+                             r.attention_for(step, md, for_cudagraph_capture=True))
 
-                for _ in range(warmup):
-                    run()
-                gc.synchronize()
-                self._graphs[(size, variant)] = gc.capture(run)
+            for _ in range(warmup):
+                run()
+            gc.synchronize()
+            self._graphs[(key, variant)] = gc.capture(run)
         gc.synchronize()
 
     # ----- replay --------------------------------------------------------------------------
@@ -204,5 +284,15 @@ class CudaGraphManager:
         replay()
         return out
 
+    def replay_mixed(self, num_tokens: int, variant=None) -> torch.Tensor:
+        """Replay the mixed graph of ``num_tokens`` tokens (:meth:`mixed_padded_size`) and
+        ``variant`` (:meth:`mixed_variant`; the persistent buffers must hold a step prepared
+        with ``num_reqs_padded = max_num_seqs`` and ``num_tokens_padded = num_tokens``);
+        returns hidden ``[num_tokens, hidden]``."""
+        replay, out = self._graphs[(("mixed", num_tokens), variant)]
+        replay()
+        return out
 
-__all__ = ["CudaGraphCapture", "CudaGraphManager", "default_capture_sizes"]
+
+__all__ = ["CudaGraphCapture", "CudaGraphManager", "default_capture_sizes",
+           "default_mixed_capture_sizes"]

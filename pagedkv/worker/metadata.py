@@ -73,6 +73,10 @@ class CommonAttentionMetadata:
     common_prefix_len: int = 0
     common_prefix_len_device: torch.Tensor | None = None
     use_cascade: bool | None = None
+    # a CUDA graph of mixed steps (cuda_graphs.py): num_reqs / num_actual_tokens are the
+    # capture's bounds, every request may be a decode or a prefill; the host lengths are the
+    # capture's (empty) batch's, never the replayed step's
+    mixed_graph: bool = False
 
     def __post_init__(self) -> None:
         if self.num_actual_reqs < 0:

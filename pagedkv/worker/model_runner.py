@@ -209,6 +209,7 @@ class ModelRunner:
         seed: int = 0,
         enforce_eager: bool = True,
         cuda_graph_sizes: Sequence[int] | None = None,
+        mixed_cuda_graphs: bool = False,
         cp_world_size: int = 1,
         cp_rank: int = 0,
         cp_interleave: int = 1,
@@ -282,6 +283,7 @@ class ModelRunner:
             self.reorder_threshold = 1
         self.enforce_eager = enforce_eager
         self.cuda_graph_sizes = cuda_graph_sizes
+        self.mixed_cuda_graphs = mixed_cuda_graphs  # also capture mixed steps where supported
         self.cuda_graphs = None  # a CudaGraphManager once captured
         # called with every step's prepared inputs before the forward pass (the engine's
         # sanitizer: pagedkv.sanitizer.check_step), padding for CUDA graphs included
@@ -297,6 +299,7 @@ class ModelRunner:
         self._out_index: dict[str, int] = {}
         self.num_steps = 0
         self.num_graph_steps = 0
+        self.num_mixed_graph_steps = 0
         # Bumped whenever rows move (add/remove/condense/reorder): rows of an enqueued step
         # stay valid while it is unchanged.
         self._batch_version = 0
@@ -381,15 +384,41 @@ class ModelRunner:
         """A CUDA device and a backend that declares itself graph-capturable."""
         return self.device.type == "cuda" and self.attn_backend.supports_cuda_graphs
 
+    def mixed_cuda_graphs_supported(self) -> bool:
+        """Mixed prefill / decode steps may replay CUDA graphs (``pagedkv.worker.cuda_graphs``):
+        a backend that declares ``supports_mixed_cuda_graphs``, attention groups only (a state
+        group's prefill launches depend on host chunk lengths), every group full attention
+        (no sliding window, no logit soft cap), no decode context parallelism, no
+        length-dependent (dynamic) RoPE and one process (no tensor parallelism: not run on
+        several GPUs here)."""
+        if not self.cuda_graphs_supported() or not self.attn_backend.supports_mixed_cuda_graphs:
+            return False
+        if self._state_groups or self.input_batch.block_table.cp_world_size > 1:
+            return False
+        if getattr(getattr(self.model, "rotary", None), "is_dynamic", False):
+            return False
+        if getattr(self.model, "tp", None) is not None:  # not measured on several GPUs yet
+            return False
+        return all(layout is not None and layout.sliding_window is None
+                   and layout.logits_soft_cap is None for layout in self._layouts)
+
     def capture_cuda_graphs(self) -> int:
-        """Capture the pure-decode graphs (see ``pagedkv.worker.cuda_graphs``). Returns the
-        number of graphs (0 when graphs are off or unsupported)."""
+        """Capture the pure-decode graphs and, with ``mixed_cuda_graphs`` where
+        :meth:`mixed_cuda_graphs_supported`, the mixed-step graphs (see
+        ``pagedkv.worker.cuda_graphs``). Returns the number of graphs (0 when graphs are off
+        or unsupported)."""
         if self.enforce_eager or not self.cuda_graphs_supported():
             return 0
-        from pagedkv.worker.cuda_graphs import CudaGraphManager, default_capture_sizes
+        from pagedkv.worker.cuda_graphs import (
+            CudaGraphManager,
+            default_capture_sizes,
+            default_mixed_capture_sizes,
+        )
 
         sizes = self.cuda_graph_sizes or default_capture_sizes(self.scheduler_config.max_num_seqs)
-        mgr = CudaGraphManager(self, sizes)
+        mixed = (default_mixed_capture_sizes(self.scheduler_config.max_num_batched_tokens)
+                 if self.mixed_cuda_graphs and self.mixed_cuda_graphs_supported() else ())
+        mgr = CudaGraphManager(self, sizes, mixed_sizes=mixed)
         mgr.capture()
         self.cuda_graphs = mgr
         self.warm_logits_shapes()
@@ -429,10 +458,26 @@ class ModelRunner:
         if prev is not None and prev.num_sampled:
             pending = outputs.add_pending_tokens(prev, n, self._batch_version)
 
-        graph_size = None
-        if self.cuda_graphs is not None and num_tokens == n:
-            graph_size = self.cuda_graphs.padded_size(n)
-        if graph_size is not None:
+        graph_size = mixed_size = None
+        graphs = self.cuda_graphs
+        if graphs is not None:
+            if num_tokens == n:
+                graph_size = graphs.padded_size(n)
+            else:
+                mixed_size = graphs.mixed_padded_size(num_tokens, n)
+        if mixed_size is not None:
+            step = self.preparer.prepare(batch, nsched, graphs.mixed_reqs, mixed_size)
+            if self.step_check is not None:
+                self.step_check(step)
+            if pending is not None:
+                outputs.fill_pending_inputs(prev, pending, nsched, num_tokens, n,
+                                            self.preparer.input_ids.gpu)
+            cascade = self.all_groups_cascade(n, prefix_lens)
+            if cascade:  # the graph reads each group's prefix length on the device
+                set_common_prefix_lens(self.attn_groups, prefix_lens)
+            hidden = graphs.replay_mixed(mixed_size, graphs.mixed_variant(cascade))
+            self.num_mixed_graph_steps += 1
+        elif graph_size is not None:
             step = self.preparer.prepare(batch, nsched, graph_size, graph_size)
             if self.step_check is not None:
                 self.step_check(step)
