@@ -124,12 +124,14 @@ def test_mixed_graph_replays_equal_eager_steps(tiny_dir, kernel_device, cascade)
 
 @pytest.mark.gpu
 def test_engine_mixed_graphs_equal_eager_mixed_steps_gpu():
-    """Qwen3-0.6B's shape (random weights, bf16, 28 layers, ``LLM`` defaults: async
-    scheduling, compiled regions, CUDA graphs) with 2,048 tokens a step: 24 W3-like prompts
+    """Qwen3-0.6B's shape (random weights, 28 layers, ``LLM`` defaults: async scheduling,
+    compiled regions, CUDA graphs) in float32 with 2,048 tokens a step: 24 W3-like prompts
     (a 512-token system prompt + 50-200 tokens) and 8 fresh ones of 100-900 tokens, so that
     chunked prefills meet decodes. Mixed graphs on (the default) against off: the same
-    schedule, logits equal up to each request's first greedy flip (bf16: the padded launches
-    round alike, but a graph and an eager step may pick other kernels), most tokens equal."""
+    schedule, logits within 1e-3 up to each request's first greedy flip (the padded GEMMs
+    and decode splits round differently), tokens equal. (In bf16 the two differ by up to 7%
+    in a step's logits on random weights: every GEMM of a padded step rounds differently,
+    28 layers deep; float32 shows what the graphs compute.)"""
     import random
 
     from test_cascade_engine import logits_until_first_flip
@@ -142,10 +144,10 @@ def test_engine_mixed_graphs_equal_eager_mixed_steps_gpu():
                for _ in range(24)]
     prompts += [[rng.randrange(10, 10000) for _ in range(rng.randint(100, 900))]
                 for _ in range(8)]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     toks, calls, stats, seen = {}, {}, {}, []
     for mixed in (True, False):
-        llm = LLM.from_shape("qwen3-0.6b", dtype="bfloat16", max_model_len=2048,
+        llm = LLM.from_shape("qwen3-0.6b", dtype="float32", max_model_len=2048,
                              max_num_seqs=32, max_num_batched_tokens=2048,
                              mixed_cuda_graphs=mixed)
         calls[mixed] = record(llm)
@@ -161,7 +163,8 @@ def test_engine_mixed_graphs_equal_eager_mixed_steps_gpu():
     assert stats[True]["mixed_cuda_graph_steps"] == len(seen) > 0
     assert stats[False]["mixed_cuda_graph_steps"] == 0 and not stats[False]["mixed_cuda_graph_sizes"]
     assert calls[True]["req_ids"] == calls[False]["req_ids"]  # the same schedule, row for row
-    compared, total = logits_until_first_flip(calls[True], calls[False], toks[True], toks[False])
-    assert compared >= 0.5 * total, (compared, total)
+    compared, total = logits_until_first_flip(calls[True], calls[False], toks[True], toks[False],
+                                              rtol=1e-3)
+    assert compared >= 0.9 * total, (compared, total)
     same = sum(x == y for rid, a in toks[True].items() for x, y in zip(a, toks[False][rid]))
-    assert same >= 0.75 * 32 * 16, same
+    assert same >= 0.95 * 32 * 12, same
