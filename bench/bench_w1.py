@@ -63,7 +63,7 @@ def build_pagedkv(args) -> tuple[LLM, str]:
         max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
-        mixed_cuda_graphs=not args.no_mixed_cuda_graphs,
+        mixed_cuda_graphs=args.mixed_cuda_graphs,
         enable_prefix_caching=not args.no_prefix_caching,
         device=args.device,
         dtype=args.dtype,
@@ -270,8 +270,8 @@ def main(argv=None) -> int:
                    help="default: 4096 for W1 / W3, 8704 for W2")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--no-mixed-cuda-graphs", action="store_true",
-                   help="mixed prefill / decode steps run eagerly (decode graphs only)")
+    p.add_argument("--mixed-cuda-graphs", action="store_true",
+                   help="also capture CUDA graphs of mixed prefill / decode steps (opt-in)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step k+1 while step k runs on the device (default: LLM's, "
                         "on with CUDA)")

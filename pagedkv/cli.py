@@ -210,9 +210,9 @@ def _engine_args(p: argparse.ArgumentParser, batched_tokens: int | None = None) 
                    help="the attention KV cache's dtype: auto (the model's) or fp8 (e4m3, "
                         "per-layer scales 1.0: half the bytes per block)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    g.add_argument("--no-mixed-cuda-graphs", action="store_true",
-                   help="CUDA graphs for pure-decode steps only (mixed prefill / decode steps "
-                        "run eagerly)")
+    g.add_argument("--mixed-cuda-graphs", action="store_true",
+                   help="also capture CUDA graphs of mixed prefill / decode steps (opt-in; "
+                        "default: decode steps only)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch_ref", "triton"])
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
@@ -236,7 +236,7 @@ def _engine_kwargs(args) -> dict:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         kv_cache_dtype=args.kv_cache_dtype,
         enforce_eager=args.enforce_eager,
-        mixed_cuda_graphs=not args.no_mixed_cuda_graphs,
+        mixed_cuda_graphs=args.mixed_cuda_graphs,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
         decode_context_parallel_size=args.decode_context_parallel_size,

@@ -36,8 +36,8 @@ programs per multiprocessor); and a ``CASCADE`` graph for sizes of at least its 
 (``AttentionGroup.common_prefix_len_device``), which the runner writes before a replay: one
 graph serves every shared-prefix length.
 
-Mixed-step graphs (``mixed_sizes``, where the runner finds them safe:
-``ModelRunner.mixed_cuda_graphs_supported``): a step that is not a pure decode (prefill chunks,
+Mixed-step graphs (opt-in, ``EngineConfig.mixed_cuda_graphs``; ``mixed_sizes``, where the
+runner finds them safe: ``ModelRunner.mixed_cuda_graphs_supported``): a step that is not a pure decode (prefill chunks,
 with or without decode rows) of ``t`` scheduled tokens is padded to the smallest captured token
 count ``T >= t`` (:func:`default_mixed_capture_sizes`) and to ``max_num_seqs`` requests, and
 replays the graph captured for ``T``: the same padding path (padded requests with 0 query tokens,
@@ -47,7 +47,12 @@ T``: a backend that declares ``supports_mixed_cuda_graphs`` then launches every 
 step (the decode launch for the one-token rows, the prefill launch for the others, cascade's too)
 with grids sized by those bounds alone and reads every length on the device (the Triton backend's
 plan, ``TritonPlan``). Eager mixed steps spend ~20-35 ms of host time launching 28 layers (more
-than their device time on W3's shared-prefix extends, BENCHMARKS.md); a replay costs one launch.
+than their device time on W3's shared-prefix extends with 8,192 tokens a step, BENCHMARKS.md);
+a replay costs one launch. Measured on the H200 with 16,384 tokens a step (eleventh session):
+W3 50,732 / 49,693 and 50,947 / 51,181 output tok/s against 50,055 / 51,062 eager, W1 25,463
+against 25,467 (those steps are device-bound on a fast host), so the graphs are not the
+default; in bf16 one step's logits differed by 7% from the eager engine's on random weights, not
+yet explained (the float32 GPU test, ``tests/engine/test_mixed_graphs.py``, has not run).
 Variants: the plain graph and, where cascade attention can run, a ``CASCADE`` graph (the prefix
 length read from the group's device scalar, as in decode). Padding costs up to the gap between two
 sizes in tokens (the padded rows are computed and never read).
