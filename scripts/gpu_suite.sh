@@ -5,7 +5,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/pagedkv-gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-# TRANSFORMERS_WHEELS=DIR: a newer transformers (and its tokenizers / safetensors wheels) carried
+# TRANSFORMERS_WHEELS=DIR (scripts/transformers_wheels.sh builds .whl/tf524): a newer transformers (and its wheels) carried
 # to the device, installed into a side directory (nothing downloaded) and put first on the path
 # when it imports; otherwise the device's own transformers is used.
 if [ -n "${TRANSFORMERS_WHEELS:-}" ]; then
