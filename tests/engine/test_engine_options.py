@@ -195,3 +195,25 @@ def test_max_num_batched_tokens_default_follows_the_device(tiny_dir, monkeypatch
     llm = make_llm(tiny_dir("qwen3"), max_num_batched_tokens=None)
     assert llm.get_kv_stats()["max_num_batched_tokens"] == 8192
     assert make_llm(tiny_dir("qwen3")).get_kv_stats()["max_num_batched_tokens"] == 256
+
+
+def test_cli_batched_tokens_and_mixed_graph_defaults():
+    """``pagedkv generate`` / ``bench`` leave the step budget to the engine (the device's
+    default), ``pagedkv serve`` keeps vLLM's API-server value 8,192; mixed-step CUDA graphs
+    are opt-in everywhere."""
+    from pagedkv.cli import _engine_kwargs, build_parser
+
+    parser = build_parser()
+    gen = parser.parse_args(["generate", "--model", "m", "--prompt", "x"])
+    serve = parser.parse_args(["serve", "m"])
+    bench = parser.parse_args(["bench"])
+    assert gen.max_num_batched_tokens is None and bench.max_num_batched_tokens is None
+    assert serve.max_num_batched_tokens == 8192
+    assert _engine_kwargs(gen)["mixed_cuda_graphs"] is False
+    on = parser.parse_args(["serve", "m", "--mixed-cuda-graphs", "--max-num-batched-tokens", "4096"])
+    assert _engine_kwargs(on)["mixed_cuda_graphs"] is True and on.max_num_batched_tokens == 4096
+    from pagedkv.config import EngineConfig
+
+    assert EngineConfig().mixed_cuda_graphs is False
+    with pytest.raises(ConfigError, match="mixed_cuda_graphs"):
+        EngineConfig(mixed_cuda_graphs="yes")
