@@ -458,6 +458,8 @@ class ModelRunner:
         if prev is not None and prev.num_sampled:
             pending = outputs.add_pending_tokens(prev, n, self._batch_version)
 
+        # a pure-decode step replays the decode graph of its padded size, a mixed one the
+        # mixed graph of its padded token count (when captured); otherwise eager
         graph_size = mixed_size = None
         graphs = self.cuda_graphs
         if graphs is not None:
@@ -465,40 +467,32 @@ class ModelRunner:
                 graph_size = graphs.padded_size(n)
             else:
                 mixed_size = graphs.mixed_padded_size(num_tokens, n)
-        if mixed_size is not None:
-            step = self.preparer.prepare(batch, nsched, graphs.mixed_reqs, mixed_size)
-            if self.step_check is not None:
-                self.step_check(step)
-            if pending is not None:
-                outputs.fill_pending_inputs(prev, pending, nsched, num_tokens, n,
-                                            self.preparer.input_ids.gpu)
-            cascade = self.all_groups_cascade(n, prefix_lens)
-            if cascade:  # the graph reads each group's prefix length on the device
-                set_common_prefix_lens(self.attn_groups, prefix_lens)
-            hidden = graphs.replay_mixed(mixed_size, graphs.mixed_variant(cascade))
-            self.num_mixed_graph_steps += 1
-        elif graph_size is not None:
-            step = self.preparer.prepare(batch, nsched, graph_size, graph_size)
-            if self.step_check is not None:
-                self.step_check(step)
-            if pending is not None:
-                outputs.fill_pending_inputs(prev, pending, nsched, num_tokens, n,
-                                            self.preparer.input_ids.gpu)
-            cascade = self.all_groups_cascade(n, prefix_lens)
-            if cascade:  # the graph reads each group's prefix length on the device
-                set_common_prefix_lens(self.attn_groups, prefix_lens)
-            variant = self.cuda_graphs.variant(graph_size, self.preparer.seq_lens.np[:n], cascade)
-            hidden = self.cuda_graphs.replay(graph_size, variant)
-            self.num_graph_steps += 1
+        if graph_size is not None:
+            pads = (graph_size, graph_size)
+        elif mixed_size is not None:
+            pads = (graphs.mixed_reqs, mixed_size)
         else:
-            step = self.preparer.prepare(batch, nsched)
-            if self.step_check is not None:
-                self.step_check(step)
-            if pending is not None:
-                outputs.fill_pending_inputs(prev, pending, nsched, num_tokens, n,
-                                            self.preparer.input_ids.gpu)
+            pads = (None, None)
+        step = self.preparer.prepare(batch, nsched, *pads)
+        if self.step_check is not None:
+            self.step_check(step)
+        if pending is not None:
+            outputs.fill_pending_inputs(prev, pending, nsched, num_tokens, n,
+                                        self.preparer.input_ids.gpu)
+        if graph_size is None and mixed_size is None:
             hidden = self.model(step.input_ids, step.positions, self.kv_caches,
                                 self.attention_for(step, common_prefix_lens=prefix_lens))
+        else:
+            cascade = self.all_groups_cascade(n, prefix_lens)
+            if cascade:  # the graph reads each group's prefix length on the device
+                set_common_prefix_lens(self.attn_groups, prefix_lens)
+            if mixed_size is not None:
+                hidden = graphs.replay_mixed(mixed_size, graphs.mixed_variant(cascade))
+                self.num_mixed_graph_steps += 1
+            else:
+                variant = graphs.variant(graph_size, self.preparer.seq_lens.np[:n], cascade)
+                hidden = graphs.replay(graph_size, variant)
+                self.num_graph_steps += 1
 
         # Rows whose known tokens are all computed after this step sample one token.
         seq = batch.num_computed_tokens_cpu[:n] + nsched
