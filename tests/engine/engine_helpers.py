@@ -136,3 +136,17 @@ def check_bf16_teacher_forced(llm, path: str, prompts, label: str, n: int = 24):
           f"largest margin {worst:.3f}")
     assert exact / total >= 0.9 and worst < 1.0
     return outs
+
+
+def record_replays(graphs, mixed: bool = False) -> list:
+    """Wrap a ``CudaGraphManager``'s ``replay`` (``replay_mixed`` with ``mixed``) so that every
+    replay appends its ``(size, variant)`` to the returned list, then replays."""
+    name = "replay_mixed" if mixed else "replay"
+    inner, seen = getattr(graphs, name), []
+
+    def replay(size, variant=None):
+        seen.append((size, variant))
+        return inner(size, variant)
+
+    setattr(graphs, name, replay)
+    return seen

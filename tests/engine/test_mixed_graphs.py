@@ -7,7 +7,7 @@ graphs (opt-in) against an engine without mixed graphs."""
 
 import pytest
 import torch
-from engine_helpers import make_llm
+from engine_helpers import make_llm, record_replays
 from test_cascade_engine import TINY, record, w3_prompts
 from test_model_runner import EagerReplay
 
@@ -101,9 +101,7 @@ def test_mixed_graph_replays_equal_eager_steps(tiny_dir, kernel_device, cascade)
                            mixed_sizes=[16, 32, 64])
     mgr.capture()
     runner.cuda_graphs = mgr
-    seen = []
-    replay = mgr.replay_mixed
-    mgr.replay_mixed = lambda t, v=None: seen.append((t, v)) or replay(t, v)
+    seen = record_replays(mgr, mixed=True)
     calls = record(llm)
     outs = llm.generate(prompts, params, use_tqdm=False)
     got = [o.outputs[0].token_ids for o in outs]
@@ -145,7 +143,7 @@ def test_engine_mixed_graphs_equal_eager_mixed_steps_gpu():
     prompts += [[rng.randrange(10, 10000) for _ in range(rng.randint(100, 900))]
                 for _ in range(8)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    toks, calls, stats, seen = {}, {}, {}, []
+    toks, calls, stats, seen = {}, {}, {}, None
     for mixed in (True, False):
         llm = LLM.from_shape("qwen3-0.6b", dtype="float32", max_model_len=2048,
                              max_num_seqs=32, max_num_batched_tokens=2048,
@@ -153,8 +151,7 @@ def test_engine_mixed_graphs_equal_eager_mixed_steps_gpu():
         calls[mixed] = record(llm)
         mgr = llm.runner.cuda_graphs
         if mixed:
-            replay = mgr.replay_mixed
-            mgr.replay_mixed = lambda t, v=None: seen.append((t, v)) or replay(t, v)
+            seen = record_replays(mgr, mixed=True)
         toks[mixed] = {o.request_id: list(o.outputs[0].token_ids)
                        for o in llm.generate(prompts, params, use_tqdm=False)}
         stats[mixed] = llm.get_kv_stats()

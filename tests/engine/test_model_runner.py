@@ -5,7 +5,7 @@ test_engine_gpu.py)."""
 
 import pytest
 import torch
-from engine_helpers import TEXTS
+from engine_helpers import TEXTS, record_replays
 
 from pagedkv.config import SchedulerConfig
 from pagedkv.core.output import SchedulerOutput
@@ -265,13 +265,11 @@ def test_graph_manager_padding_and_buffers_on_cpu(tiny_dir, hf_ref):
             md.max_seq_len) == (8, 8, 8, 1, runner.max_model_len)
     mgr.capture()
     runner.cuda_graphs = mgr
-    sizes = []
-    replay = mgr.replay
-    mgr.replay = lambda size, variant=None: sizes.append(size) or replay(size, variant)
+    replays = record_replays(mgr)
     prompts = TEXTS + TEXTS[:1]  # 5 requests -> bucket 8, then fewer as none finish early
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
                         use_tqdm=False)
-    assert runner.num_graph_steps > 0 and set(sizes) == {8}
+    assert runner.num_graph_steps > 0 and {size for size, _ in replays} == {8}
     ref = hf_ref(path)
     for o in outs:
         assert o.outputs[0].token_ids == ref.greedy(o.prompt_token_ids, 10)
@@ -299,9 +297,7 @@ def test_graph_variants_for_balanced_lengths_on_cpu(tiny_dir, hf_ref):
     assert [mgr.variants(s) for s in mgr.sizes] == [(False, True)] * 2 and mgr.num_graphs == 4
     mgr.capture()
     runner.cuda_graphs = mgr
-    seen = []
-    replay = mgr.replay
-    mgr.replay = lambda size, variant=None: seen.append((size, variant)) or replay(size, variant)
+    seen = record_replays(mgr)
     ref = hf_ref(path)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     for prompts, balanced in (([list(range(5 + i, 45 + i)) for i in range(3)], True),  # 40 each
