@@ -74,7 +74,7 @@ def build_pagedkv(args) -> tuple[LLM, str]:
         tensor_parallel_size=args.tensor_parallel_size,
         decode_context_parallel_size=args.decode_context_parallel_size,
     )
-    if args.no_cascade or args.prefill_config or args.reduce_heads:
+    if args.no_cascade or args.prefill_config or args.reduce_heads or args.fresh_prefill:
         # the Triton backend with cascade (shared-prefix) attention off, or with other
         # prefill launches (which the cascade prefix launch then takes as well), or another
         # reduce width of the decode kernel
@@ -89,7 +89,7 @@ def build_pagedkv(args) -> tuple[LLM, str]:
                                pack_heads=pack)
         dc = DecodeConfig(reduce_heads=args.reduce_heads) if args.reduce_heads else None
         kw["attention_backend"] = TritonAttentionBackend(
-            prefill_config=pc, decode_config=dc,
+            prefill_config=pc, decode_config=dc, fresh_prefill=args.fresh_prefill or "auto",
             cascade=None if args.no_cascade else CascadeConfig())
     if args.model:
         return LLM(args.model, tokenizer=False, **kw), args.model
@@ -287,6 +287,9 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-config", default=None, metavar="BM,BN,WARPS,STAGES,PACK",
                    help="the Triton backend's prefill launches (PrefillConfig: tokens and keys "
                         "a tile, warps, stages, query heads a program), e.g. 64,64,4,4,1 (A/B)")
+    p.add_argument("--fresh-prefill", default=None, choices=["auto", "triton", "varlen", "cudnn"],
+                   help="the Triton backend's fresh-prefill path (TritonAttentionBackend"
+                        "(fresh_prefill=...); A/B runs)")
     p.add_argument("--reduce-heads", type=int, default=None, metavar="N",
                    help="query heads a decode reduce program merges (DecodeConfig.reduce_heads)")
     p.add_argument("--splitk", action=argparse.BooleanOptionalAction, default=None,

@@ -12,6 +12,15 @@
        * a batch of fresh prefills only (every request's ``seq_len == query_len``) ->
          ``varlen_prefill_attention`` (torch's varlen flash kernel) where ``fresh_prefill``
          selects it and it is available (CUDA, bf16/fp16);
+       * with ``fresh_prefill="cudnn"`` (where cuDNN's varlen attention runs: CUDA, bf16/fp16,
+         ``pagedkv.attention.cudnn_prefill``), the fresh requests of at least
+         ``cudnn_min_query_len`` tokens of any eager step, mixed ones included ->
+         ``cudnn_prefill_attention``, one launch per run of consecutive such requests, on the
+         step's K/V (read back from the cache by the step's slots where the caller's fused
+         writer put them there); the paged prefill kernel skips them
+         (``skip_fresh_from``). Not on layers with a sliding window, a logit soft cap or
+         sinks, not over an FP8 cache, not in CUDA graphs (a mixed-step graph's plan serves
+         every request with the Triton kernels);
   3. rows past ``query_start_loc[num_reqs]`` (CUDA-graph padding) are zero.
 
 A layer's attention sinks (``sinks [H]``, GPT-OSS) reach both kernels (the varlen path has
@@ -75,6 +84,11 @@ from pagedkv.attention.backend import (
     AttentionMetadataLike,
     AttentionPlan,
 )
+from pagedkv.attention.cudnn_prefill import (
+    cudnn_prefill_attention,
+    cudnn_prefill_available_for,
+    gather_kv,
+)
 from pagedkv.attention.merge_states import _merge_kernel, merge_attention_states
 from pagedkv.attention.torch_ref import paged_attention_ref
 from pagedkv.attention.triton_decode import (
@@ -97,7 +111,7 @@ from pagedkv.kernels._common import cdiv, use_triton
 from pagedkv.kernels.fp8_kv import is_fp8_kv
 from pagedkv.kernels.reshape_and_cache import reshape_and_cache
 
-FRESH_PREFILL_CHOICES = ("auto", "triton", "varlen")
+FRESH_PREFILL_CHOICES = ("auto", "triton", "varlen", "cudnn")
 # What "auto" picks for batches of fresh prefills on CUDA (bf16/fp16). Measured on the H200
 # (bench/bench_attention_gpu.py, 8 x 2048 causal, 16 q / 8 KV heads, head_dim 128, bf16,
 # 7ad6768): the paged Triton kernel 512 us (269 TFLOP/s; 477 with two query heads a program);
@@ -105,6 +119,8 @@ FRESH_PREFILL_CHOICES = ("auto", "triton", "varlen")
 # requires (it has no enable_gqa), 500 us (275) for its kernel alone. The Triton kernel wins
 # as the backend can call them.
 AUTO_FRESH_PREFILL = "triton"
+# fresh_prefill="cudnn": fresh requests of at least this many query tokens take cuDNN
+CUDNN_MIN_QUERY_LEN = 256
 # The graph variant of cascade steps (see the module docstring).
 CASCADE = "cascade"
 # Copy bandwidth of the H200 (PERF.md): turns the shared-prefix bytes cascade saves into time.
@@ -191,9 +207,13 @@ class TritonAttentionBackend(AttentionBackend):
     """Paged attention through Triton kernels (see the module docstring).
 
     Args:
-        fresh_prefill: for batches of fresh prefills only: ``"triton"`` (the paged prefill
-            kernel), ``"varlen"`` (torch's varlen flash attention where available, else the
-            Triton kernel) or ``"auto"`` (the faster one on the H200: ``AUTO_FRESH_PREFILL``).
+        fresh_prefill: fresh prefills (no cached context): ``"triton"`` (the paged prefill
+            kernel), ``"varlen"`` (batches of fresh prefills only: torch's varlen flash
+            attention where available, else the Triton kernel), ``"cudnn"`` (the fresh
+            requests of at least ``cudnn_min_query_len`` tokens of any eager step: cuDNN's
+            varlen attention where available, else the Triton kernel) or ``"auto"`` (the
+            faster one on the H200: ``AUTO_FRESH_PREFILL``).
+        cudnn_min_query_len: see ``fresh_prefill="cudnn"``.
         decode_config / prefill_config: launch parameters (default per device).
         cascade: when to take cascade attention (:class:`CascadeConfig`); None: never.
     """
@@ -206,10 +226,16 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self, *, fresh_prefill: str = "auto", decode_config: DecodeConfig | None = None,
                  prefill_config: PrefillConfig | None = None,
-                 cascade: CascadeConfig | None = CascadeConfig()):
+                 cascade: CascadeConfig | None = CascadeConfig(),
+                 cudnn_min_query_len: int = CUDNN_MIN_QUERY_LEN):
         if fresh_prefill not in FRESH_PREFILL_CHOICES:
             raise ConfigError(f"unknown fresh_prefill {fresh_prefill!r}; use one of "
                               f"{', '.join(FRESH_PREFILL_CHOICES)}")
+        if (isinstance(cudnn_min_query_len, bool) or not isinstance(cudnn_min_query_len, int)
+                or cudnn_min_query_len < 2):
+            raise ConfigError(f"cudnn_min_query_len must be an int >= 2, got "
+                              f"{cudnn_min_query_len!r}")
+        self.cudnn_min_query_len = cudnn_min_query_len
         if cascade is not None and not isinstance(cascade, CascadeConfig):
             raise ConfigError(f"cascade must be a CascadeConfig or None, got {cascade!r}")
         self.fresh_prefill = AUTO_FRESH_PREFILL if fresh_prefill == "auto" else fresh_prefill
@@ -358,8 +384,19 @@ class TritonAttentionBackend(AttentionBackend):
                                    check=check, workspace=plan.workspace,
                                    sliding_window=window, logits_soft_cap=cap, sinks=sinks,
                                    **scales)
+        # cuDNN's runs of fresh requests (not for sinks, not over an FP8 cache)
+        skip_fresh = 0
+        if plan.cudnn_runs and sinks is None and not is_fp8_kv(kv_cache.dtype):
+            skip_fresh = self.cudnn_min_query_len
+            for a, b, cu, max_len in plan.cudnn_run_tensors():
+                kk, vv = (k[a:b], v[a:b]) if k is not None else gather_kv(kv_cache,
+                                                                          plan.slots[a:b])
+                cudnn_prefill_attention(q[a:b], kk, vv, cu, max_len, scale, out[a:b])
+            if not plan.triton_prefill_rest:
+                return out
         paged_prefill_attention(q, kv_cache, table, qsl, seq_lens, n, scale, out,
                                 num_tokens=plan.end, skip_decode=plan.has_decode,
+                                skip_fresh_from=skip_fresh,
                                 config=self.prefill_config, check=check,
                                 sliding_window=window, logits_soft_cap=cap, sinks=sinks,
                                 **scales)
@@ -427,7 +464,8 @@ class TritonPlan(AttentionPlan):
 
     __slots__ = ("slots", "triton", "workspace", "n", "decode_only", "varlen", "has_decode",
                  "balanced", "end", "max_q", "max_seq_len", "capturing", "checked", "cascade",
-                 "prefix", "_cascade_parts", "backend")
+                 "prefix", "_cascade_parts", "backend", "cudnn_runs", "triton_prefill_rest",
+                 "_cudnn_tensors")
 
     def __init__(self, backend: TritonAttentionBackend, metadata, layout: AttentionLayout):
         super().__init__(metadata, layout)
@@ -445,6 +483,9 @@ class TritonPlan(AttentionPlan):
         self.prefix = 0
         self._cascade_parts = None
         self.backend = backend
+        self.cudnn_runs: tuple = ()  # (first request, end request, first row, end row, max len)
+        self.triton_prefill_rest = True  # a request the paged prefill kernel still serves
+        self._cudnn_tensors = None
         if not self.triton or n == 0:
             return
         # cascade attention: a graph's baked decision, else the backend's for this step
@@ -495,6 +536,21 @@ class TritonPlan(AttentionPlan):
                        and varlen_available_for(layout.dtype, dev)
                        and np.array_equal(seq_h, q_lens))
         self.has_decode = bool((q_lens == 1).any())
+        if (backend.fresh_prefill == "cudnn" and not self.cascade and not self.capturing
+                and layout.sliding_window is None and layout.logits_soft_cap is None):
+            take = (seq_h == q_lens) & (q_lens >= backend.cudnn_min_query_len)
+            if take.any() and cudnn_prefill_available_for(layout.dtype, dev, layout.head_dim):
+                self.cudnn_runs = cudnn_runs(take, qsl_h, q_lens)
+                self.triton_prefill_rest = bool(((q_lens > 1) & ~take).any())
+
+    def cudnn_run_tensors(self) -> list:
+        """``(first row, end row, cu_seqlens, max_len)`` per cuDNN run, ``cu_seqlens`` made on
+        the device from ``query_start_loc`` at the first layer and shared by the others."""
+        if self._cudnn_tensors is None:
+            qsl = self.metadata.query_start_loc
+            self._cudnn_tensors = [(a, b, qsl[i:j + 1] - qsl[i:i + 1], m)
+                                   for i, j, a, b, m in self.cudnn_runs]
+        return self._cudnn_tensors
 
     def cascade_parts(self, q: torch.Tensor, kv_cache: torch.Tensor) -> "_CascadeParts":
         """The step's cascade tensors (made at the first layer, shared by the others)."""
@@ -524,6 +580,22 @@ class TritonPlan(AttentionPlan):
             raise InvariantError("attention-token-count", "query_start_loc ends past the query rows",
                                  end=self.end, rows=q.shape[0])
         self.checked = True
+
+
+def cudnn_runs(take: np.ndarray, qsl: np.ndarray, q_lens: np.ndarray) -> tuple:
+    """Maximal runs of consecutive requests with ``take[r]``: ``(first request, end request,
+    first row, end row, longest query)`` each (host ints)."""
+    runs, r, n = [], 0, len(take)
+    while r < n:
+        if not take[r]:
+            r += 1
+            continue
+        j = r
+        while j < n and take[j]:
+            j += 1
+        runs.append((r, j, int(qsl[r]), int(qsl[j]), int(q_lens[r:j].max())))
+        r = j
+    return tuple(runs)
 
 
 class _CascadeParts:

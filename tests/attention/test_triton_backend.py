@@ -3,6 +3,7 @@ prefill + CUDA-graph padding), in any row order: same outputs, same KV cache, ze
 rows. Interpreted on CPU (tiny, fp32/fp16) and native on CUDA (bf16, both fresh-prefill
 paths)."""
 
+import numpy as np
 import pytest
 import torch
 from test_triton_cases import make_case
@@ -125,8 +126,37 @@ def test_backend_errors(kernel_device):
 # ---- native GPU
 
 
+def test_cudnn_runs_by_hand():
+    """Maximal runs of consecutive taken requests: (first, end request, first, end row,
+    longest query)."""
+    from pagedkv.attention.triton_backend import cudnn_runs
+
+    q_lens = np.array([300, 600, 1, 700, 40, 255, 2000])
+    qsl = np.concatenate(([0], np.cumsum(q_lens)))
+    take = np.array([True, True, False, True, False, False, True])
+    assert cudnn_runs(take, qsl, q_lens) == ((0, 2, 0, 900, 600), (3, 4, 901, 1601, 700),
+                                            (6, 7, 1896, 3896, 2000))
+    assert cudnn_runs(np.zeros(3, bool), qsl[:4], q_lens[:3]) == ()
+
+
+def test_cudnn_choice_without_cudnn_serves_everything_with_triton(kernel_device):
+    """``fresh_prefill="cudnn"`` where cuDNN cannot run (CPU): no runs, the paged kernels
+    serve every row, exact against the reference."""
+    from pagedkv.attention.backend import AttentionLayout
+
+    backend = TritonAttentionBackend(fresh_prefill="cudnn", cudnn_min_query_len=4)
+    reqs = [(0, 12), (5, 1), (0, 6), (9, 6)]
+    check(reqs, backend=backend, block_size=4, device=kernel_device, pad_tokens=2, seed=7)
+    a = make_case(reqs, block_size=4, device=kernel_device, seed=7)
+    plan = backend.plan(a["meta"], AttentionLayout.of(a["q"], a["cache"]))
+    assert plan.cudnn_runs == () and plan.triton_prefill_rest
+    for bad in (1, True, 3.0):
+        with pytest.raises(ConfigError, match="cudnn_min_query_len"):
+            TritonAttentionBackend(cudnn_min_query_len=bad)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("fresh_prefill", ["triton", "varlen"])
+@pytest.mark.parametrize("fresh_prefill", ["triton", "varlen", "cudnn"])
 @pytest.mark.parametrize("block_size", [16, 3])
 def test_mixed_batch_gpu_bf16(fresh_prefill, block_size):
     reqs = [(300, 1), (0, 513), (1200, 1), (700, 260), (0, 1), (5000, 1), (64, 64)]
@@ -136,7 +166,41 @@ def test_mixed_batch_gpu_bf16(fresh_prefill, block_size):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fresh_prefill", ["triton", "varlen"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_cudnn_fresh_runs_in_a_mixed_batch_gpu_bf16(fused):
+    """Three cuDNN runs (requests 0-1, 3, 6) among decode rows, a chunk with context and a
+    fresh request below the threshold (Triton's), with the step's K/V given or already in the
+    cache (``fused``: k = v = None, read back by the slots): the reference's output; the H200
+    has cuDNN's varlen attention (the path must not fall back silently)."""
+    from pagedkv.attention.backend import AttentionLayout
+    from pagedkv.attention.cudnn_prefill import cudnn_prefill_available_for
+    from pagedkv.kernels.reshape_and_cache import reshape_and_cache
+
+    assert cudnn_prefill_available_for(torch.bfloat16, torch.device("cuda"), 128)
+    reqs = [(0, 300), (0, 600), (50, 1), (0, 700), (100, 40), (0, 255), (0, 2000)]
+    kw = dict(block_size=16, num_heads=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+              device="cuda", pad_tokens=5, padded_reqs=2, seed=8)
+    backend = TritonAttentionBackend(fresh_prefill="cudnn")
+    a = make_case(reqs, **kw)
+    plan = backend.plan(a["meta"], AttentionLayout.of(a["q"], a["cache"]))
+    assert [r[:2] for r in plan.cudnn_runs] == [(0, 2), (3, 4), (6, 7)]
+    assert plan.triton_prefill_rest
+    if not fused:
+        check(reqs, backend=backend, **kw)
+        return
+    a, _, b, ref = both(reqs, backend=backend, **kw)  # ref and the written cache
+    c = make_case(reqs, **kw)
+    reshape_and_cache(c["k"], c["v"], c["cache"][0], c["cache"][1],
+                      c["meta"].slot_mapping[:c["meta"].num_actual_tokens])
+    plan = backend.plan(c["meta"], AttentionLayout.of(c["q"], c["cache"]))
+    out = backend.forward(0, c["q"], None, None, c["cache"], plan, c["scale"])
+    n = sum(ql for _, ql in reqs)
+    torch.testing.assert_close(out.float().cpu()[:n], ref.float().cpu()[:n], atol=2e-2, rtol=2e-2)
+    assert torch.all(out[n:] == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fresh_prefill", ["triton", "varlen", "cudnn"])
 def test_fresh_prefill_gpu_bf16(fresh_prefill):
     check([(0, 1000), (0, 1), (0, 257), (0, 2048)],
           backend=TritonAttentionBackend(fresh_prefill=fresh_prefill), block_size=16,

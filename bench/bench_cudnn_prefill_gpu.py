@@ -1,0 +1,190 @@
+"""One attention layer of W2-like prefill steps: the Triton backend with ``fresh_prefill``
+"triton" (every prefill row through the paged kernel) against "cudnn" (fresh requests through
+cuDNN's varlen attention, the rest paged), bf16, 16 query / 8 K/V heads, head_dim 128, block 16.
+
+Cases (requests as (context, query tokens); decode rows have query 1):
+  * w2_step: 24 decode rows + fresh 7,000 + fresh 6,500 + a chunk of 2,860 after 4,000;
+  * w2_fresh2: two fresh prompts of 7,500 and 6,200 (+ 48 decode rows);
+  * fresh8x2048: 8 fresh prompts of 2,048 (PERF.md's prefill shape);
+  * w1_like: 64 fresh prompts of 100-1,000 tokens.
+Each is timed with CUDA events (median of ``--reps`` calls after a warm-up, K/V given and read
+back from the cache: ``--fused``), its error against the fp32 reference of a few requests,
+and (``--churn``) the host+device time of cuDNN calls whose packed shapes change every call (a
+new token count and longest prompt each step: what plan caching costs).
+
+    python3 bench/bench_cudnn_prefill_gpu.py --out cudnn_prefill.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from pagedkv.attention import allocate_kv_caches, build_attention_metadata  # noqa: E402
+from pagedkv.attention.backend import AttentionLayout  # noqa: E402
+from pagedkv.attention.cudnn_prefill import (  # noqa: E402
+    cudnn_prefill_attention,
+    cudnn_prefill_support,
+)
+from pagedkv.attention.torch_ref import paged_attention_ref  # noqa: E402
+from pagedkv.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from pagedkv.tools.benchmark import environment  # noqa: E402
+
+H, HKV, D, BS = 16, 8, 128, 16
+DT = torch.bfloat16
+
+
+def cases() -> dict:
+    rng = random.Random(0)
+    return {
+        "w2_step": [(rng.randint(6000, 8000), 1) for _ in range(24)]
+        + [(0, 7000), (0, 6500), (4000, 2860)],
+        "w2_fresh2": [(rng.randint(6000, 8000), 1) for _ in range(48)] + [(0, 7500), (0, 6200)],
+        "fresh8x2048": [(0, 2048)] * 8,
+        "w1_like": [(0, rng.randint(100, 1000)) for _ in range(64)],
+    }
+
+
+def flops(reqs) -> float:
+    return sum(4 * H * D * (q * (q + 1) / 2 + q * c) for c, q in reqs if q > 1)
+
+
+def build(reqs, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    need = [-(-(c + q) // BS) for c, q in reqs]
+    num_blocks = 1 + sum(need)
+    perm = (torch.randperm(num_blocks - 1, device="cuda", generator=gen) + 1).to(torch.int32)
+    table = torch.zeros(len(reqs), max(need), dtype=torch.int32, device="cuda")
+    at = 0
+    for r, nb in enumerate(need):
+        table[r, :nb] = perm[at:at + nb]
+        at += nb
+    (cache,) = allocate_kv_caches(1, num_blocks, BS, HKV, D, dtype=DT, device="cuda")
+    cache.normal_(generator=gen)
+    slots = []
+    for r, (c, q) in enumerate(reqs):
+        pos = torch.arange(c, c + q, device="cuda")
+        slots.append(table[r, pos // BS].long() * BS + pos % BS)
+    slot_mapping = torch.cat(slots)
+    T = slot_mapping.shape[0]
+    q = torch.randn(T, H, D, device="cuda", dtype=DT, generator=gen)
+    k = cache[0].view(-1, HKV, D)[slot_mapping].clone()
+    v = cache[1].view(-1, HKV, D)[slot_mapping].clone()
+    meta = build_attention_metadata([q_ for _, q_ in reqs], [c + q_ for c, q_ in reqs],
+                                    table.cpu(), slot_mapping.cpu(), device="cuda")
+    return q, k, v, cache, meta
+
+
+def time_us(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        samples.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(samples)
+
+
+def run_case(name, reqs, reps) -> dict:
+    q, k, v, cache, meta = build(reqs)
+    layout = AttentionLayout.of(q, cache)
+    res = {"reqs": len(reqs), "tokens": q.shape[0], "gflop": flops(reqs) / 1e9}
+    outs = {}
+    for mode in ("triton", "cudnn"):
+        be = TritonAttentionBackend(fresh_prefill=mode)
+        for fused in (False, True):
+            kk, vv = (None, None) if fused else (k, v)
+
+            def call(be=be, kk=kk, vv=vv):
+                plan = be.plan(meta, layout)
+                return be.forward(0, q, kk, vv, cache, plan, D ** -0.5)
+
+            us = time_us(call, reps)
+            key = f"{mode}{'_fused' if fused else ''}"
+            res[key] = {"us": us, "tflops": flops(reqs) / us / 1e6}
+            outs[key] = call()
+    # error of the last three requests (the long ones) against the fp32 reference
+    n = len(reqs)
+    sub = list(range(max(0, n - 3), n))
+    rows = torch.cat([torch.arange(int(meta.query_start_loc_cpu[r]),
+                                   int(meta.query_start_loc_cpu[r + 1])) for r in sub]).cuda()
+    from types import SimpleNamespace
+    ql = [reqs[r][1] for r in sub]
+    qsl = torch.zeros(len(sub) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(ql), 0)
+    sm = SimpleNamespace(query_start_loc_cpu=qsl, num_reqs=len(sub),
+                         seq_lens_cpu=torch.tensor([sum(reqs[r]) for r in sub]),
+                         block_table_tensor=meta.block_table_tensor[sub])
+    ref = paged_attention_ref(q[rows].float(), cache, sm, D ** -0.5)
+    for key, o in outs.items():
+        o = o[rows].float()
+        res[key]["rel_err"] = float((o - ref).norm() / ref.norm())
+    print(f"{name}: " + ", ".join(f"{kk} {vv['us']:.0f} us {vv['tflops']:.0f} TFLOP/s "
+                                  f"err {vv['rel_err']:.1e}" for kk, vv in res.items()
+                                  if isinstance(vv, dict)), flush=True)
+    return res
+
+
+def churn(n_calls: int = 30) -> dict:
+    """cuDNN calls whose packed shape changes every call, against one repeated shape: the
+    wall time per call with a sync (host plan building shows here)."""
+    rng = random.Random(1)
+    shapes = []
+    for _ in range(n_calls):
+        lens = [rng.randint(2000, 8000) for _ in range(2)]
+        shapes.append(lens)
+    big = sum(max(s) for s in zip(*shapes)) + 16000
+    q = torch.randn(big, H, D, device="cuda", dtype=DT)
+    k = torch.randn(big, HKV, D, device="cuda", dtype=DT)
+    v = torch.randn(big, HKV, D, device="cuda", dtype=DT)
+
+    def one(lens):
+        n = sum(lens)
+        cu = torch.tensor([0, lens[0], n], dtype=torch.int32, device="cuda")
+        out = torch.empty(n, H, D, device="cuda", dtype=DT)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        cudnn_prefill_attention(q[:n], k[:n], v[:n], cu, max(lens), D ** -0.5, out)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) * 1e6, 4 * H * D * sum(x * (x + 1) / 2 for x in lens)
+
+    varying = [one(s) for s in shapes]
+    same = [one(shapes[0]) for _ in range(n_calls)]
+    res = {"varying_us_median": statistics.median(u for u, _ in varying),
+           "varying_us_first5": [round(u) for u, _ in varying[:5]],
+           "same_us_median": statistics.median(u for u, _ in same[1:]),
+           "varying_tflops_median": statistics.median(f / u / 1e6 for u, f in varying)}
+    print(f"churn: {res}", flush=True)
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--out", default="cudnn_prefill.json")
+    args = p.parse_args()
+    print("cuDNN varlen support (bf16, head_dim 128):",
+          cudnn_prefill_support(torch.cuda.current_device(), DT, D), flush=True)
+    rec = {"environment": environment(), "cases": {}}
+    for name, reqs in cases().items():
+        rec["cases"][name] = run_case(name, reqs, args.reps)
+    rec["churn"] = churn()
+    with open(args.out, "w") as f:
+        json.dump(rec, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
