@@ -1,16 +1,18 @@
 """One attention layer of W2-like prefill steps: the Triton backend with ``fresh_prefill``
-"triton" (every prefill row through the paged kernel) against "cudnn" (fresh requests through
-cuDNN's varlen attention, the rest paged), bf16, 16 query / 8 K/V heads, head_dim 128, block 16.
+"triton" (every prefill row through the paged kernel) against "cudnn" (fresh requests of
+>= 4,096 tokens through cuDNN's attention, one call a request, the rest paged) and "cudnn256"
+(from 256 tokens); bf16, 16 query / 8 K/V heads, head_dim 128, block 16, the step's K/V
+already in the cache (as the engine's fused writer leaves them).
 
 Cases (requests as (context, query tokens); decode rows have query 1):
   * w2_step: 24 decode rows + fresh 7,000 + fresh 6,500 + a chunk of 2,860 after 4,000;
   * w2_fresh2: two fresh prompts of 7,500 and 6,200 (+ 48 decode rows);
   * fresh8x2048: 8 fresh prompts of 2,048 (PERF.md's prefill shape);
   * w1_like: 64 fresh prompts of 100-1,000 tokens.
-Each is timed with CUDA events (median of ``--reps`` calls after a warm-up, K/V given and read
-back from the cache: ``--fused``), its error against the fp32 reference of a few requests,
-and (``--churn``) the host+device time of cuDNN calls whose packed shapes change every call (a
-new token count and longest prompt each step: what plan caching costs).
+Each is timed with CUDA events (median of ``--reps`` calls after a warm-up), with its error
+against the fp32 reference of the last three requests;
+and the wall time of cuDNN calls whose length changes every call, before and after the
+plans of every padded length were built (what plan building costs).
 
     python3 bench/bench_cudnn_prefill_gpu.py --out cudnn_prefill.json
 """
@@ -34,6 +36,7 @@ from pagedkv.attention.backend import AttentionLayout  # noqa: E402
 from pagedkv.attention.cudnn_prefill import (  # noqa: E402
     cudnn_prefill_attention,
     cudnn_prefill_support,
+    warm_plans,
 )
 from pagedkv.attention.torch_ref import paged_attention_ref  # noqa: E402
 from pagedkv.attention.triton_backend import TritonAttentionBackend  # noqa: E402
@@ -99,23 +102,22 @@ def time_us(fn, reps: int) -> float:
 
 
 def run_case(name, reqs, reps) -> dict:
-    q, k, v, cache, meta = build(reqs)
+    q, _, _, cache, meta = build(reqs)
     layout = AttentionLayout.of(q, cache)
     res = {"reqs": len(reqs), "tokens": q.shape[0], "gflop": flops(reqs) / 1e9}
     outs = {}
-    for mode in ("triton", "cudnn"):
-        be = TritonAttentionBackend(fresh_prefill=mode)
-        for fused in (False, True):
-            kk, vv = (None, None) if fused else (k, v)
+    modes = {"triton": dict(fresh_prefill="triton"), "cudnn": dict(fresh_prefill="cudnn"),
+             "cudnn256": dict(fresh_prefill="cudnn", cudnn_min_query_len=256)}
+    for key, opts in modes.items():
+        be = TritonAttentionBackend(**opts)
 
-            def call(be=be, kk=kk, vv=vv):
-                plan = be.plan(meta, layout)
-                return be.forward(0, q, kk, vv, cache, plan, D ** -0.5)
+        def call(be=be):  # the engine's way: the K/V already in the cache (fused writer)
+            plan = be.plan(meta, layout)
+            return be.forward(0, q, None, None, cache, plan, D ** -0.5)
 
-            us = time_us(call, reps)
-            key = f"{mode}{'_fused' if fused else ''}"
-            res[key] = {"us": us, "tflops": flops(reqs) / us / 1e6}
-            outs[key] = call()
+        us = time_us(call, reps)
+        res[key] = {"us": us, "tflops": flops(reqs) / us / 1e6}
+        outs[key] = call()
     # error of the last three requests (the long ones) against the fp32 reference
     n = len(reqs)
     sub = list(range(max(0, n - 3), n))
@@ -139,34 +141,31 @@ def run_case(name, reqs, reps) -> dict:
 
 
 def churn(n_calls: int = 30) -> dict:
-    """cuDNN calls whose packed shape changes every call, against one repeated shape: the
-    wall time per call with a sync (host plan building shows here)."""
+    """One request a call whose length changes every call (4,096-8,000 tokens), wall time
+    per call with a sync, before and after ``warm_plans`` (plan building shows here)."""
     rng = random.Random(1)
-    shapes = []
-    for _ in range(n_calls):
-        lens = [rng.randint(2000, 8000) for _ in range(2)]
-        shapes.append(lens)
-    big = sum(max(s) for s in zip(*shapes)) + 16000
-    q = torch.randn(big, H, D, device="cuda", dtype=DT)
-    k = torch.randn(big, HKV, D, device="cuda", dtype=DT)
-    v = torch.randn(big, HKV, D, device="cuda", dtype=DT)
+    top = 8192
+    q = torch.randn(top, H, D, device="cuda", dtype=DT)
+    (cache,) = allocate_kv_caches(1, top // BS + 1, BS, HKV, D, dtype=DT, device="cuda")
+    cache.normal_()
+    slots = torch.arange(BS, BS + top, device="cuda")
+    out = torch.empty_like(q)
 
-    def one(lens):
-        n = sum(lens)
-        cu = torch.tensor([0, lens[0], n], dtype=torch.int32, device="cuda")
-        out = torch.empty(n, H, D, device="cuda", dtype=DT)
+    def one(n):
         torch.cuda.synchronize()
         t = time.perf_counter()
-        cudnn_prefill_attention(q[:n], k[:n], v[:n], cu, max(lens), D ** -0.5, out)
+        cudnn_prefill_attention(q, 0, n, cache, slots[:n], D ** -0.5, out)
         torch.cuda.synchronize()
-        return (time.perf_counter() - t) * 1e6, 4 * H * D * sum(x * (x + 1) / 2 for x in lens)
+        return (time.perf_counter() - t) * 1e6, 4 * H * D * n * (n + 1) / 2
 
-    varying = [one(s) for s in shapes]
-    same = [one(shapes[0]) for _ in range(n_calls)]
-    res = {"varying_us_median": statistics.median(u for u, _ in varying),
-           "varying_us_first5": [round(u) for u, _ in varying[:5]],
-           "same_us_median": statistics.median(u for u, _ in same[1:]),
-           "varying_tflops_median": statistics.median(f / u / 1e6 for u, f in varying)}
+    cold = [one(rng.randint(4096, 8000)) for _ in range(5)]
+    t = time.perf_counter()
+    warm_plans(q, HKV, D ** -0.5, 4096, top)
+    warm_s = time.perf_counter() - t
+    warm = [one(rng.randint(4096, 8000)) for _ in range(n_calls)]
+    res = {"cold_us": [round(u) for u, _ in cold], "warm_plans_s": warm_s,
+           "warm_us_median": statistics.median(u for u, _ in warm),
+           "warm_tflops_median": statistics.median(f / u / 1e6 for u, f in warm)}
     print(f"churn: {res}", flush=True)
     return res
 
@@ -176,7 +175,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default="cudnn_prefill.json")
     args = p.parse_args()
-    print("cuDNN varlen support (bf16, head_dim 128):",
+    print("cuDNN attention support (bf16, head_dim 128):",
           cudnn_prefill_support(torch.cuda.current_device(), DT, D), flush=True)
     rec = {"environment": environment(), "cases": {}}
     for name, reqs in cases().items():

@@ -1,22 +1,28 @@
-"""Fresh prefills through cuDNN's varlen flash attention (torch's ``_cudnn_attention_forward``).
+"""Long fresh prefills through cuDNN's fused attention (torch's
+``_scaled_dot_product_cudnn_attention``), one call per request.
 
 A fresh prefill request (no cached context: ``seq_len == query_len``) attends causally to its
 own new tokens only, so its keys and values are contiguous rows of the step and need no block
-table. cuDNN's fused attention over packed ("ragged") sequences serves such requests in one
-launch per run of consecutive requests; on the H200 it reaches 540 TFLOP/s on a 7,000-token
-prompt where the paged Triton kernel stays near 320 (BENCHMARKS.md, twelfth session). The
-Triton backend hands it the fresh requests of at least ``min_query_len`` tokens of any step,
+table. cuDNN's fused attention reaches 540 TFLOP/s on one 7,000-token prompt on the H200,
+where the paged Triton kernel stays near 320 (BENCHMARKS.md, twelfth session). The Triton
+backend hands it the fresh requests of at least ``min_query_len`` tokens of an eager step,
 mixed steps included (``TritonAttentionBackend(fresh_prefill="cudnn")``), and tells the paged
 prefill kernel to skip them.
 
-Layout: ``q [N, H, D]``, ``k``/``v [N, Hkv, D]`` (rows of the run's requests, in order),
-``cu_seqlens`` int32 ``[R + 1]`` from 0 to ``N`` on the device, ``max_len`` a host int. Where
-the backend's caller wrote the step's K/V into the cache itself (the models' fused q/k-norm +
-RoPE + K/V-write kernel), ``gather_kv`` reads them back by the step's slots.
+cuDNN builds an execution plan per problem shape (about 45 ms on the H200) and torch caches it
+by shape. So a request of ``S`` tokens runs padded to ``S' = padded_len(S)`` (a multiple of
+``PAD_GRANULE``): its query rows are read as the ``S'`` rows from its first (its own and the
+next requests' rows, or a copy where the step has fewer), its K/V rows are gathered from the
+cache by the step's slots into a buffer whose ``S' - S`` padding rows are zero. Causal
+attention keeps the real rows exact: row ``i < S`` sees keys ``<= i`` only (the padding keys
+are masked, and zero, so no NaN of another row can reach it); the padding rows' outputs are
+dropped. :func:`warm_plans` builds every padded shape up to a token count once (the engine's
+warm-up step of a full budget reaches it), so no plan is built while serving.
 
-Availability is decided once per device by a probe (:func:`cudnn_prefill_support`): a small
-grouped-query call against the plain reference; where cuDNN rejects grouped-query heads the
-K/V heads are repeated to the query heads, and where it fails or differs the path is off.
+Availability is decided once per device, dtype and head size by a probe
+(:func:`cudnn_prefill_support`): a small padded grouped-query call against the plain
+reference; where cuDNN rejects grouped-query heads the K/V heads are repeated, and where it
+fails or differs the path is off.
 """
 
 from __future__ import annotations
@@ -28,57 +34,66 @@ import torch
 from pagedkv.errors import ConfigError
 
 _DTYPES = (torch.bfloat16, torch.float16)
+# padded lengths are multiples of this many tokens: at most PAD_GRANULE - 1 wasted rows (7% at
+# 7,000 tokens), one plan per multiple (25 between 4,096 and 16,384 tokens)
+PAD_GRANULE = 512
+
+
+def padded_len(n: int) -> int:
+    """The length a request of ``n`` tokens runs at: ``n`` rounded up to ``PAD_GRANULE``."""
+    return -(-int(n) // PAD_GRANULE) * PAD_GRANULE
 
 
 def _op():
-    """torch's cuDNN attention forward (packed sequences), or None in a torch without it."""
-    return getattr(torch.ops.aten, "_cudnn_attention_forward", None)
+    """torch's cuDNN attention forward, or None in a torch without it."""
+    return getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)
 
 
-def _call(q, k, v, cu_seqlens, max_len: int, scale: float) -> torch.Tensor:
-    return _op()(q, k, v, None, cu_seqlens, cu_seqlens, int(max_len), int(max_len), False,
-                 0.0, True, False, scale=float(scale))[0]
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal cuDNN attention of one sequence: ``q [S, H, D]`` (rows ``H*D`` apart), ``k``/``v``
+    ``[S, Hkv, D]`` contiguous; returns ``[S, H, D]`` (a view of cuDNN's output)."""
+    as4 = lambda t: t.unsqueeze(0).transpose(1, 2)  # noqa: E731  [1, heads, S, D]
+    out = _op()(as4(q), as4(k), as4(v), None, False, 0.0, True, False, scale=float(scale))[0]
+    return out[0].transpose(0, 1)
 
 
-def _reference(q, k, v, lens, scale) -> torch.Tensor:
-    """Plain causal attention of packed sequences (fp32): the probe's expectation."""
-    out, start = [], 0
+def _reference(q, k, v, scale) -> torch.Tensor:
+    """Plain causal attention of one sequence in fp32: the probe's expectation."""
     group = q.shape[1] // k.shape[1]
-    for n in lens:
-        qs = q[start:start + n].float().transpose(0, 1)
-        ks = k[start:start + n].float().repeat_interleave(group, 1).transpose(0, 1)
-        vs = v[start:start + n].float().repeat_interleave(group, 1).transpose(0, 1)
-        s = qs @ ks.transpose(1, 2) * scale
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-        out.append((torch.softmax(s, -1) @ vs).transpose(0, 1))
-        start += n
-    return torch.cat(out)
+    qs = q.float().transpose(0, 1)
+    ks = k.float().repeat_interleave(group, 1).transpose(0, 1)
+    vs = v.float().repeat_interleave(group, 1).transpose(0, 1)
+    n = q.shape[0]
+    s = (qs @ ks.transpose(1, 2) * scale).masked_fill(
+        torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return (torch.softmax(s, -1) @ vs).transpose(0, 1)
 
 
 @functools.lru_cache(maxsize=None)
 def cudnn_prefill_support(device_index: int, dtype: torch.dtype, head_dim: int) -> str | None:
-    """How this device runs cuDNN varlen attention for ``dtype`` / ``head_dim``: ``"gqa"``
-    (grouped-query heads natively), ``"repeat"`` (K/V heads repeated) or None (not at all).
-    Decided by a probe (three sequences of 1, 37 and 100 tokens, 4 query / 2 K/V heads)
-    against :func:`_reference` at 2e-2; synchronizes once per device, dtype and head size."""
+    """How this device runs cuDNN attention for ``dtype`` / ``head_dim``: ``"gqa"`` (grouped
+    query heads natively), ``"repeat"`` (K/V heads repeated) or None (not at all). Decided by
+    a probe (100 tokens padded to 128 with NaN query rows, 4 query / 2 K/V heads) against
+    :func:`_reference` at 2e-2; synchronizes once per device, dtype and head size."""
     if (_op() is None or not torch.cuda.is_available() or dtype not in _DTYPES
             or head_dim % 8 or head_dim > 128 or not torch.backends.cudnn.is_available()):
         return None
     dev = torch.device("cuda", device_index)
     gen = torch.Generator(device=dev).manual_seed(0)
-    lens = (1, 37, 100)
-    n = sum(lens)
-    q = torch.randn(n, 4, head_dim, device=dev, dtype=dtype, generator=gen)
-    k = torch.randn(n, 2, head_dim, device=dev, dtype=dtype, generator=gen)
-    v = torch.randn(n, 2, head_dim, device=dev, dtype=dtype, generator=gen)
-    cu = torch.tensor((0, 1, 38, n), dtype=torch.int32, device=dev)
+    n, padded = 100, 128
+    q = torch.randn(padded, 4, head_dim, device=dev, dtype=dtype, generator=gen)
+    k = torch.randn(padded, 2, head_dim, device=dev, dtype=dtype, generator=gen)
+    v = torch.randn(padded, 2, head_dim, device=dev, dtype=dtype, generator=gen)
+    q[n:] = float("nan")
+    k[n:] = 0
+    v[n:] = 0
     scale = head_dim ** -0.5
-    want = _reference(q, k, v, lens, scale)
+    want = _reference(q[:n], k[:n], v[:n], scale)
     for mode in ("gqa", "repeat"):
         try:
             kk, vv = (k, v) if mode == "gqa" else (k.repeat_interleave(2, 1),
                                                    v.repeat_interleave(2, 1))
-            got = _call(q, kk, vv, cu, max(lens), scale).float()
+            got = _attend(q, kk, vv, scale)[:n].float()
         except RuntimeError:
             continue
         if got.shape == want.shape and torch.allclose(got, want, atol=2e-2, rtol=2e-2):
@@ -95,43 +110,71 @@ def cudnn_prefill_available_for(dtype: torch.dtype, device: torch.device, head_d
     return cudnn_prefill_support(index, dtype, int(head_dim)) is not None
 
 
-def gather_kv(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows ``slots`` of a ``[2, num_blocks, block_size, Hkv, D]`` cache as ``[N, Hkv, D]`` K
-    and V (the step's K/V that a fused writer put there)."""
-    heads, dim = kv_cache.shape[3], kv_cache.shape[4]
-    try:
-        k_rows = kv_cache[0].view(-1, heads, dim)
-        v_rows = kv_cache[1].view(-1, heads, dim)
-    except RuntimeError as e:
-        raise ConfigError("gather_kv: the cache halves must be viewable as [slots, Hkv, D]") from e
-    idx = slots.long()
-    return k_rows.index_select(0, idx), v_rows.index_select(0, idx)
-
-
-def cudnn_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            cu_seqlens: torch.Tensor, max_len: int, scale: float,
-                            out: torch.Tensor) -> torch.Tensor:
-    """Causal attention of packed fresh sequences into ``out [N, H, D]`` (module docstring).
-    ``q``/``k``/``v`` with a contiguous last dimension; copied contiguous where they are not
-    (cuDNN's packed layout)."""
-    fn = "cudnn_prefill_attention"
+def _mode(q: torch.Tensor) -> str:
     mode = cudnn_prefill_support(q.device.index if q.device.index is not None
                                  else torch.cuda.current_device(), q.dtype, q.shape[-1]) \
         if q.is_cuda else None
     if mode is None:
-        raise ConfigError(f"{fn}: cuDNN varlen attention is not available for "
-                          f"{q.dtype} / head_dim {q.shape[-1]} on {q.device}")
-    if (q.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]
-            or q.shape[1] % k.shape[1] or out.shape != q.shape):
-        raise ConfigError(f"{fn}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
-                          f"out {tuple(out.shape)} do not fit [N, H, D] / [N, Hkv, D]")
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    group = q.shape[1] // k.shape[1]
+        raise ConfigError(f"cuDNN attention is not available for {q.dtype} / head_dim "
+                          f"{q.shape[-1]} on {q.device}")
+    return mode
+
+
+def _kv_rows(kv_cache: torch.Tensor, half: int) -> torch.Tensor:
+    heads, dim = kv_cache.shape[3], kv_cache.shape[4]
+    try:
+        return kv_cache[half].view(-1, heads, dim)
+    except RuntimeError as e:
+        raise ConfigError("cudnn_prefill_attention: the cache halves must be viewable as "
+                          "[slots, Hkv, D]") from e
+
+
+def cudnn_prefill_attention(q: torch.Tensor, row: int, n: int, kv_cache: torch.Tensor,
+                            slots: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
+    """Causal attention of one fresh request into ``out[row:row + n]`` (module docstring).
+
+    ``q``/``out [T, H, D]``: the step's query rows, the request's at ``[row, row + n)``;
+    ``kv_cache [2, num_blocks, block_size, Hkv, D]`` holding the request's K/V (written this
+    step) at ``slots [n]`` (int64, the step's slot mapping of those rows). Returns ``out``."""
+    mode = _mode(q)
+    heads, dim = q.shape[1], q.shape[2]
+    kv_heads = kv_cache.shape[3]
+    if (q.dim() != 3 or out.shape != q.shape or kv_cache.shape[4] != dim or heads % kv_heads
+            or not 0 <= row <= row + n <= q.shape[0] or slots.shape[0] != n):
+        raise ConfigError(f"cudnn_prefill_attention: q {tuple(q.shape)}, out "
+                          f"{tuple(out.shape)}, cache {tuple(kv_cache.shape)}, rows "
+                          f"[{row}, {row + n}), {slots.shape[0]} slots do not fit")
+    padded = padded_len(n)
+    if q.stride() == (heads * dim, dim, 1) and row + padded <= q.shape[0]:
+        qp = q[row:row + padded]  # the padding rows: the next requests' (never seen)
+    else:
+        qp = q.new_empty(padded, heads, dim)
+        qp[:n] = q[row:row + n]
+    kp = q.new_empty(padded, kv_heads, dim)
+    vp = q.new_empty(padded, kv_heads, dim)
+    torch.index_select(_kv_rows(kv_cache, 0), 0, slots, out=kp[:n])
+    torch.index_select(_kv_rows(kv_cache, 1), 0, slots, out=vp[:n])
+    kp[n:].zero_()
+    vp[n:].zero_()
+    group = heads // kv_heads
     if group > 1 and mode == "repeat":
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    out.copy_(_call(q, k, v, cu_seqlens, max_len, scale))
+        kp, vp = kp.repeat_interleave(group, 1), vp.repeat_interleave(group, 1)
+    out[row:row + n] = _attend(qp, kp, vp, scale)[:n]
     return out
 
 
-__all__ = ["cudnn_prefill_attention", "cudnn_prefill_available_for", "cudnn_prefill_support",
-           "gather_kv"]
+def warm_plans(q: torch.Tensor, kv_heads: int, scale: float, lo: int, hi: int) -> None:
+    """Build cuDNN's plans for every padded length in ``[padded_len(lo), padded_len(hi)]``
+    for queries like ``q`` (heads, head size, dtype, device) and ``kv_heads`` K/V heads."""
+    mode = _mode(q)
+    heads, dim = q.shape[1], q.shape[2]
+    top = padded_len(hi)
+    kv = kv_heads if mode == "gqa" else heads
+    qb = q.new_zeros(top, heads, dim)
+    kb = q.new_zeros(top, kv, dim)
+    for length in range(padded_len(lo), top + 1, PAD_GRANULE):
+        _attend(qb[:length], kb[:length], kb[:length], scale)
+
+
+__all__ = ["PAD_GRANULE", "cudnn_prefill_attention", "cudnn_prefill_available_for",
+           "cudnn_prefill_support", "padded_len", "warm_plans"]

@@ -12,12 +12,13 @@
        * a batch of fresh prefills only (every request's ``seq_len == query_len``) ->
          ``varlen_prefill_attention`` (torch's varlen flash kernel) where ``fresh_prefill``
          selects it and it is available (CUDA, bf16/fp16);
-       * with ``fresh_prefill="cudnn"`` (where cuDNN's varlen attention runs: CUDA, bf16/fp16,
+       * with ``fresh_prefill="cudnn"`` (where cuDNN's attention runs: CUDA, bf16/fp16,
          ``pagedkv.attention.cudnn_prefill``), the fresh requests of at least
          ``cudnn_min_query_len`` tokens of any eager step, mixed ones included ->
-         ``cudnn_prefill_attention``, one launch per run of consecutive such requests, on the
-         step's K/V (read back from the cache by the step's slots where the caller's fused
-         writer put them there); the paged prefill kernel skips them
+         ``cudnn_prefill_attention``, one call per request over its K/V read back from the
+         cache by the step's slots, padded to a multiple of 512 tokens (one cuDNN plan per
+         padded length, built for every length up to the step's tokens the first time a
+         layout and scale take the path); the paged prefill kernel skips them
          (``skip_fresh_from``). Not on layers with a sliding window, a logit soft cap or
          sinks, not over an FP8 cache, not in CUDA graphs (a mixed-step graph's plan serves
          every request with the Triton kernels);
@@ -87,7 +88,8 @@ from pagedkv.attention.backend import (
 from pagedkv.attention.cudnn_prefill import (
     cudnn_prefill_attention,
     cudnn_prefill_available_for,
-    gather_kv,
+    padded_len,
+    warm_plans,
 )
 from pagedkv.attention.merge_states import _merge_kernel, merge_attention_states
 from pagedkv.attention.torch_ref import paged_attention_ref
@@ -119,8 +121,11 @@ FRESH_PREFILL_CHOICES = ("auto", "triton", "varlen", "cudnn")
 # requires (it has no enable_gqa), 500 us (275) for its kernel alone. The Triton kernel wins
 # as the backend can call them.
 AUTO_FRESH_PREFILL = "triton"
-# fresh_prefill="cudnn": fresh requests of at least this many query tokens take cuDNN
-CUDNN_MIN_QUERY_LEN = 256
+# fresh_prefill="cudnn": fresh requests of at least this many query tokens take cuDNN. One
+# request alone fills the H200 from about this length (bench/bench_cudnn_prefill_gpu.py:
+# cuDNN 540 TFLOP/s at 7,000 tokens, 283 at 2,048, where the paged kernel serves eight 2,048
+# token prompts at 320 in one launch); W1's prompts (100-1,024 tokens) stay on the paged kernel.
+CUDNN_MIN_QUERY_LEN = 4096
 # The graph variant of cascade steps (see the module docstring).
 CASCADE = "cascade"
 # Copy bandwidth of the H200 (PERF.md): turns the shared-prefix bytes cascade saves into time.
@@ -236,6 +241,7 @@ class TritonAttentionBackend(AttentionBackend):
             raise ConfigError(f"cudnn_min_query_len must be an int >= 2, got "
                               f"{cudnn_min_query_len!r}")
         self.cudnn_min_query_len = cudnn_min_query_len
+        self._cudnn_warm: dict = {}  # (device, dtype, H, Hkv, D, scale) -> plans built up to
         if cascade is not None and not isinstance(cascade, CascadeConfig):
             raise ConfigError(f"cascade must be a CascadeConfig or None, got {cascade!r}")
         self.fresh_prefill = AUTO_FRESH_PREFILL if fresh_prefill == "auto" else fresh_prefill
@@ -386,12 +392,12 @@ class TritonAttentionBackend(AttentionBackend):
                                    **scales)
         # cuDNN's runs of fresh requests (not for sinks, not over an FP8 cache)
         skip_fresh = 0
-        if plan.cudnn_runs and sinks is None and not is_fp8_kv(kv_cache.dtype):
+        if plan.cudnn_reqs and sinks is None and not is_fp8_kv(kv_cache.dtype):
             skip_fresh = self.cudnn_min_query_len
-            for a, b, cu, max_len in plan.cudnn_run_tensors():
-                kk, vv = (k[a:b], v[a:b]) if k is not None else gather_kv(kv_cache,
-                                                                          plan.slots[a:b])
-                cudnn_prefill_attention(q[a:b], kk, vv, cu, max_len, scale, out[a:b])
+            self._warm_cudnn(q, kv_cache.shape[3], scale, plan.end)
+            for row, num in plan.cudnn_reqs:
+                cudnn_prefill_attention(q, row, num, kv_cache, plan.slots[row:row + num],
+                                        scale, out)
             if not plan.triton_prefill_rest:
                 return out
         paged_prefill_attention(q, kv_cache, table, qsl, seq_lens, n, scale, out,
@@ -401,6 +407,15 @@ class TritonAttentionBackend(AttentionBackend):
                                 sliding_window=window, logits_soft_cap=cap, sinks=sinks,
                                 **scales)
         return out
+
+    def _warm_cudnn(self, q: torch.Tensor, kv_heads: int, scale: float, tokens: int) -> None:
+        """cuDNN's plans for every padded length up to ``tokens`` (``warm_plans``), once per
+        layout and scale: the engine's warm-up step of a full budget builds them all."""
+        key = (q.device, q.dtype, q.shape[1], kv_heads, q.shape[2], float(scale))
+        done = self._cudnn_warm.get(key, 0)
+        if tokens > done:
+            warm_plans(q, kv_heads, scale, max(done + 1, self.cudnn_min_query_len), tokens)
+            self._cudnn_warm[key] = padded_len(tokens)
 
     def _side_stream(self, device: torch.device):
         """The stream of the cascade prefix launch on ``device`` (one per backend and device),
@@ -464,8 +479,7 @@ class TritonPlan(AttentionPlan):
 
     __slots__ = ("slots", "triton", "workspace", "n", "decode_only", "varlen", "has_decode",
                  "balanced", "end", "max_q", "max_seq_len", "capturing", "checked", "cascade",
-                 "prefix", "_cascade_parts", "backend", "cudnn_runs", "triton_prefill_rest",
-                 "_cudnn_tensors")
+                 "prefix", "_cascade_parts", "backend", "cudnn_reqs", "triton_prefill_rest")
 
     def __init__(self, backend: TritonAttentionBackend, metadata, layout: AttentionLayout):
         super().__init__(metadata, layout)
@@ -483,9 +497,8 @@ class TritonPlan(AttentionPlan):
         self.prefix = 0
         self._cascade_parts = None
         self.backend = backend
-        self.cudnn_runs: tuple = ()  # (first request, end request, first row, end row, max len)
+        self.cudnn_reqs: tuple = ()  # (first row, query tokens) of cuDNN's requests
         self.triton_prefill_rest = True  # a request the paged prefill kernel still serves
-        self._cudnn_tensors = None
         if not self.triton or n == 0:
             return
         # cascade attention: a graph's baked decision, else the backend's for this step
@@ -540,17 +553,9 @@ class TritonPlan(AttentionPlan):
                 and layout.sliding_window is None and layout.logits_soft_cap is None):
             take = (seq_h == q_lens) & (q_lens >= backend.cudnn_min_query_len)
             if take.any() and cudnn_prefill_available_for(layout.dtype, dev, layout.head_dim):
-                self.cudnn_runs = cudnn_runs(take, qsl_h, q_lens)
+                self.cudnn_reqs = tuple((int(qsl_h[r]), int(q_lens[r]))
+                                        for r in np.flatnonzero(take))
                 self.triton_prefill_rest = bool(((q_lens > 1) & ~take).any())
-
-    def cudnn_run_tensors(self) -> list:
-        """``(first row, end row, cu_seqlens, max_len)`` per cuDNN run, ``cu_seqlens`` made on
-        the device from ``query_start_loc`` at the first layer and shared by the others."""
-        if self._cudnn_tensors is None:
-            qsl = self.metadata.query_start_loc
-            self._cudnn_tensors = [(a, b, qsl[i:j + 1] - qsl[i:i + 1], m)
-                                   for i, j, a, b, m in self.cudnn_runs]
-        return self._cudnn_tensors
 
     def cascade_parts(self, q: torch.Tensor, kv_cache: torch.Tensor) -> "_CascadeParts":
         """The step's cascade tensors (made at the first layer, shared by the others)."""
@@ -580,22 +585,6 @@ class TritonPlan(AttentionPlan):
             raise InvariantError("attention-token-count", "query_start_loc ends past the query rows",
                                  end=self.end, rows=q.shape[0])
         self.checked = True
-
-
-def cudnn_runs(take: np.ndarray, qsl: np.ndarray, q_lens: np.ndarray) -> tuple:
-    """Maximal runs of consecutive requests with ``take[r]``: ``(first request, end request,
-    first row, end row, longest query)`` each (host ints)."""
-    runs, r, n = [], 0, len(take)
-    while r < n:
-        if not take[r]:
-            r += 1
-            continue
-        j = r
-        while j < n and take[j]:
-            j += 1
-        runs.append((r, j, int(qsl[r]), int(qsl[j]), int(q_lens[r:j].max())))
-        r = j
-    return tuple(runs)
 
 
 class _CascadeParts:

@@ -3,7 +3,6 @@ prefill + CUDA-graph padding), in any row order: same outputs, same KV cache, ze
 rows. Interpreted on CPU (tiny, fp32/fp16) and native on CUDA (bf16, both fresh-prefill
 paths)."""
 
-import numpy as np
 import pytest
 import torch
 from test_triton_cases import make_case
@@ -126,17 +125,12 @@ def test_backend_errors(kernel_device):
 # ---- native GPU
 
 
-def test_cudnn_runs_by_hand():
-    """Maximal runs of consecutive taken requests: (first, end request, first, end row,
-    longest query)."""
-    from pagedkv.attention.triton_backend import cudnn_runs
+def test_cudnn_padded_len_by_hand():
+    """cuDNN's requests run padded to multiples of 512 tokens (one plan per multiple)."""
+    from pagedkv.attention.cudnn_prefill import padded_len
 
-    q_lens = np.array([300, 600, 1, 700, 40, 255, 2000])
-    qsl = np.concatenate(([0], np.cumsum(q_lens)))
-    take = np.array([True, True, False, True, False, False, True])
-    assert cudnn_runs(take, qsl, q_lens) == ((0, 2, 0, 900, 600), (3, 4, 901, 1601, 700),
-                                            (6, 7, 1896, 3896, 2000))
-    assert cudnn_runs(np.zeros(3, bool), qsl[:4], q_lens[:3]) == ()
+    assert [padded_len(n) for n in (1, 511, 512, 513, 4096, 7000, 16384)] == \
+        [512, 512, 512, 1024, 4096, 7168, 16384]
 
 
 def test_cudnn_choice_without_cudnn_serves_everything_with_triton(kernel_device):
@@ -149,7 +143,7 @@ def test_cudnn_choice_without_cudnn_serves_everything_with_triton(kernel_device)
     check(reqs, backend=backend, block_size=4, device=kernel_device, pad_tokens=2, seed=7)
     a = make_case(reqs, block_size=4, device=kernel_device, seed=7)
     plan = backend.plan(a["meta"], AttentionLayout.of(a["q"], a["cache"]))
-    assert plan.cudnn_runs == () and plan.triton_prefill_rest
+    assert plan.cudnn_reqs == () and plan.triton_prefill_rest
     for bad in (1, True, 3.0):
         with pytest.raises(ConfigError, match="cudnn_min_query_len"):
             TritonAttentionBackend(cudnn_min_query_len=bad)
@@ -167,11 +161,12 @@ def test_mixed_batch_gpu_bf16(fresh_prefill, block_size):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fused", [False, True])
-def test_cudnn_fresh_runs_in_a_mixed_batch_gpu_bf16(fused):
-    """Three cuDNN runs (requests 0-1, 3, 6) among decode rows, a chunk with context and a
-    fresh request below the threshold (Triton's), with the step's K/V given or already in the
-    cache (``fused``: k = v = None, read back by the slots): the reference's output; the H200
-    has cuDNN's varlen attention (the path must not fall back silently)."""
+def test_cudnn_fresh_requests_in_a_mixed_batch_gpu_bf16(fused):
+    """cuDNN serves requests 0, 1, 3 and 6 (fresh, >= 256 tokens here) among decode rows, a
+    chunk with context and a fresh request below the threshold (Triton's); padded to 512,
+    1,024, 1,024 and 2,048 rows (request 6's padding past the step's rows: a copy), with the
+    step's K/V given or already in the cache (``fused``: k = v = None): the reference's
+    output; the H200 has cuDNN's attention (the path must not fall back silently)."""
     from pagedkv.attention.backend import AttentionLayout
     from pagedkv.attention.cudnn_prefill import cudnn_prefill_available_for
     from pagedkv.kernels.reshape_and_cache import reshape_and_cache
@@ -180,10 +175,10 @@ def test_cudnn_fresh_runs_in_a_mixed_batch_gpu_bf16(fused):
     reqs = [(0, 300), (0, 600), (50, 1), (0, 700), (100, 40), (0, 255), (0, 2000)]
     kw = dict(block_size=16, num_heads=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
               device="cuda", pad_tokens=5, padded_reqs=2, seed=8)
-    backend = TritonAttentionBackend(fresh_prefill="cudnn")
+    backend = TritonAttentionBackend(fresh_prefill="cudnn", cudnn_min_query_len=256)
     a = make_case(reqs, **kw)
     plan = backend.plan(a["meta"], AttentionLayout.of(a["q"], a["cache"]))
-    assert [r[:2] for r in plan.cudnn_runs] == [(0, 2), (3, 4), (6, 7)]
+    assert plan.cudnn_reqs == ((0, 300), (300, 600), (901, 700), (1896, 2000))
     assert plan.triton_prefill_rest
     if not fused:
         check(reqs, backend=backend, **kw)
@@ -202,7 +197,7 @@ def test_cudnn_fresh_runs_in_a_mixed_batch_gpu_bf16(fused):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fresh_prefill", ["triton", "varlen", "cudnn"])
 def test_fresh_prefill_gpu_bf16(fresh_prefill):
-    check([(0, 1000), (0, 1), (0, 257), (0, 2048)],
+    check([(0, 1000), (0, 1), (0, 257), (0, 2048), (0, 4500)],
           backend=TritonAttentionBackend(fresh_prefill=fresh_prefill), block_size=16,
           num_heads=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, device="cuda",
           pad_tokens=3, seed=4)
