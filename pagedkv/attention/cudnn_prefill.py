@@ -11,12 +11,10 @@ prefill kernel to skip them.
 
 cuDNN builds an execution plan per problem shape (about 45 ms on the H200) and torch caches it
 by shape. So a request of ``S`` tokens runs padded to ``S' = padded_len(S)`` (a multiple of
-``PAD_GRANULE``): its query rows are read as the ``S'`` rows from its first (its own and the
-next requests' rows, or a copy where the step has fewer), its K/V rows are gathered from the
-cache by the step's slots into a buffer whose ``S' - S`` padding rows are zero. Causal
-attention keeps the real rows exact: row ``i < S`` sees keys ``<= i`` only (the padding keys
-are masked, and zero, so no NaN of another row can reach it); the padding rows' outputs are
-dropped. :func:`warm_plans` builds every padded shape up to a token count once (the engine's
+``PAD_GRANULE``): its query rows and its K/V rows (gathered from the cache by the step's
+slots) are copied heads-first into zeroed ``[heads, S', D]`` buffers. Causal attention keeps
+the real rows exact: row ``i < S`` sees keys ``<= i`` only (the padding keys are masked, and
+zero); the padding rows' outputs are dropped. :func:`warm_plans` builds every padded shape up to a token count once (the engine's
 warm-up step of a full budget reaches it), so no plan is built while serving.
 
 Availability is decided once per device, dtype and head size by a probe
@@ -50,11 +48,12 @@ def _op():
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal cuDNN attention of one sequence: ``q [S, H, D]`` (rows ``H*D`` apart), ``k``/``v``
-    ``[S, Hkv, D]`` contiguous; returns ``[S, H, D]`` (a view of cuDNN's output)."""
-    as4 = lambda t: t.unsqueeze(0).transpose(1, 2)  # noqa: E731  [1, heads, S, D]
-    out = _op()(as4(q), as4(k), as4(v), None, False, 0.0, True, False, scale=float(scale))[0]
-    return out[0].transpose(0, 1)
+    """Causal cuDNN attention of one sequence: ``q [H, S, D]``, ``k``/``v [Hkv, S, D]``, each
+    contiguous (heads outermost: cuDNN ran token-major views at about half the speed on the
+    H200); returns ``[H, S, D]``."""
+    out = _op()(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), None, False, 0.0, True, False,
+                scale=float(scale))[0]
+    return out[0]
 
 
 def _reference(q, k, v, scale) -> torch.Tensor:
@@ -93,7 +92,9 @@ def cudnn_prefill_support(device_index: int, dtype: torch.dtype, head_dim: int) 
         try:
             kk, vv = (k, v) if mode == "gqa" else (k.repeat_interleave(2, 1),
                                                    v.repeat_interleave(2, 1))
-            got = _attend(q, kk, vv, scale)[:n].float()
+            heads_first = lambda t: t.transpose(0, 1).contiguous()  # noqa: E731
+            got = _attend(heads_first(q), heads_first(kk), heads_first(vv),
+                          scale).transpose(0, 1)[:n].float()
         except RuntimeError:
             continue
         if got.shape == want.shape and torch.allclose(got, want, atol=2e-2, rtol=2e-2):
@@ -145,21 +146,20 @@ def cudnn_prefill_attention(q: torch.Tensor, row: int, n: int, kv_cache: torch.T
                           f"{tuple(out.shape)}, cache {tuple(kv_cache.shape)}, rows "
                           f"[{row}, {row + n}), {slots.shape[0]} slots do not fit")
     padded = padded_len(n)
-    if q.stride() == (heads * dim, dim, 1) and row + padded <= q.shape[0]:
-        qp = q[row:row + padded]  # the padding rows: the next requests' (never seen)
-    else:
-        qp = q.new_empty(padded, heads, dim)
-        qp[:n] = q[row:row + n]
-    kp = q.new_empty(padded, kv_heads, dim)
-    vp = q.new_empty(padded, kv_heads, dim)
-    torch.index_select(_kv_rows(kv_cache, 0), 0, slots, out=kp[:n])
-    torch.index_select(_kv_rows(kv_cache, 1), 0, slots, out=vp[:n])
-    kp[n:].zero_()
-    vp[n:].zero_()
+    # heads first, padded: query rows past n zero, K/V rows past n zero (never NaN)
+    qp = q.new_zeros(heads, padded, dim)
+    qp[:, :n] = q[row:row + n].transpose(0, 1)
+    idx = slots.clamp(min=0)  # rows the step does not store (slot -1: the memory profile's)
+    kv = []
+    for half in (0, 1):
+        t = q.new_zeros(kv_heads, padded, dim)
+        t[:, :n] = _kv_rows(kv_cache, half).index_select(0, idx).transpose(0, 1)
+        kv.append(t)
+    kp, vp = kv
     group = heads // kv_heads
     if group > 1 and mode == "repeat":
-        kp, vp = kp.repeat_interleave(group, 1), vp.repeat_interleave(group, 1)
-    out[row:row + n] = _attend(qp, kp, vp, scale)[:n]
+        kp, vp = kp.repeat_interleave(group, 0), vp.repeat_interleave(group, 0)
+    out[row:row + n] = _attend(qp, kp, vp, scale)[:, :n].transpose(0, 1)
     return out
 
 
@@ -170,10 +170,10 @@ def warm_plans(q: torch.Tensor, kv_heads: int, scale: float, lo: int, hi: int) -
     heads, dim = q.shape[1], q.shape[2]
     top = padded_len(hi)
     kv = kv_heads if mode == "gqa" else heads
-    qb = q.new_zeros(top, heads, dim)
-    kb = q.new_zeros(top, kv, dim)
     for length in range(padded_len(lo), top + 1, PAD_GRANULE):
-        _attend(qb[:length], kb[:length], kb[:length], scale)
+        qb = q.new_zeros(heads, length, dim)
+        kb = q.new_zeros(kv, length, dim)
+        _attend(qb, kb, kb, scale)
 
 
 __all__ = ["PAD_GRANULE", "cudnn_prefill_attention", "cudnn_prefill_available_for",
