@@ -12,7 +12,8 @@ prefill kernel to skip them.
 cuDNN builds an execution plan per problem shape (about 45 ms on the H200) and torch caches it
 by shape. So a request of ``S`` tokens runs padded to ``S' = padded_len(S)`` (a multiple of
 ``PAD_GRANULE``): its query rows and its K/V rows (gathered from the cache by the step's
-slots) are copied heads-first into zeroed ``[heads, S', D]`` buffers. Causal attention keeps
+slots; a slot < 0 reads slot 0) are copied heads-first into ``[heads, S', D]`` buffers whose
+padding rows are zero (``pagedkv.kernels.heads_first``, one launch a tensor). Causal attention keeps
 the real rows exact: row ``i < S`` sees keys ``<= i`` only (the padding keys are masked, and
 zero); the padding rows' outputs are dropped. :func:`warm_plans` builds every padded shape up to a token count once (the engine's
 warm-up step of a full budget reaches it), so no plan is built while serving.
@@ -30,6 +31,7 @@ import functools
 import torch
 
 from pagedkv.errors import ConfigError
+from pagedkv.kernels.heads_first import gather_heads_first
 
 _DTYPES = (torch.bfloat16, torch.float16)
 # padded lengths are multiples of this many tokens: at most PAD_GRANULE - 1 wasted rows (7% at
@@ -146,16 +148,10 @@ def cudnn_prefill_attention(q: torch.Tensor, row: int, n: int, kv_cache: torch.T
                           f"{tuple(out.shape)}, cache {tuple(kv_cache.shape)}, rows "
                           f"[{row}, {row + n}), {slots.shape[0]} slots do not fit")
     padded = padded_len(n)
-    # heads first, padded: query rows past n zero, K/V rows past n zero (never NaN)
-    qp = q.new_zeros(heads, padded, dim)
-    qp[:, :n] = q[row:row + n].transpose(0, 1)
-    idx = slots.clamp(min=0)  # rows the step does not store (slot -1: the memory profile's)
-    kv = []
-    for half in (0, 1):
-        t = q.new_zeros(kv_heads, padded, dim)
-        t[:, :n] = _kv_rows(kv_cache, half).index_select(0, idx).transpose(0, 1)
-        kv.append(t)
-    kp, vp = kv
+    # heads first, padded with zero rows (gather_heads_first: one launch a tensor)
+    qp = gather_heads_first(q, None, row, n, q.new_empty(heads, padded, dim))
+    kp, vp = (gather_heads_first(_kv_rows(kv_cache, half), slots, 0, n,
+                                 q.new_empty(kv_heads, padded, dim)) for half in (0, 1))
     group = heads // kv_heads
     if group > 1 and mode == "repeat":
         kp, vp = kp.repeat_interleave(group, 0), vp.repeat_interleave(group, 0)
