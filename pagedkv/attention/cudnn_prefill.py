@@ -2,21 +2,23 @@
 ``_scaled_dot_product_cudnn_attention``), one call per request.
 
 A fresh prefill request (no cached context: ``seq_len == query_len``) attends causally to its
-own new tokens only, so its keys and values are contiguous rows of the step and need no block
-table. cuDNN's fused attention reaches 540 TFLOP/s on one 7,000-token prompt on the H200,
-where the paged Triton kernel stays near 320 (BENCHMARKS.md, twelfth session). The Triton
-backend hands it the fresh requests of at least ``min_query_len`` tokens of an eager step,
-mixed steps included (``TritonAttentionBackend(fresh_prefill="cudnn")``), and tells the paged
-prefill kernel to skip them.
+own new tokens only, so its keys and values need no block table. cuDNN's fused attention
+reaches 538 TFLOP/s on one 7,168-token causal sequence on the H200 (heads-first contiguous
+tensors; the paged Triton kernel's 8 x 2,048 benchmark runs at 320). The Triton backend
+hands it the fresh requests of at least ``min_query_len`` tokens of an eager step, mixed steps
+included (``TritonAttentionBackend(fresh_prefill="cudnn")``, opt-in: with the gathers and
+copies made by torch ops it did not pay on W2, 3,559 against 3,586 output tok/s; see
+BENCHMARKS.md, twelfth session), and tells the paged prefill kernel to skip them.
 
 cuDNN builds an execution plan per problem shape (about 45 ms on the H200) and torch caches it
 by shape. So a request of ``S`` tokens runs padded to ``S' = padded_len(S)`` (a multiple of
 ``PAD_GRANULE``): its query rows and its K/V rows (gathered from the cache by the step's
-slots; a slot < 0 reads slot 0) are copied heads-first into ``[heads, S', D]`` buffers whose
-padding rows are zero (``pagedkv.kernels.heads_first``, one launch a tensor). Causal attention keeps
-the real rows exact: row ``i < S`` sees keys ``<= i`` only (the padding keys are masked, and
-zero); the padding rows' outputs are dropped. :func:`warm_plans` builds every padded shape up to a token count once (the engine's
-warm-up step of a full budget reaches it), so no plan is built while serving.
+slots; a slot < 0 reads slot 0) are copied heads-first into ``[heads, S', D]`` buffers
+whose padding rows are zero (``pagedkv.kernels.heads_first``, one launch a tensor). Causal
+attention keeps the real rows exact: row ``i < S`` sees keys ``<= i`` only (the padding keys
+are masked, and zero); the padding rows' outputs are dropped. :func:`warm_plans` builds every
+padded shape up to a token count once (the engine's warm-up step of a full budget reaches
+it), so no plan is built while serving.
 
 Availability is decided once per device, dtype and head size by a probe
 (:func:`cudnn_prefill_support`): a small padded grouped-query call against the plain

@@ -121,10 +121,11 @@ FRESH_PREFILL_CHOICES = ("auto", "triton", "varlen", "cudnn")
 # requires (it has no enable_gqa), 500 us (275) for its kernel alone. The Triton kernel wins
 # as the backend can call them.
 AUTO_FRESH_PREFILL = "triton"
-# fresh_prefill="cudnn": fresh requests of at least this many query tokens take cuDNN. One
-# request alone fills the H200 from about this length (bench/bench_cudnn_prefill_gpu.py:
-# cuDNN 540 TFLOP/s at 7,000 tokens, 283 at 2,048, where the paged kernel serves eight 2,048
-# token prompts at 320 in one launch); W1's prompts (100-1,024 tokens) stay on the paged kernel.
+# fresh_prefill="cudnn": fresh requests of at least this many query tokens take cuDNN, one
+# call a request. On the H200 one request fills the device from about this length (cuDNN
+# alone: 283 TFLOP/s at 2,048 tokens, 538 at 7,168), while one paged launch serves many short
+# prompts better (bench/bench_cudnn_prefill_gpu.py: 8 x 2,048 579 us paged against 1,197 us
+# with cuDNN from 256 tokens; W1's prompts, 100-1,024 tokens, stay on the paged kernel).
 CUDNN_MIN_QUERY_LEN = 4096
 # The graph variant of cascade steps (see the module docstring).
 CASCADE = "cascade"
