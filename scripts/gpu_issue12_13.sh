@@ -11,7 +11,7 @@
 # the decode reduce's heads per program (mixed lengths, W1 4 vs 1 twice), with PREFILL_AB=1
 # (OLD_TREE=DIR) the prefill kernel's sweeps and W3 / W2 against an older tree's, with DECODE_AB=1
 # the decode kernel against the older tree's, with FLAGS_AB=1 (AB_FLAGS, AB_ENV, AB_WORKLOADS, AB_PAIRS) bench_w1.py's defaults against extra flags,
-# with HOST_W3=1 W3's host phases and a profiler window of its prefill-like steps. Logs/JSON under $OUT. SKIP_* skip single steps, ONLY=1 all the default ones;
+# with HOST_W3=1 W3's host phases and a profiler window of its prefill-like steps, with CUDNN_AB=1 the cuDNN fresh-prefill path's GPU tests, bench and W2 A/B. Logs/JSON under $OUT. SKIP_* skip single steps, ONLY=1 all the default ones;
 # more than ~550 s of steps needs two calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +35,18 @@ fi
 if [ -n "${W3_STEPS_AB:-}" ]; then  # W3 with per-step wall times (bench_w1.py --step-times, two timed runs), this tree and OLD_TREE's
   TAIL=8 run w3_steps_new 200 python3 bench/bench_w1.py --workload w3 --step-times --repeat 2 --json "$OUT/w3_steps_new.json"
   [ -n "${OLD_TREE:-}" ] && TAIL=8 run w3_steps_old 200 sh -c "cd $OLD_TREE && PYTHONPATH=. python3 bench/bench_w1.py --workload w3 --step-times --repeat 2 --json $OUT/w3_steps_old.json"
+fi
+if [ -n "${CUDNN_AB:-}" ]; then  # long fresh prefills through cuDNN: its GPU tests, the layer bench, then W2 (and W1 with CUDNN_AB_W1=1) with --fresh-prefill cudnn / triton alternating, CUDNN_AB_PAIRS pairs
+  TAIL=4 run cudnn_tests 200 python3 -m pytest -q -p no:cacheprovider -p no:logging -m gpu tests/kernels/test_kernel_heads_first.py \
+    tests/attention/test_triton_backend.py tests/engine/test_engine_gpu.py -k "heads_first or cudnn or fresh_prefill"
+  TAIL=8 run cudnn_bench 120 python3 bench/bench_cudnn_prefill_gpu.py --out "$OUT/cudnn_prefill.json"
+  for w in w2 ${CUDNN_AB_W1:+w1}; do
+    for i in $(seq 1 ${CUDNN_AB_PAIRS:-2}); do
+      for m in cudnn triton; do
+        TAIL=3 run ${w}_${m}_$i 150 python3 bench/bench_w1.py --workload $w --step-times --fresh-prefill $m --json "$OUT/${w}_${m}_$i.json"
+      done
+    done
+  done
 fi
 if [ -n "${FLAGS_AB:-}" ]; then  # bench_w1.py with the defaults (a) against extra flags AB_FLAGS (b), AB_PAIRS alternating pairs per workload in AB_WORKLOADS (W3 with step times)
   for w in ${AB_WORKLOADS:-w3 w1}; do
