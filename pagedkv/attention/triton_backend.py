@@ -217,8 +217,8 @@ class TritonAttentionBackend(AttentionBackend):
             kernel), ``"varlen"`` (batches of fresh prefills only: torch's varlen flash
             attention where available, else the Triton kernel), ``"cudnn"`` (the fresh
             requests of at least ``cudnn_min_query_len`` tokens of any eager step: cuDNN's
-            varlen attention where available, else the Triton kernel) or ``"auto"`` (the
-            faster one on the H200: ``AUTO_FRESH_PREFILL``).
+            fused attention, one call a request, where available, else the Triton kernel)
+            or ``"auto"`` (the faster one on the H200: ``AUTO_FRESH_PREFILL``).
         cudnn_min_query_len: see ``fresh_prefill="cudnn"``.
         decode_config / prefill_config: launch parameters (default per device).
         cascade: when to take cascade attention (:class:`CascadeConfig`); None: never.
@@ -391,7 +391,7 @@ class TritonAttentionBackend(AttentionBackend):
                                    check=check, workspace=plan.workspace,
                                    sliding_window=window, logits_soft_cap=cap, sinks=sinks,
                                    **scales)
-        # cuDNN's runs of fresh requests (not for sinks, not over an FP8 cache)
+        # cuDNN's fresh requests (not for sinks, not over an FP8 cache)
         skip_fresh = 0
         if plan.cudnn_reqs and sinks is None and not is_fp8_kv(kv_cache.dtype):
             skip_fresh = self.cudnn_min_query_len
