@@ -7,6 +7,8 @@ import pickle
 from dataclasses import dataclass
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import pytest
 
 from pagedkv.core import hashing
@@ -221,9 +223,12 @@ def test_memo_computes_a_shared_prefix_once_and_changes_no_hash(fixed_seed, monk
     small = get_request_block_hasher(4, counted)
     calls.clear()  # (the none hash)
     a = Request("a", shared, block_hasher=small)
+    assert a.block_hashes == reqs[0].block_hashes[:3]
+    c = Request("c", [7] * 12, block_hasher=small)  # b's last prompt: not a's (no shortcut)
+    assert len(c.block_hashes) == 3
     b = Request("b", shared, block_hasher=small)
-    assert a.block_hashes == b.block_hashes == reqs[0].block_hashes[:3]
-    assert len(calls) > 3  # the memo was emptied on the way: some blocks hashed again
+    assert a.block_hashes == b.block_hashes
+    assert len(calls) > 3 + 3  # the memo was emptied on the way: some blocks hashed again
 
 
 def test_incremental_mm_block_completed_by_outputs(fixed_seed):
@@ -283,3 +288,78 @@ def test_numpy_output_tokens_hash_like_python_ints(fixed_seed):
     b = Request("b", [1, 2, 3, 4], block_hasher=hasher)
     assert a.block_hashes == b.block_hashes and len(a.block_hashes) == 2
     assert all(type(t) is int for t in a.all_token_ids)
+
+
+def test_shared_full_blocks_by_hand():
+    """Leading equal blocks of two token lists, capped by ``limit``."""
+    from pagedkv.core.hashing import shared_full_blocks
+
+    a = list(range(40))
+    assert shared_full_blocks(a, list(a), 4, 10) == 10
+    assert shared_full_blocks(a, list(a), 4, 7) == 7
+    b = list(a)
+    b[17] = -1  # block 4 differs
+    assert shared_full_blocks(a, b, 4, 10) == 4
+    b[0] = -1
+    assert shared_full_blocks(a, b, 4, 10) == 0
+    assert shared_full_blocks(a, a[:12], 4, 0) == 0
+    assert shared_full_blocks(a, [], 4, 0) == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_shared_prefix_shortcut_gives_the_plain_chain(data):
+    """Prompts built from a few shared heads (some cut mid-block, some with a cache salt),
+    hashed in a random order by one hasher (its shortcut and memo), some then extended by
+    generated tokens: every request's hashes equal those of a fresh hasher of its own."""
+    init_none_hash(sha256)
+    bs = data.draw(st.integers(1, 5), label="block_size")
+    heads = [data.draw(st.lists(st.integers(0, 9), min_size=0, max_size=24), label="head")
+             for _ in range(3)]
+    hasher = get_request_block_hasher(bs, sha256)
+    reqs = []
+    for i in range(data.draw(st.integers(1, 8), label="requests")):
+        head = heads[data.draw(st.integers(0, 2))]
+        cut = data.draw(st.integers(0, len(head)))
+        tail = data.draw(st.lists(st.integers(0, 9), min_size=1, max_size=12))
+        salt = data.draw(st.sampled_from([None, None, "s"]))
+        reqs.append(Request(f"r{i}", head[:cut] + tail, cache_salt=salt, block_hasher=hasher))
+    for r in reqs:
+        r.block_hashes  # noqa: B018  (hashes at the first read)
+        if data.draw(st.booleans(), label="extend"):
+            r.append_output_token_ids(data.draw(st.lists(st.integers(0, 9), max_size=9)))
+    for r in reqs:
+        fresh = Request("f", list(r.all_token_ids), cache_salt=r.cache_salt,
+                        block_hasher=get_request_block_hasher(bs, sha256))
+        assert r.block_hashes == fresh.block_hashes
+
+
+def test_shortcut_takes_the_last_prompts_hashes(fixed_seed, monkeypatch):
+    """With a one-entry memo, a prompt sharing 3 full blocks with the last one hashed costs
+    only its own blocks (the shortcut, not the memo), a salted prompt takes nothing from it
+    and is not taken from, and the values are the plain chain's."""
+    calls = []
+
+    def counted(obj):
+        calls.append(obj)
+        return sha256(obj)
+
+    monkeypatch.setattr(hashing, "HASH_MEMO_BLOCKS", 1)
+    hasher = get_request_block_hasher(4, counted)
+    shared = list(range(100, 113))  # 3 full blocks and one token
+    a = Request("a", shared + [1, 1, 1], block_hasher=hasher)
+    calls.clear()
+    assert len(a.block_hashes) == 4
+    assert len(calls) == 4
+    calls.clear()
+    b = Request("b", shared + [2, 2, 2, 2, 2], block_hasher=hasher)
+    assert len(b.block_hashes) == 4 and len(calls) == 1
+    assert b.block_hashes[:3] == a.block_hashes[:3] and b.block_hashes[3] != a.block_hashes[3]
+    calls.clear()
+    salted = Request("s", shared + [2, 2, 2], cache_salt="x", block_hasher=hasher)
+    assert len(salted.block_hashes) == 4 and len(calls) == 4
+    calls.clear()
+    c = Request("c", shared + [3, 3, 3], block_hasher=hasher)  # b's hashes, not the salted
+    assert len(c.block_hashes) == 4 and len(calls) == 1
+    fresh = Request("f", shared + [3, 3, 3], block_hasher=get_request_block_hasher(4, counted))
+    assert c.block_hashes == fresh.block_hashes
