@@ -332,8 +332,9 @@ def get_request_block_hasher(
     none_hash = get_none_hash(hash_fn)
     memo: dict[tuple, bytes] = {}
     # the last request whose prompt was hashed from its start without extra keys: its live
-    # token and hash lists (hashes[i] always covers tokens [i B, (i + 1) B))
-    last: list = [(), ()]
+    # token and hash lists (hashes[i] always covers tokens [i B, (i + 1) B)), as one pair
+    # swapped in one assignment (a reader never sees one request's tokens with another's hashes)
+    last: list = [((), ())]
 
     def request_block_hasher(request: "Request") -> list[bytes]:
         hashes = request.block_hashes
@@ -349,14 +350,14 @@ def get_request_block_hasher(
         new: list[bytes] = []
         if start == 0 and not with_extra:
             # the blocks this prompt shares with the last one hashed: the same chain
-            last_tokens, last_hashes = last
+            last_tokens, last_hashes = last[0]
             k = shared_full_blocks(tokens, last_tokens, hash_block_size,
                                    min(len(last_hashes), num_tokens // hash_block_size))
             if k:
                 new = last_hashes[:k]
                 parent = new[-1]
                 start = k * hash_block_size
-            last[0], last[1] = tokens, hashes
+            last[0] = (tokens, hashes)
         while start + hash_block_size <= num_tokens:
             end = start + hash_block_size
             chunk = tuple(tokens[start:end])
