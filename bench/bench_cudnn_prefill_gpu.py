@@ -140,6 +140,43 @@ def run_case(name, reqs, reps) -> dict:
     return res
 
 
+def profile_case(name, reqs, calls: int = 5) -> None:
+    """torch.profiler over ``calls`` calls of one case in each mode (after a warm-up call):
+    device microseconds per call by kernel, and the wall time per call with a sync."""
+    from torch.profiler import ProfilerActivity, profile
+
+    q, _, _, cache, meta = build(reqs)
+    layout = AttentionLayout.of(q, cache)
+    for key, opts in {"triton": dict(fresh_prefill="triton"),
+                      "cudnn": dict(fresh_prefill="cudnn")}.items():
+        be = TritonAttentionBackend(**opts)
+
+        def call(be=be):
+            plan = be.plan(meta, layout)
+            return be.forward(0, q, None, None, cache, plan, D ** -0.5)
+
+        call()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                call()
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) / calls * 1e6
+        kern = {}
+        for e in prof.key_averages():
+            dev = getattr(e, "device_time_total", None)
+            if dev is None:
+                dev = e.cuda_time_total
+            if dev and e.device_type.name == "CUDA":
+                kern[e.key] = (dev / calls, e.count / calls)
+        total = sum(v[0] for v in kern.values())
+        print(f"{name} {key}: wall {wall:.0f} us a call (profiler on), device {total:.0f} us:",
+              flush=True)
+        for k, (us, cnt) in sorted(kern.items(), key=lambda kv: -kv[1][0])[:12]:
+            print(f"   {us:8.1f} us  x{cnt:4.1f}  {k[:110]}", flush=True)
+
+
 def churn(n_calls: int = 30) -> dict:
     """One request a call whose length changes every call (4,096-8,000 tokens), wall time
     per call with a sync, before and after ``warm_plans`` (plan building shows here)."""
@@ -174,9 +211,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default="cudnn_prefill.json")
+    p.add_argument("--profile", default=None, metavar="CASE",
+                   help="instead: torch.profiler over 5 calls of CASE in each mode, the device "
+                        "time per kernel (where a mode's time goes)")
     args = p.parse_args()
     print("cuDNN attention support (bf16, head_dim 128):",
           cudnn_prefill_support(torch.cuda.current_device(), DT, D), flush=True)
+    if args.profile:
+        profile_case(args.profile, cases()[args.profile])
+        return
     rec = {"environment": environment(), "cases": {}}
     for name, reqs in cases().items():
         rec["cases"][name] = run_case(name, reqs, args.reps)

@@ -149,6 +149,8 @@ def main(argv=None) -> int:
     p.add_argument("--splitk", action=argparse.BooleanOptionalAction, default=None,
                    help="as bench_w1.py's")
     p.add_argument("--splitk-table", default=None, help="as bench_w1.py's")
+    p.add_argument("--fresh-prefill", default=None, choices=["auto", "triton", "varlen", "cudnn"],
+                   help="the Triton backend's fresh-prefill path, as bench_w1.py's")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     from bench_w1 import configure_splitk
@@ -167,13 +169,18 @@ def main(argv=None) -> int:
         cfg = td.DecodeConfig(**kw)
         td.default_decode_config = lambda device: cfg
         print(f"decode config for this run: {cfg}")
+    backend_kw = {}
+    if args.fresh_prefill:
+        from pagedkv.attention.triton_backend import TritonAttentionBackend
+        backend_kw["attention_backend"] = TritonAttentionBackend(fresh_prefill=args.fresh_prefill)
     t_build = time.perf_counter()
     llm = LLM.from_shape(args.shape, block_size=16, max_num_seqs=256,
                          max_model_len=WORKLOAD_MAX_MODEL_LEN[args.workload],
                          gpu_memory_utilization=0.9,
                          enforce_eager=args.enforce_eager,
                          async_scheduling=not args.no_async_scheduling,
-                         compile_model=not args.no_compile_model)
+                         compile_model=not args.no_compile_model,
+                         **backend_kw)
     t_build = time.perf_counter() - t_build
     wl = workload(args.workload, args.num_requests, args.scale)
     # warm-up: a few short requests

@@ -11,7 +11,7 @@
 # the decode reduce's heads per program (mixed lengths, W1 4 vs 1 twice), with PREFILL_AB=1
 # (OLD_TREE=DIR) the prefill kernel's sweeps and W3 / W2 against an older tree's, with DECODE_AB=1
 # the decode kernel against the older tree's, with FLAGS_AB=1 (AB_FLAGS, AB_ENV, AB_WORKLOADS, AB_PAIRS) bench_w1.py's defaults against extra flags,
-# with HOST_W3=1 W3's host phases and a profiler window of its prefill-like steps, with CUDNN_AB=1 the cuDNN fresh-prefill path's GPU tests, bench and W2 A/B. Logs/JSON under $OUT. SKIP_* skip single steps, ONLY=1 all the default ones;
+# with HOST_W3=1 W3's host phases and a profiler window of its prefill-like steps, with CUDNN_AB=1 the cuDNN fresh-prefill path's GPU tests, bench and W2 A/B, with CUDNN_PROF=1 its layer and W2-step profiles, with W3_DIAG=1 W3's compiles and host phases in a first run. Logs/JSON under $OUT. SKIP_* skip single steps, ONLY=1 all the default ones;
 # more than ~550 s of steps needs two calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,6 +47,16 @@ if [ -n "${CUDNN_AB:-}" ]; then  # long fresh prefills through cuDNN: its GPU te
       done
     done
   done
+fi
+if [ -n "${CUDNN_PROF:-}" ]; then  # where the cuDNN fresh-prefill path's time goes: the layer bench's profiler over CUDNN_PROF_CASE per mode, then W2 prefill-like steps (window CUDNN_PROF_WINDOWS) under the profiler with --fresh-prefill cudnn / triton (tables tarred)
+  TAIL=40 run cudnn_layer_prof 150 python3 bench/bench_cudnn_prefill_gpu.py --profile ${CUDNN_PROF_CASE:-w2_step}
+  for m in cudnn triton; do
+    TAIL=30 run prof_w2_$m 240 python3 bench/profile_w1_gpu.py --workload w2 --fresh-prefill $m --no-trace-files --windows ${CUDNN_PROF_WINDOWS:-10:12} --out "$OUT/prof_w2_$m"
+  done
+  tar czf "$OUT/prof_w2.tgz" -C "$OUT" prof_w2_cudnn prof_w2_triton && rm -rf "$OUT/prof_w2_cudnn" "$OUT/prof_w2_triton"
+fi
+if [ -n "${W3_DIAG:-}" ]; then  # W3's first run in a process: Triton compiles / recompiles and host phases per step (no profiler)
+  TAIL=40 run w3_diag 200 python3 bench/profile_w1_gpu.py --workload w3 --log-compiles --skip-profile --phases --out "$OUT/w3_diag"
 fi
 if [ -n "${FLAGS_AB:-}" ]; then  # bench_w1.py with the defaults (a) against extra flags AB_FLAGS (b), AB_PAIRS alternating pairs per workload in AB_WORKLOADS (W3 with step times)
   for w in ${AB_WORKLOADS:-w3 w1}; do
