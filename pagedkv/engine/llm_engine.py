@@ -633,9 +633,15 @@ class LLMEngine:
         """The shared-prefix round of :meth:`warm_up`: one request with a prompt of ``P``
         shared tokens (``CascadeConfig.min_prefix_tokens`` rounded up to whole blocks of every
         KV-cache group) + 8 of its own prefills; once its prefill is scheduled, ``min_reqs - 1``
-        more with the same ``P`` tokens + 8 of their own join on prefix-cache hits: a mixed
+        more with the same ``P`` tokens + ``J`` of their own join on prefix-cache hits: a mixed
         cascade step (the first request decodes, the others extend over the shared ``P``), then
-        cascade decodes (the ``CASCADE`` graphs where captured). For the round only, the
+        cascade decodes (the ``CASCADE`` graphs where captured). ``J = (budget - 1) //
+        (min_reqs - 1)`` (at least 8, capped by ``max_model_len`` and by the free blocks, else
+        8), so that the mixed step fills the step budget as a shared-prefix workload's
+        prefill steps do: its cascade buffers (float32 partial outputs of every row) and
+        activations then reach their full size here, not in a user's first step (W3 on the
+        H200: the first timed run's 3 prefill-like steps took 0.22 s, a second run's 0.13 s,
+        the first with one new allocator segment). For the round only, the
         backend's ``min_saved_us`` is 0 (its other thresholds are met as configured); the
         backend's config is restored however the round ends. Skipped where it cannot take
         cascade attention: no cascade backend on this process's runner (tensor-parallel ranks
@@ -654,22 +660,30 @@ class LLMEngine:
         unit = math.lcm(*sizes)
         prefix_len = cdiv(cfg.min_prefix_tokens, unit) * unit
         own, new = 8, 4
-        blocks = cdiv(prefix_len + own + new, min(sizes)) + cfg.min_reqs * (cdiv(own + new, min(sizes)) + 1)
-        if (prefix_len + own + new > self.max_model_len
-                or blocks * len(sizes) > sched.kv_cache_manager.num_free_blocks):
+        free = sched.kv_cache_manager.num_free_blocks
+
+        def blocks(joiner_own: int) -> int:  # in every group, a block of slack a request
+            return (cdiv(prefix_len + own + new, min(sizes))
+                    + cfg.min_reqs * (cdiv(joiner_own + new, min(sizes)) + 1)) * len(sizes)
+
+        if prefix_len + own + new > self.max_model_len or blocks(own) > free:
             return
+        budget = sched.scheduler_config.max_num_batched_tokens
+        joiner = min((budget - 1) // max(1, cfg.min_reqs - 1),
+                     self.max_model_len - prefix_len - new - 1)
+        if joiner < own or blocks(joiner) > free:
+            joiner = own
         shared = prompt(prefix_len)
         params = SamplingParams(max_tokens=new, **greedy)
         backend.cascade = dataclasses.replace(cfg, min_saved_us=0.0)
         try:
             first = self.add_request(shared + prompt(own), params,
                                      request_id="__warmup-cascade-0")
-            budget = sched.scheduler_config.max_num_batched_tokens
             for _ in range(cdiv(prefix_len + own, budget) + 2):
                 if sched.requests[first].num_computed_tokens >= prefix_len + own:
                     break
                 step()  # its prefill (chunked when the budget is short)
-            ids = [first] + [self.add_request(shared + prompt(own), params,
+            ids = [first] + [self.add_request(shared + prompt(joiner), params,
                                               request_id=f"__warmup-cascade-{i}")
                              for i in range(1, cfg.min_reqs)]
             while self.has_unfinished_requests():

@@ -73,8 +73,9 @@ def _cascade_llm(tiny_dir, **kw):
     from pagedkv.attention.triton_backend import CascadeConfig, TritonAttentionBackend
     cfg = CascadeConfig(min_prefix_tokens=24, min_reqs=3)
     backend = TritonAttentionBackend(cascade=cfg)
-    llm = make_llm(tiny_dir("qwen3"), attention_backend=backend, max_num_batched_tokens=64,
-                   max_model_len=128, warmup=False, **kw)
+    opts = dict(max_num_batched_tokens=64, max_model_len=128, warmup=False)
+    opts.update(kw)
+    llm = make_llm(tiny_dir("qwen3"), attention_backend=backend, **opts)
     calls = {"cascade": 0, "mixed": 0}
     inner = backend._forward_cascade
 
@@ -90,8 +91,9 @@ def _cascade_llm(tiny_dir, **kw):
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_warm_up_runs_a_shared_prefix_round_through_cascade_attention(tiny_dir, async_scheduling):
     """The cascade round: P = 24 rounded up to whole 16-token blocks = 32 shared tokens; the
-    first request prefills 32 + 8 tokens alone, then 2 more join on 2 cached blocks: one mixed
-    step (1 decode + 2 extends of 8 over the shared 32) and decodes of the three, all cascade
+    first request prefills 32 + 8 tokens alone, then 2 more with (64 - 1) // 2 = 31 tokens of
+    their own join on 2 cached blocks: one mixed step that fills the 64-token budget but one
+    token (1 decode + 2 extends of 31 over the shared 32) and decodes of the three, all cascade
     (min_saved_us relaxed for the round, restored after); then nothing is left, and a user
     batch sharing the same 32 tokens takes no cascade step (10 us are never saved here)."""
     llm, backend, cfg, calls = _cascade_llm(tiny_dir, async_scheduling=async_scheduling)
@@ -103,7 +105,7 @@ def test_warm_up_runs_a_shared_prefix_round_through_cascade_attention(tiny_dir, 
     assert calls["mixed"] == layers  # the one mixed step, every layer
     assert calls["cascade"] >= layers * 3  # + decodes of all three
     tail = [sorted(so.values()) for so in log[-6:]]
-    assert [1, 8, 8] in tail  # the mixed cascade step: two extends over 32 cached tokens
+    assert [1, 31, 31] in tail  # the mixed cascade step: two extends over 32 cached tokens
     assert pool_is_idle(llm) and not engine._requests
     assert len(engine.scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block) == 0
     calls["cascade"] = 0
@@ -115,6 +117,28 @@ def test_warm_up_runs_a_shared_prefix_round_through_cascade_attention(tiny_dir, 
     cold, _, _, _ = _cascade_llm(tiny_dir, async_scheduling=async_scheduling)
     ref = cold.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+
+
+@pytest.mark.parametrize("max_model_len,kv_bytes,joiner", [(48, None, 11), (128, 96 << 10, 8)])
+def test_warm_up_cascade_joiners_capped_by_model_len_and_free_blocks(tiny_dir, max_model_len,
+                                                                     kv_bytes, joiner):
+    """The joiners' own tokens: (64 - 1) // 2 = 31 wanted; with max_model_len 48 at most
+    48 - 32 shared - 4 new - 1 = 11; where the pool cannot hold two joiners of 31 (the tiny
+    Qwen3's 96 KiB pool: 11 free blocks; the round asks 3 + 3 x (3 + 1) = 15 with joiners of
+    31 and 3 + 3 x (1 + 1) = 9 with joiners of 8) the round falls back to 8 of their own."""
+    kw = {"max_model_len": max_model_len}
+    if kv_bytes is not None:
+        kw["kv_cache_memory_bytes"] = kv_bytes
+    llm, backend, cfg, calls = _cascade_llm(tiny_dir, **kw)
+    engine = llm.engine
+    free = engine.scheduler.kv_cache_manager.num_free_blocks
+    assert kv_bytes is None or free == 11
+    log = log_scheduled_steps(engine.scheduler)
+    engine.warm_up()
+    tail = [sorted(so.values()) for so in log]
+    assert [1, joiner, joiner] in tail, (free, tail)
+    assert calls["mixed"] == engine.model.config.num_hidden_layers
+    assert backend.cascade is cfg and pool_is_idle(llm) and not engine._requests
 
 
 def test_warm_up_skips_the_cascade_round_without_prefix_caching(tiny_dir):
