@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.errors import SamplingError
+from pagedkv.kernels.argmax import argmax_rows
 from pagedkv.sampling.filters import (
     apply_min_p,
     apply_temperature,
@@ -103,7 +104,7 @@ class Sampler:
         if penalties is not None:
             logits = penalties.apply(logits)
 
-        greedy = None if metadata.all_random else logits.argmax(dim=-1)
+        greedy = None if metadata.all_random else argmax_rows(logits)
         processed = logits
         if metadata.all_greedy:
             sampled = greedy

@@ -22,7 +22,8 @@
    projects its padded rows; gathered rows repeat the last one), so the LM-head GEMM only sees
    shapes warmed at capture; the extra rows are dropped before sampling;
 5. sampling: when every request of the batch is greedy without logprobs, min_tokens or
-   penalties (cached per batch composition), one argmax over the model-dtype logits (no
+   penalties (cached per batch composition), one argmax over the model-dtype logits
+   (``pagedkv.kernels.argmax.argmax_rows``: two Triton launches on CUDA; no
    float32 copy, no metadata); otherwise the :class:`~pagedkv.sampling.sampler.Sampler` with
    the batch's :class:`~pagedkv.worker.sampling_state.SamplingState` (metadata, min_tokens
    bans and penalty counts, rebuilt only when the set of sampled rows changes; seeded requests
@@ -76,6 +77,7 @@ from pagedkv.core.spec import (
     with_kv_cache_dtype,
 )
 from pagedkv.errors import ConfigError, InvariantError
+from pagedkv.kernels.argmax import argmax_rows
 from pagedkv.sampling.metadata import SamplingMetadata
 from pagedkv.sampling.params import SamplingParams
 from pagedkv.sampling.sampler import LogprobsTensors, Sampler
@@ -522,7 +524,7 @@ class ModelRunner:
             # Every row greedy and no logprobs: one argmax over the model-dtype logits (the
             # float32 widening is exact and order-preserving, so the argmax is the same).
             logits = self._compute_logits(hidden, logits_indices, widen=False)
-            sampled, logprobs, want = logits.argmax(dim=-1)[:m], None, None
+            sampled, logprobs, want = argmax_rows(logits[:m]), None, None
         else:
             logits = self._compute_logits(hidden, logits_indices, widen=True)[:m]
             key = tuple(out_ids) if rows is None else tuple(sampled_req_ids)
@@ -567,7 +569,7 @@ class ModelRunner:
                              dtype=self.model.dtype, device=self.device)
         for size in self.cuda_graphs.sizes:
             with torch.inference_mode():
-                self._compute_logits(hidden[:size], None, widen=False).argmax(dim=-1)
+                argmax_rows(self._compute_logits(hidden[:size], None, widen=False))
                 self._compute_logits(hidden[:size], None, widen=True)
         torch.cuda.synchronize(self.device)
 

@@ -1,0 +1,152 @@
+"""Greedy sampling's argmax over the vocabulary: ``torch.argmax(logits, dim=-1)``, in two
+launches that keep the whole device busy.
+
+``logits [M, V]`` (bf16 / fp16 / fp32, last dimension contiguous) -> ``int64 [M]``: per row the
+index of its largest value, as torch defines it: the first index among equal maxima, NaN
+larger than every number (the first NaN wins), ``-0.0`` equal to ``+0.0``.
+
+Why a kernel: torch's reduction gives each row to one block, so a decode step's few rows over
+151,936 logits leave most multiprocessors idle (on the H200, 256 rows took 57 us, ~1.4 TB/s;
+64 rows 23 us: BENCHMARKS.md, sixth session, "LM head (+argmax)").
+
+Kernel 1 (``_argmax_chunks_kernel``), grid ``(M, C)``: program ``(r, c)`` scans chunk ``c`` of
+row ``r`` (``C`` chunks of whole ``BLOCK``-wide tiles, so that ``M x C`` programs fill the
+device) and writes its best key and index. Values are compared as int32 keys: the float's
+bits made order-preserving (negative floats have their magnitude bits flipped), ``-0.0``
+first turned into ``+0.0``, NaN mapped above ``+inf``; a tile's best is ``tl.max`` of the keys
+and the first index holding it (a min over the indices where the key equals it), and a
+later tile replaces the running best only when strictly larger. Kernel 2
+(``_argmax_reduce_kernel``), one program a row: the best key over its ``C`` partials and,
+among the chunks holding it, the smallest index (the chunks are in index order, so that is
+the row's first maximum).
+
+Every host int but the row stride is a runtime argument, not specialized (a chunk count of 1
+would otherwise compile another variant mid-run): one compiled variant per dtype and stride.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from pagedkv.errors import ConfigError
+from pagedkv.kernels._common import cdiv, check_tensor, next_pow2, use_triton
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_BLOCK = 1024  # logits a tile: 8 per thread at 4 warps (16-byte loads of bf16)
+_MAX_CHUNKS = 256
+_INT32_MIN = -2147483648
+
+
+@triton.jit
+def _keys(x):
+    """Order-preserving int32 keys of float32 values (module docstring)."""
+    x = x + 0.0  # -0.0 -> +0.0
+    bits = x.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return tl.where(x != x, 0x7FFFFFFF, key)
+
+
+@triton.jit
+def _tile_best(row, i, hi, best, best_idx):
+    """One tile's keys folded into the running best (strictly larger only: first wins)."""
+    live = i < hi
+    x = tl.load(row + i, mask=live, other=0.0).to(tl.float32)
+    key = tl.where(live, _keys(x), _INT32_MIN)
+    m = tl.max(key, axis=0)
+    first = tl.min(tl.where(key == m, i, 2147483647), axis=0)
+    take = m > best
+    return tl.where(take, m, best), tl.where(take, first, best_idx)
+
+
+@triton.jit(do_not_specialize=["n", "tiles", "p_s0"])
+def _argmax_chunks_kernel(x_ptr, x_s0, n, tiles, key_ptr, idx_ptr, p_s0,
+                          BLOCK: tl.constexpr, RANGE_LOOP: tl.constexpr):
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    row = x_ptr + r.to(tl.int64) * x_s0
+    lo = c * tiles * BLOCK  # a chunk is `tiles` whole tiles (the last one ends at n)
+    hi = tl.minimum(lo + tiles * BLOCK, n)
+    offs = tl.arange(0, BLOCK)
+    best = tl.full([], _INT32_MIN, tl.int32)
+    best_idx = tl.full([], 0, tl.int32) + lo
+    if RANGE_LOOP:  # compiled: a for-range loop (software-pipelined loads)
+        for t in range(tiles):
+            best, best_idx = _tile_best(row, lo + t * BLOCK + offs, hi, best, best_idx)
+    else:  # the interpreter cannot iterate a range over runtime scalars
+        start = lo
+        while start < hi:
+            best, best_idx = _tile_best(row, start + offs, hi, best, best_idx)
+            start += BLOCK
+    tl.store(key_ptr + r * p_s0 + c, best)
+    tl.store(idx_ptr + r * p_s0 + c, best_idx)
+
+
+@triton.jit(do_not_specialize=["p_s0", "num_chunks"])
+def _argmax_reduce_kernel(key_ptr, idx_ptr, p_s0, num_chunks, out_ptr, BLOCK_C: tl.constexpr):
+    r = tl.program_id(0)
+    c = tl.arange(0, BLOCK_C)
+    live = c < num_chunks
+    key = tl.load(key_ptr + r * p_s0 + c, mask=live, other=_INT32_MIN)
+    idx = tl.load(idx_ptr + r * p_s0 + c, mask=live, other=2147483647)
+    m = tl.max(key, axis=0)
+    first = tl.min(tl.where(live & (key == m), idx, 2147483647), axis=0)
+    tl.store(out_ptr + r, first.to(tl.int64))
+
+
+def _check(fn: str, logits: torch.Tensor) -> None:
+    check_tensor(fn, "logits", logits, dtypes=_DTYPES, ndim=2, contiguous_last=True)
+    if logits.shape[1] == 0:
+        raise ConfigError(f"{fn}: logits need at least one column, got {tuple(logits.shape)}")
+    if logits.shape[1] >= 2 ** 31:
+        raise ConfigError(f"{fn}: at most 2^31 - 1 columns, got {logits.shape[1]}")
+
+
+def num_chunks(rows: int, cols: int, sms: int) -> int:
+    """Chunks a row is split into: enough programs for four a multiprocessor, at most one
+    per ``BLOCK`` logits (and at most 256)."""
+    want = cdiv(4 * max(1, sms), max(1, rows))
+    return max(1, min(want, cdiv(cols, _BLOCK), _MAX_CHUNKS))
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``torch.argmax(logits, dim=-1)`` (int64 ``[M]``) for ``logits [M, V]``; on CUDA (or
+    under the Triton interpreter) the two kernels of the module docstring, else torch."""
+    _check("greedy_argmax", logits)
+    if not use_triton(_argmax_chunks_kernel, logits):
+        return greedy_argmax_ref(logits)
+    rows, cols = logits.shape
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return out
+    sms = (torch.cuda.get_device_properties(logits.device).multi_processor_count
+           if logits.is_cuda else 4)
+    chunks = num_chunks(rows, cols, sms)
+    chunk = cdiv(cdiv(cols, chunks), _BLOCK) * _BLOCK
+    chunks = cdiv(cols, chunk)
+    keys = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
+    idx = torch.empty_like(keys)
+    _argmax_chunks_kernel[(rows, chunks)](
+        logits, logits.stride(0), cols, chunk // _BLOCK, keys, idx, chunks, BLOCK=_BLOCK,
+        RANGE_LOOP=not isinstance(_argmax_chunks_kernel, InterpretedFunction), num_warps=4)
+    _argmax_reduce_kernel[(rows,)](keys, idx, chunks, chunks, out,
+                                   BLOCK_C=max(16, next_pow2(chunks)), num_warps=1)
+    return out
+
+
+def greedy_argmax_ref(logits: torch.Tensor) -> torch.Tensor:
+    """Plain torch twin of :func:`greedy_argmax`."""
+    _check("greedy_argmax_ref", logits)
+    return logits.argmax(dim=-1)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """The engine's greedy argmax (the runner's all-greedy path, the sampler's greedy rows):
+    :func:`greedy_argmax` on CUDA tensors, torch's on others (an engine on the CPU takes
+    torch's argmax, not the kernels through the Triton interpreter)."""
+    return greedy_argmax(logits) if logits.is_cuda else greedy_argmax_ref(logits)
+
+
+__all__ = ["argmax_rows", "greedy_argmax", "greedy_argmax_ref", "num_chunks"]
