@@ -37,7 +37,7 @@ from pagedkv.kernels._common import cdiv, check_tensor, next_pow2, use_triton
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _BLOCK = 1024  # logits a tile: 8 per thread at 4 warps (16-byte loads of bf16)
 _MAX_CHUNKS = 256
-_INT32_MIN = -2147483648
+_INT32_MIN = tl.constexpr(-2147483648)
 
 
 @triton.jit
