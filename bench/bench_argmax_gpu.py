@@ -1,6 +1,6 @@
 """Greedy argmax over Qwen3's 151,936 logits a row: the engine's kernels
-(``pagedkv.kernels.argmax.greedy_argmax``) against ``torch.argmax``, bf16, microseconds per
-call (median of CUDA-event timings over calls that rotate over 4 buffers of logits, so the
+(``pagedkv.kernels.argmax.greedy_argmax``) against ``torch.argmax``, bf16, device
+microseconds per call (CUDA-graph replays of one call on each of 4 buffers of logits, so the
 input is mostly not in L2, as after the LM-head GEMM), and the fraction of 4.27 TB/s for the
 logits' bytes; every result checked against torch's.
 
@@ -26,19 +26,27 @@ VOCAB = 151936
 BW = 4.27e12
 
 
-def time_us(fn, bufs, reps=60) -> float:
+def time_us(fn, bufs, reps=20) -> float:
+    """Device microseconds per call: one CUDA graph of a call on each buffer, replayed (the
+    host's launch overhead, ~0.1 ms a call for two Triton launches, is not device time; in
+    the engine it overlaps the device's work)."""
     for b in bufs:
         fn(b)
     torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for b in bufs:
+            fn(b)
+    graph.replay()
+    torch.cuda.synchronize()
     samples = []
-    for i in range(reps):
-        b = bufs[i % len(bufs)]
+    for _ in range(reps):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
-        fn(b)
+        graph.replay()
         e.record()
         e.synchronize()
-        samples.append(s.elapsed_time(e) * 1e3)
+        samples.append(s.elapsed_time(e) * 1e3 / len(bufs))
     return statistics.median(samples)
 
 

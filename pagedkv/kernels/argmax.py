@@ -26,6 +26,8 @@ would otherwise compile another variant mid-run): one compiled variant per dtype
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -96,6 +98,12 @@ def _argmax_reduce_kernel(key_ptr, idx_ptr, p_s0, num_chunks, out_ptr, BLOCK_C: 
     tl.store(out_ptr + r, first.to(tl.int64))
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int | None) -> int:
+    return torch.cuda.get_device_properties(
+        index if index is not None else torch.cuda.current_device()).multi_processor_count
+
+
 def _check(fn: str, logits: torch.Tensor) -> None:
     check_tensor(fn, "logits", logits, dtypes=_DTYPES, ndim=2, contiguous_last=True)
     if logits.shape[1] == 0:
@@ -121,8 +129,7 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
-    sms = (torch.cuda.get_device_properties(logits.device).multi_processor_count
-           if logits.is_cuda else 4)
+    sms = _num_sms(logits.device.index) if logits.is_cuda else 4
     chunks = num_chunks(rows, cols, sms)
     chunk = cdiv(cdiv(cols, chunks), _BLOCK) * _BLOCK
     chunks = cdiv(cols, chunk)
