@@ -13,9 +13,10 @@ Kernel 1 (``_argmax_chunks_kernel``), grid ``(M, C)``: program ``(r, c)`` scans 
 row ``r`` (``C`` chunks of whole ``BLOCK``-wide tiles, so that ``M x C`` programs fill the
 device) and writes its best key and index. Values are compared as int32 keys: the float's
 bits made order-preserving (negative floats have their magnitude bits flipped), ``-0.0``
-first turned into ``+0.0``, NaN mapped above ``+inf``; a tile's best is ``tl.max`` of the keys
-and the first index holding it (a min over the indices where the key equals it), and a
-later tile replaces the running best only when strictly larger. Kernel 2
+first turned into ``+0.0``, NaN mapped above ``+inf``. Each lane keeps its own running best
+over the tiles (replaced only when strictly larger: the lane's first maximum), so the loop
+streams with no reduction; at the end the chunk's best key is the lanes' max and its index
+the smallest lane index holding it. Kernel 2
 (``_argmax_reduce_kernel``), one program a row: the best key over its ``C`` partials and,
 among the chunks holding it, the smallest index (the chunks are in index order, so that is
 the row's first maximum).
@@ -53,14 +54,13 @@ def _keys(x):
 
 @triton.jit
 def _tile_best(row, i, hi, best, best_idx):
-    """One tile's keys folded into the running best (strictly larger only: first wins)."""
+    """One tile folded into the per-lane running best (elementwise, no reduction in the
+    loop; strictly larger only, so each lane keeps its first maximum)."""
     live = i < hi
     x = tl.load(row + i, mask=live, other=0.0).to(tl.float32)
     key = tl.where(live, _keys(x), _INT32_MIN)
-    m = tl.max(key, axis=0)
-    first = tl.min(tl.where(key == m, i, 2147483647), axis=0)
-    take = m > best
-    return tl.where(take, m, best), tl.where(take, first, best_idx)
+    take = key > best
+    return tl.where(take, key, best), tl.where(take, i, best_idx)
 
 
 @triton.jit(do_not_specialize=["n", "tiles", "p_s0"])
@@ -72,8 +72,8 @@ def _argmax_chunks_kernel(x_ptr, x_s0, n, tiles, key_ptr, idx_ptr, p_s0,
     lo = c * tiles * BLOCK  # a chunk is `tiles` whole tiles (the last one ends at n)
     hi = tl.minimum(lo + tiles * BLOCK, n)
     offs = tl.arange(0, BLOCK)
-    best = tl.full([], _INT32_MIN, tl.int32)
-    best_idx = tl.full([], 0, tl.int32) + lo
+    best = tl.full([BLOCK], _INT32_MIN, tl.int32)
+    best_idx = lo + offs
     if RANGE_LOOP:  # compiled: a for-range loop (software-pipelined loads)
         for t in range(tiles):
             best, best_idx = _tile_best(row, lo + t * BLOCK + offs, hi, best, best_idx)
@@ -82,8 +82,10 @@ def _argmax_chunks_kernel(x_ptr, x_s0, n, tiles, key_ptr, idx_ptr, p_s0,
         while start < hi:
             best, best_idx = _tile_best(row, start + offs, hi, best, best_idx)
             start += BLOCK
-    tl.store(key_ptr + r * p_s0 + c, best)
-    tl.store(idx_ptr + r * p_s0 + c, best_idx)
+    m = tl.max(best, axis=0)  # the chunk's best key, then the first lane index holding it
+    first = tl.min(tl.where(best == m, best_idx, 2147483647), axis=0)
+    tl.store(key_ptr + r * p_s0 + c, m)
+    tl.store(idx_ptr + r * p_s0 + c, first)
 
 
 @triton.jit(do_not_specialize=["p_s0", "num_chunks"])
