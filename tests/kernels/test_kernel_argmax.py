@@ -35,9 +35,9 @@ def test_by_hand_first_maximum_nan_signed_zero_and_infinities():
 
 
 def test_num_chunks():
-    # four programs a multiprocessor, at most one chunk per tile, at most 256
-    assert num_chunks(256, 151936, 132) == 3
-    assert num_chunks(64, 151936, 132) == 9
+    # sixteen programs a multiprocessor, at most one chunk per tile, at most 256
+    assert num_chunks(256, 151936, 132) == 9  # cdiv(16 x 132, 256)
+    assert num_chunks(64, 151936, 132) == 33
     assert num_chunks(1, 151936, 132) == 149  # cdiv(151936, 1024) = 149 tiles
     assert num_chunks(1, 100, 132) == 1
     assert num_chunks(4, 3000, 4) == 3
