@@ -21,12 +21,13 @@ from the cubin. :func:`report` returns, for one launch configuration:
 Presets for this project's attention kernels on Qwen3-0.6B's attention (bf16, 16 query / 8 K/V
 heads, head_dim 128, block 16): :func:`prefill_report` (``PrefillConfig``; causal prefill or
 the cascade prefix's non-causal launch with log-sum-exps) and :func:`decode_report`
-(``DecodeConfig``). The kernel modules must be imported without ``TRITON_INTERPRET`` (the
+(``DecodeConfig``); :func:`argmax_report` (the greedy argmax's kernels). The kernel modules must be imported without ``TRITON_INTERPRET`` (the
 interpreter replaces the kernels with Python functions): the command line clears it and runs
 itself in a fresh process when it is set::
 
     python -m pagedkv.tools.sm90_report prefill 64,64,4,3,1 [--prefix] [--sass] [--json]
     python -m pagedkv.tools.sm90_report decode 32,4,5
+    python -m pagedkv.tools.sm90_report argmax
 
 The numbers are the compiler's, not the device's: what runs faster is measured on the GPU.
 """
@@ -184,6 +185,20 @@ def decode_report(config, sass: bool = False, pdl: bool = False) -> dict:
                   config.num_warps, config.num_stages, sass)
 
 
+def argmax_report(sass: bool = False) -> dict:
+    """The greedy argmax's two kernels (``pagedkv.kernels.argmax``) on bf16 logits with the
+    launcher's settings: the chunk kernel's report, the reduce kernel's under ``"reduce"``."""
+    from pagedkv.kernels.argmax import _BLOCK, _argmax_chunks_kernel, _argmax_reduce_kernel
+
+    rep = report(_argmax_chunks_kernel, dict(BLOCK=_BLOCK, RANGE_LOOP=True),
+                 dict(x_ptr="*bf16", key_ptr="*i32", idx_ptr="*i32"), set(),
+                 {"x_ptr", "key_ptr", "idx_ptr", "x_s0"}, 4, 3, sass)
+    rep["reduce"] = report(_argmax_reduce_kernel, dict(BLOCK_C=16),
+                           dict(key_ptr="*i32", idx_ptr="*i32", out_ptr="*i64"), set(),
+                           {"key_ptr", "idx_ptr", "out_ptr"}, 1, 3, sass)
+    return rep
+
+
 def _ints(text: str, n: int, what: str) -> list[int]:
     vals = [int(v) for v in text.split(",")]
     if len(vals) != n:
@@ -193,7 +208,7 @@ def _ints(text: str, n: int, what: str) -> list[int]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("kernel", choices=["prefill", "decode"])
+    p.add_argument("kernel", choices=["prefill", "decode", "argmax"])
     p.add_argument("config", nargs="?", default=None,
                    help="prefill: BM,BN,WARPS,STAGES,PACK; decode: TILE,WARPS,STAGES "
                         "(default: the CUDA defaults)")
@@ -208,7 +223,9 @@ def main(argv=None) -> int:
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         return subprocess.run([sys.executable, "-m", "pagedkv.tools.sm90_report",
                                *(argv if argv is not None else sys.argv[1:])], env=env).returncode
-    if args.kernel == "prefill":
+    if args.kernel == "argmax":
+        rep = argmax_report(sass=args.sass)
+    elif args.kernel == "prefill":
         from pagedkv.attention.triton_prefill import PrefillConfig
 
         cfg = PrefillConfig()
