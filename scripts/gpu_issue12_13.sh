@@ -11,7 +11,7 @@
 # the decode reduce's heads per program (mixed lengths, W1 4 vs 1 twice), with PREFILL_AB=1
 # (OLD_TREE=DIR) the prefill kernel's sweeps and W3 / W2 against an older tree's, with DECODE_AB=1
 # the decode kernel against the older tree's, with FLAGS_AB=1 (AB_FLAGS, AB_ENV, AB_WORKLOADS, AB_PAIRS) bench_w1.py's defaults against extra flags,
-# with HOST_W3=1 W3's host phases and a profiler window of its prefill-like steps, with CUDNN_AB=1 the cuDNN fresh-prefill path's GPU tests, bench and W2 A/B, with CUDNN_PROF=1 its layer and W2-step profiles, with W3_DIAG=1 W3's compiles and host phases in a first run. Logs/JSON under $OUT. SKIP_* skip single steps, ONLY=1 all the default ones;
+# with HOST_W3=1 W3's host phases and a profiler window of its prefill-like steps, with CUDNN_AB=1 the cuDNN fresh-prefill path's GPU tests, bench and W2 A/B, with CUDNN_PROF=1 its layer and W2-step profiles, with W3_DIAG=1 W3's compiles and host phases in a first run (and the first user generate's step times), with ARGMAX=1 the greedy argmax bench and tests. Logs/JSON under $OUT. SKIP_* skip single steps, ONLY=1 all the default ones;
 # more than ~550 s of steps needs two calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -57,6 +57,10 @@ if [ -n "${CUDNN_PROF:-}" ]; then  # where the cuDNN fresh-prefill path's time g
 fi
 if [ -n "${W3_DIAG:-}" ]; then  # W3's first run in a process: Triton compiles / recompiles and host phases per step (no profiler)
   TAIL=40 run w3_diag 200 python3 bench/profile_w1_gpu.py --workload w3 --log-compiles --skip-profile --phases --out "$OUT/w3_diag"
+fi
+if [ -n "${ARGMAX:-}" ]; then  # the greedy argmax kernels against torch.argmax (device us), their GPU tests
+  TAIL=8 run argmax_bench 120 python3 bench/bench_argmax_gpu.py --out "$OUT/argmax.json"
+  TAIL=3 run argmax_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_kernel_argmax.py
 fi
 if [ -n "${FLAGS_AB:-}" ]; then  # bench_w1.py with the defaults (a) against extra flags AB_FLAGS (b), AB_PAIRS alternating pairs per workload in AB_WORKLOADS (W3 with step times)
   for w in ${AB_WORKLOADS:-w3 w1}; do

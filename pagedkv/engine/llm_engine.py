@@ -561,8 +561,13 @@ class LLMEngine:
         when captured), then a long request (``max_num_batched_tokens`` + 32 tokens, capped by
         ``max_model_len``) joins: mixed steps (the short one decodes while the long one's
         prompt prefills, chunked over cached context when it exceeds the budget) and decodes of
-        both. Round 1 is greedy; in round 2 the short request samples (temperature, top-k,
-        top-p, min-p, a seed, logprobs), for the sampler.
+        both. Where ``max_model_len`` caps it below the budget, round 1 has as many long
+        requests as fill the budget + 32 tokens (as the free blocks and ``max_num_seqs``
+        allow), so that its mixed step is a full-budget step: a workload's first full step
+        then meets no new activation size or GEMM shape (W1 / W3 at 16,384 tokens a step and
+        ``max_model_len`` 4,096: the long request had 4,092 tokens). Round 1 is greedy; in
+        round 2 the short request samples (temperature, top-k, top-p, min-p, a seed,
+        logprobs), for the sampler.
 
         Then, where the runner's attention backend has cascade attention and prefix caching is
         on, a shared-prefix round (:meth:`_warm_up_cascade`): the eager cascade launches (the
@@ -591,7 +596,7 @@ class LLMEngine:
         greedy = dict(temperature=0.0, ignore_eos=True)
         sampled = dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, seed=seed, logprobs=2,
                        ignore_eos=True)
-        long_steps = -(-long_len // max(1, budget - 1)) + 3  # its prefill chunks, then decodes
+        num_long = self._warm_up_long_requests(long_len, budget)
         steps = 0
 
         def prompt(n: int) -> list[int]:
@@ -604,18 +609,22 @@ class LLMEngine:
 
         try:
             for r, short_kw in enumerate((greedy, sampled)):
+                n_long = num_long if r == 0 else 1
+                # the long prompts' prefill chunks, then their decodes
+                long_steps = -(-(n_long * long_len) // max(1, budget - 1)) + 3
                 short = self.add_request(prompt(short_len),
                                          SamplingParams(max_tokens=long_steps + 3, **short_kw),
                                          request_id=f"__warmup-{r}-short")
                 step()  # the short request's prefill
                 step()  # its first decode
-                long = self.add_request(prompt(long_len), SamplingParams(max_tokens=3, **greedy),
-                                        request_id=f"__warmup-{r}-long")
+                longs = [self.add_request(prompt(long_len), SamplingParams(max_tokens=3, **greedy),
+                                          request_id=f"__warmup-{r}-long" + (f"-{i}" if i else ""))
+                         for i in range(n_long)]
                 while self.has_unfinished_requests():
                     step()
                 self.flush()
-                self.release(short)
-                self.release(long)
+                for rid in [short] + longs:
+                    self.release(rid)
             self._warm_up_cascade(prompt, step, greedy)
         except BaseException:  # an error or an interrupt: no warm-up request may stay behind
             self.recover([rid for rid in self._requests if rid.startswith("__warmup-")])
@@ -628,6 +637,21 @@ class LLMEngine:
             if hasattr(runner, "num_mixed_graph_steps"):
                 runner.num_mixed_graph_steps = mixed
         return steps
+
+    def _warm_up_long_requests(self, long_len: int, budget: int) -> int:
+        """How many long requests of ``long_len`` tokens :meth:`warm_up`'s first round runs:
+        enough to fill ``budget`` + 32 tokens, at most ``max_num_seqs - 1`` (the short request
+        runs beside them) and as many as the free blocks hold (a block of slack each, in
+        every KV-cache group); 1 where the runner does not tell its groups' block sizes."""
+        sched = self.scheduler
+        sizes = getattr(self.runner, "_group_block_sizes", None)
+        want = cdiv(budget + 32, max(1, long_len))
+        if want <= 1 or not sizes:
+            return 1
+        per_request = (cdiv(long_len + 3, min(sizes)) + 1) * len(sizes)
+        short = (cdiv(8 + 64, min(sizes)) + 1) * len(sizes)
+        room = (sched.kv_cache_manager.num_free_blocks - short) // per_request
+        return max(1, min(want, sched.scheduler_config.max_num_seqs - 1, room))
 
     def _warm_up_cascade(self, prompt, step, greedy: dict) -> None:
         """The shared-prefix round of :meth:`warm_up`: one request with a prompt of ``P``

@@ -36,8 +36,13 @@ def test_warm_up_covers_prefill_mixed_and_decode_steps_and_leaves_nothing(tiny_d
     assert list(log[0].values()) == [8] and list(log[1].values()) == [1]
     if max_model_len == 256:
         assert sorted(log[2].values()) == [1, 63] and sorted(log[3].values()) == [1, 33]
-    else:  # max_model_len below the budget: the long prompt (44 tokens) fits one mixed step
-        assert sorted(log[2].values()) == [1, 44]
+    else:  # max_model_len below the budget: long prompts of 44 tokens, cdiv(64 + 32, 44) = 3
+        # of them in round 1, so that its mixed step fills the budget (1 + 44 + 19 = 64)
+        assert sorted(log[2].values()) == [1, 19, 44]
+        assert sum(log[3].values()) == 64
+        ids = [rid for so in log for rid in so]
+        assert {"__warmup-0-long", "__warmup-0-long-1", "__warmup-0-long-2"} <= set(ids)
+        assert "__warmup-1-long-1" not in ids  # round 2: one long request
     # nothing left: no requests, every block free, no cached prefix, counters restored
     assert pool_is_idle(llm)
     assert not engine._requests
