@@ -54,19 +54,41 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,8,64,128,200,256")
     p.add_argument("--out", default="argmax.json")
+    p.add_argument("--sweep", action="store_true",
+                   help="also the kernels at other tile widths and programs a multiprocessor "
+                        "(pagedkv.kernels.argmax._BLOCK / _PROGRAMS_PER_SM)")
     args = p.parse_args()
+    import pagedkv.kernels.argmax as mod
+
+    variants = [(mod._BLOCK, mod._PROGRAMS_PER_SM)]
+    if args.sweep:
+        variants += [(b, q) for b in (1024, 2048, 4096) for q in (8, 16, 32)
+                     if (b, q) != variants[0]]
     rec = {"environment": environment(), "rows": {}}
     for m in (int(x) for x in args.rows.split(",")):
         bufs = [torch.randn(m, VOCAB, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
         for b in bufs:
             assert greedy_argmax(b).tolist() == b.argmax(-1).tolist()
-        ours = time_us(greedy_argmax, bufs)
         ref = time_us(lambda b: b.argmax(-1), bufs)
         gb = m * VOCAB * 2
-        rec["rows"][m] = {"kernels_us": ours, "torch_us": ref,
-                          "kernels_bw": gb / ours / 1e-6 / BW, "torch_bw": gb / ref / 1e-6 / BW}
+        entry = {"torch_us": ref, "torch_bw": gb / ref / 1e-6 / BW}
+        default = variants[0]
+        for block, per_sm in variants:
+            mod._BLOCK, mod._PROGRAMS_PER_SM = block, per_sm
+            try:
+                assert greedy_argmax(bufs[0]).tolist() == bufs[0].argmax(-1).tolist()
+                entry[f"kernels_{block}_{per_sm}_us"] = time_us(greedy_argmax, bufs)
+            finally:
+                mod._BLOCK, mod._PROGRAMS_PER_SM = default
+        ours = entry[f"kernels_{default[0]}_{default[1]}_us"]
+        entry.update(kernels_us=ours, kernels_bw=gb / ours / 1e-6 / BW)
+        rec["rows"][m] = entry
         print(f"M {m:4d}: kernels {ours:6.1f} us ({100 * gb / ours / 1e-6 / BW:3.0f}% of BW), "
-              f"torch.argmax {ref:6.1f} us ({100 * gb / ref / 1e-6 / BW:3.0f}%)", flush=True)
+              f"torch.argmax {ref:6.1f} us ({100 * gb / ref / 1e-6 / BW:3.0f}%)"
+              + "".join(f"; {k[8:-3]} {v:.1f}" for k, v in entry.items()
+                        if k.startswith("kernels_") and k.endswith("_us")
+                        and k != f"kernels_{default[0]}_{default[1]}_us" and k != "kernels_us"),
+              flush=True)
     with open(args.out, "w") as f:
         json.dump(rec, f, indent=1)
 

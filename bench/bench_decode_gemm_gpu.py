@@ -14,7 +14,12 @@ weights (each layer's weights cold in L2, as in the model) in one CUDA graph
 * ``mm_t``: ``x @ Wt`` with Wt ``[K, N]`` contiguous (the other operand layout);
 * ``cublaslt``: ``linear`` with ``torch.backends.cuda.preferred_blas_library("cublaslt")``;
 * ``triton/<cfg>``: a plain Triton GEMM over W ``[N, K]`` (this file's ``_mm_kernel``; tiles
-  BM x BN x BK, warps, stages), each config checked against ``linear`` first.
+  BM x BN x BK, warps, stages), each config checked against ``linear`` first;
+* ``linear_l2``: ``linear`` with every layer on layer 0's weights, L2-resident after the first
+  (the GEMMs without their DRAM reads: the most a weight prefetch could give).
+
+And, once, a graph node's floor: a one-wave no-op Triton kernel launched 112 times (28 layers
+x 4) in one graph, us a launch.
 
 And the LM head (151,936 x 1024) alone per M. Prints a table; JSON with every number to --out.
 
@@ -72,6 +77,11 @@ def _mm_kernel(x_ptr, w_ptr, y_ptr, M, N, sx, sw, sy, K: tl.constexpr,
              mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _noop_kernel(p):
+    tl.store(p + tl.program_id(0), 1.0)
+
+
 def triton_mm(x, w, y, cfg):
     bm, bn, bk, warps, stages = cfg
     m, k = x.shape
@@ -114,6 +124,10 @@ def main() -> int:
         lin = lambda i, name: torch.mm(xs[name], weights[i][name].t(), out=ys[name])  # noqa: E731
         mmt = lambda i, name: torch.mm(xs[name], weights_t[i][name], out=ys[name])  # noqa: E731
         row["us_per_layer"]["linear"] = time_graph(calls(lin)) * len(LAYER)
+        # every layer on layer 0's weights (31.5 MB, L2-resident after the first): what the
+        # GEMMs cost when their weights need no DRAM trip (the most a prefetch could give)
+        row["us_per_layer"]["linear_l2"] = time_graph(
+            calls(lambda i, name: lin(0, name))) * len(LAYER)
         row["us_per_layer"]["mm_t"] = time_graph(calls(mmt)) * len(LAYER)
         for name in LAYER:
             row["per_gemm_us"][f"linear/{name}"] = time_graph(
@@ -145,6 +159,12 @@ def main() -> int:
                             [lambda i=i, name=name: tm(i, name) for i in range(LAYERS)])
                 except Exception as e:  # noqa: BLE001
                     row[key + "_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        if m == MS[0]:  # a graph node's floor: 112 launches of a one-wave no-op kernel
+            sink = torch.zeros(4 * 132, device=dev)
+            row["noop_launch_us"] = time_graph(
+                [lambda: _noop_kernel[(4 * 132,)](sink, num_warps=4)] * (LAYERS * len(LAYER)))
+            print(f"one-wave no-op kernel in a graph: {row['noop_launch_us']:.2f} us a launch",
+                  flush=True)
         xl = torch.randn(m, LM_HEAD[1], device=dev, dtype=bf)
         yl = torch.empty(m, LM_HEAD[0], device=dev, dtype=bf)
         row["lm_head_us"] = time_graph([lambda: torch.mm(xl, lm.t(), out=yl)])

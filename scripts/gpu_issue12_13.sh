@@ -59,7 +59,7 @@ if [ -n "${W3_DIAG:-}" ]; then  # W3's first run in a process: Triton compiles /
   TAIL=40 run w3_diag 200 python3 bench/profile_w1_gpu.py --workload w3 --log-compiles --skip-profile --phases --out "$OUT/w3_diag"
 fi
 if [ -n "${ARGMAX:-}" ]; then  # the greedy argmax kernels against torch.argmax (device us), their GPU tests
-  TAIL=8 run argmax_bench 120 python3 bench/bench_argmax_gpu.py --out "$OUT/argmax.json"
+  TAIL=8 run argmax_bench 150 python3 bench/bench_argmax_gpu.py --sweep --out "$OUT/argmax.json"
   TAIL=3 run argmax_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_kernel_argmax.py
 fi
 if [ -n "${FLAGS_AB:-}" ]; then  # bench_w1.py with the defaults (a) against extra flags AB_FLAGS (b), AB_PAIRS alternating pairs per workload in AB_WORKLOADS (W3 with step times)

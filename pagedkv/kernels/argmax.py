@@ -40,6 +40,7 @@ from pagedkv.kernels._common import cdiv, check_tensor, next_pow2, use_triton
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _BLOCK = 1024  # logits a tile: 8 per thread at 4 warps (16-byte loads of bf16)
 _MAX_CHUNKS = 256
+_PROGRAMS_PER_SM = 16  # num_chunks: programs the chunking aims at, a multiprocessor
 _INT32_MIN = tl.constexpr(-2147483648)
 
 
@@ -119,7 +120,7 @@ def num_chunks(rows: int, cols: int, sms: int) -> int:
     per ``BLOCK`` logits (and at most 256). H200, 151,936 bf16 logits a row, device us
     (``bench/bench_argmax_gpu.py``), sixteen / four programs a multiprocessor: 256 rows 45.7 /
     50.7, 64 rows 15.2 / 17.9 (torch.argmax 55.3 / 24.6)."""
-    want = cdiv(16 * max(1, sms), max(1, rows))
+    want = cdiv(_PROGRAMS_PER_SM * max(1, sms), max(1, rows))
     return max(1, min(want, cdiv(cols, _BLOCK), _MAX_CHUNKS))
 
 
