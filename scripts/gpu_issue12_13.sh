@@ -11,7 +11,7 @@
 # the decode reduce's heads per program (mixed lengths, W1 4 vs 1 twice), with PREFILL_AB=1
 # (OLD_TREE=DIR) the prefill kernel's sweeps and W3 / W2 against an older tree's, with DECODE_AB=1
 # the decode kernel against the older tree's, with FLAGS_AB=1 (AB_FLAGS, AB_ENV, AB_WORKLOADS, AB_PAIRS) bench_w1.py's defaults against extra flags,
-# with HOST_W3=1 W3's host phases and a profiler window of its prefill-like steps, with CUDNN_AB=1 the cuDNN fresh-prefill path's GPU tests, bench and W2 A/B, with CUDNN_PROF=1 its layer and W2-step profiles, with W3_DIAG=1 W3's compiles and host phases in a first run (and the first user generate's step times), with ARGMAX=1 the greedy argmax bench and tests. Logs/JSON under $OUT. SKIP_* skip single steps, ONLY=1 all the default ones;
+# with HOST_W3=1 W3's host phases and a profiler window of its prefill-like steps, with CUDNN_AB=1 the cuDNN fresh-prefill path's GPU tests, bench and W2 A/B, with CUDNN_PROF=1 its layer and W2-step profiles, with W3_DIAG=1 W3's compiles and host phases in a first run (and the first user generate's step times), with ARGMAX=1 the greedy argmax bench and tests, with HOSTCPU=1 the host's CPU quota, throttling and per-core speed. Logs/JSON under $OUT. SKIP_* skip single steps, ONLY=1 all the default ones;
 # more than ~550 s of steps needs two calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -61,6 +61,14 @@ fi
 if [ -n "${ARGMAX:-}" ]; then  # the greedy argmax kernels against torch.argmax (device us), their GPU tests
   TAIL=8 run argmax_bench 150 python3 bench/bench_argmax_gpu.py --sweep --out "$OUT/argmax.json"
   TAIL=3 run argmax_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_kernel_argmax.py
+fi
+if [ -n "${HOSTCPU:-}" ]; then  # why the host's speed differs between processes: CPU quota / throttling (cgroup), affinity, NUMA, and a pure-Python loop timed on each core
+  { nproc; taskset -p $$ 2>/dev/null; lscpu 2>/dev/null | grep -E "Model name|^CPU\(s\)|Thread|NUMA|MHz"; nvidia-smi topo -m 2>/dev/null | head -4
+    for f in /sys/fs/cgroup/cpu.max /sys/fs/cgroup/cpu.stat /sys/fs/cgroup/cpu/cpu.cfs_quota_us /sys/fs/cgroup/cpu/cpu.stat; do [ -f $f ] && { echo "$f:"; cat $f; }; done
+    for c in $(seq 0 $(( $(nproc) - 1 ))); do taskset -c $c python3 -c "import time; t=time.perf_counter(); s=0
+for i in range(3000000): s+=i
+print('core $c', round((time.perf_counter()-t)*1e3), 'ms')"; done
+    for f in /sys/fs/cgroup/cpu.stat /sys/fs/cgroup/cpu/cpu.stat; do [ -f $f ] && { echo "$f after:"; cat $f; }; done; } > "$OUT/hostcpu.txt" 2>&1; tail -40 "$OUT/hostcpu.txt"
 fi
 if [ -n "${FLAGS_AB:-}" ]; then  # bench_w1.py with the defaults (a) against extra flags AB_FLAGS (b), AB_PAIRS alternating pairs per workload in AB_WORKLOADS (W3 with step times)
   for w in ${AB_WORKLOADS:-w3 w1}; do
