@@ -156,9 +156,13 @@ def greedy_argmax_ref(logits: torch.Tensor) -> torch.Tensor:
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """The engine's greedy argmax (the runner's all-greedy path, the sampler's greedy rows):
-    :func:`greedy_argmax` on CUDA tensors, torch's on others (an engine on the CPU takes
-    torch's argmax, not the kernels through the Triton interpreter)."""
-    return greedy_argmax(logits) if logits.is_cuda else greedy_argmax_ref(logits)
+    :func:`greedy_argmax` on CUDA tensors the kernels take (2-D, bf16 / fp16 / fp32, last
+    dimension contiguous, at least one column), ``torch.argmax`` on any other (an engine on
+    the CPU takes torch's, not the kernels through the Triton interpreter)."""
+    if (logits.is_cuda and logits.dim() == 2 and logits.dtype in _DTYPES
+            and 0 < logits.shape[1] < 2 ** 31 and logits.stride(-1) == 1):
+        return greedy_argmax(logits)
+    return logits.argmax(dim=-1)
 
 
 __all__ = ["argmax_rows", "greedy_argmax", "greedy_argmax_ref", "num_chunks"]

@@ -136,6 +136,19 @@ def test_argmax_rows_takes_torch_on_the_cpu(monkeypatch):
     monkeypatch.setattr(mod, "greedy_argmax", boom)
     x = _poisoned(3, 500, torch.float32, seed=3)
     assert mod.argmax_rows(x).tolist() == x.argmax(-1).tolist()
+    assert mod.argmax_rows(x.t()).tolist() == x.t().argmax(-1).tolist()  # any layout
+
+
+@pytest.mark.gpu
+def test_argmax_rows_on_gpu_any_layout():
+    """On CUDA the kernels for the layouts they take, torch for the rest (never an error)."""
+    import pagedkv.kernels.argmax as mod
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    x = _poisoned(6, 5000, torch.float32, seed=5).cuda()
+    for t in (x, x.half(), x.t(), x[:, ::2], x[:0]):
+        assert mod.argmax_rows(t).tolist() == t.argmax(-1).tolist()
 
 
 @pytest.mark.skipif(not __import__("triton").__version__.startswith("3.6."),
