@@ -15,8 +15,10 @@ device) and writes its best key and index. Values are compared as int32 keys: th
 bits made order-preserving (negative floats have their magnitude bits flipped), ``-0.0``
 first turned into ``+0.0``, NaN mapped above ``+inf``. Each lane keeps its own running best
 over the tiles (replaced only when strictly larger: the lane's first maximum), so the loop
-streams with no reduction; at the end the chunk's best key is the lanes' max and its index
-the smallest lane index holding it. Kernel 2
+streams with no reduction; whole tiles load unmasked (16-byte vector loads: a mask that
+depends on the row length made them 2-byte loads) and the partial last tile of a row
+masked, after the loop; at the end the chunk's best key is the lanes' max and its index the
+smallest lane index holding it. Kernel 2
 (``_argmax_reduce_kernel``), one program a row: the best key over its ``C`` partials and,
 among the chunks holding it, the smallest index (the chunks are in index order, so that is
 the row's first maximum).
@@ -54,12 +56,9 @@ def _keys(x):
 
 
 @triton.jit
-def _tile_best(row, i, hi, best, best_idx):
-    """One tile folded into the per-lane running best (elementwise, no reduction in the
+def _fold(key, i, best, best_idx):
+    """A tile's keys folded into the per-lane running best (elementwise, no reduction in the
     loop; strictly larger only, so each lane keeps its first maximum)."""
-    live = i < hi
-    x = tl.load(row + i, mask=live, other=0.0).to(tl.float32)
-    key = tl.where(live, _keys(x), _INT32_MIN)
     take = key > best
     return tl.where(take, key, best), tl.where(take, i, best_idx)
 
@@ -72,17 +71,24 @@ def _argmax_chunks_kernel(x_ptr, x_s0, n, tiles, key_ptr, idx_ptr, p_s0,
     row = x_ptr + r.to(tl.int64) * x_s0
     lo = c * tiles * BLOCK  # a chunk is `tiles` whole tiles (the last one ends at n)
     hi = tl.minimum(lo + tiles * BLOCK, n)
+    full = (hi - lo) // BLOCK  # whole tiles: unmasked loads (vectorized), then the tail
     offs = tl.arange(0, BLOCK)
     best = tl.full([BLOCK], _INT32_MIN, tl.int32)
     best_idx = lo + offs
-    if RANGE_LOOP:  # compiled: a for-range loop (software-pipelined loads)
-        for t in range(tiles):
-            best, best_idx = _tile_best(row, lo + t * BLOCK + offs, hi, best, best_idx)
+    if RANGE_LOOP:  # compiled: a for-range loop
+        for t in range(full):
+            i = lo + t * BLOCK + offs
+            best, best_idx = _fold(_keys(tl.load(row + i).to(tl.float32)), i, best, best_idx)
     else:  # the interpreter cannot iterate a range over runtime scalars
-        start = lo
-        while start < hi:
-            best, best_idx = _tile_best(row, start + offs, hi, best, best_idx)
-            start += BLOCK
+        t = 0
+        while t < full:
+            i = lo + t * BLOCK + offs
+            best, best_idx = _fold(_keys(tl.load(row + i).to(tl.float32)), i, best, best_idx)
+            t += 1
+    i = lo + full * BLOCK + offs  # the partial last tile of the row's last chunk (if any)
+    live = i < hi
+    x = tl.load(row + i, mask=live, other=0.0).to(tl.float32)
+    best, best_idx = _fold(tl.where(live, _keys(x), _INT32_MIN), i, best, best_idx)
     m = tl.max(best, axis=0)  # the chunk's best key, then the first lane index holding it
     first = tl.min(tl.where(best == m, best_idx, 2147483647), axis=0)
     tl.store(key_ptr + r * p_s0 + c, m)

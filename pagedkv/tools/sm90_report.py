@@ -16,7 +16,8 @@ from the cubin. :func:`report` returns, for one launch configuration:
   (233,472 bytes, 1,024 reserved per program), warps (64) and the 32-program limit;
 * with ``sass``: ``sass_ops``, the static count of each SASS opcode (``HGMMA``: Hopper's
   warpgroup tensor-core products; ``LDGSTS``: asynchronous global-to-shared copies; ``IMAD`` /
-  ``IADD3`` / ``SHF``: integer work, mostly addresses).
+  ``IADD3`` / ``SHF``: integer work, mostly addresses), and ``sass_loads``, the global loads
+  with their widths (``LDG.E.128``: 16-byte vector loads).
 
 Presets for this project's attention kernels on Qwen3-0.6B's attention (bf16, 16 query / 8 K/V
 heads, head_dim 128, block 16): :func:`prefill_report` (``PrefillConfig``; causal prefill or
@@ -68,14 +69,27 @@ def _cuobjdump() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def sass_ops(cubin: bytes) -> dict:
-    """Static count of each SASS opcode (``IMAD``, ``HGMMA``, ``LDGSTS``, ... without their
-    modifiers) in ``cubin``, most frequent first."""
+def _sass(cubin: bytes) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        sass = subprocess.run([_cuobjdump(), "-sass", f.name], capture_output=True, text=True,
+        return subprocess.run([_cuobjdump(), "-sass", f.name], capture_output=True, text=True,
                               check=True).stdout
+
+
+def sass_loads(cubin: bytes) -> dict:
+    """Static count of each global load instruction with its modifiers (``LDG.E.128``: a
+    16-byte vector load; ``LDG.E.U16``: one 2-byte value) in ``cubin``."""
+    loads: dict = {}
+    for m in re.finditer(r"\b(LDG(?:\.[A-Z0-9_]+)*)\s", _sass(cubin)):
+        loads[m.group(1)] = loads.get(m.group(1), 0) + 1
+    return loads
+
+
+def sass_ops(cubin: bytes) -> dict:
+    """Static count of each SASS opcode (``IMAD``, ``HGMMA``, ``LDGSTS``, ... without their
+    modifiers) in ``cubin``, most frequent first."""
+    sass = _sass(cubin)
     ops: dict = {}
     for m in re.finditer(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass,
                          re.MULTILINE):
@@ -131,6 +145,7 @@ def report(kernel, constexprs: dict, pointers: dict, floats: set, aligned: set,
     }
     if sass:
         rep["sass_ops"] = sass_ops(k.asm["cubin"])
+        rep["sass_loads"] = sass_loads(k.asm["cubin"])
     return rep
 
 
