@@ -12,13 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from bench_attention_gpu import time_graph  # noqa: E402
 from pagedkv.kernels.argmax import greedy_argmax  # noqa: E402
 from pagedkv.tools.benchmark import environment  # noqa: E402
 
@@ -26,28 +27,11 @@ VOCAB = 151936
 BW = 4.27e12
 
 
-def time_us(fn, bufs, reps=20) -> float:
-    """Device microseconds per call: one CUDA graph of a call on each buffer, replayed (the
-    host's launch overhead, ~0.1 ms a call for two Triton launches, is not device time; in
-    the engine it overlaps the device's work)."""
-    for b in bufs:
-        fn(b)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for b in bufs:
-            fn(b)
-    graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        samples.append(s.elapsed_time(e) * 1e3 / len(bufs))
-    return statistics.median(samples)
+def time_us(fn, bufs) -> float:
+    """Device microseconds per call: one CUDA graph of a call on each buffer, replayed
+    (``bench_attention_gpu.time_graph``; the host's launch overhead, ~0.1 ms a call for two
+    Triton launches, is not device time, and in the engine it overlaps the device's work)."""
+    return time_graph([lambda b=b: fn(b) for b in bufs])
 
 
 def main() -> None:
