@@ -34,6 +34,7 @@ from pagedkv.attention.triton_decode import (  # noqa: E402
     DecodeConfig,
     choose_num_splits,
     lengths_balanced,
+    longest_first_order,
     paged_decode_attention,
 )
 
@@ -53,6 +54,12 @@ VARIANTS = {
     "rh2": DecodeConfig(reduce_heads=2),
     "rh8": DecodeConfig(reduce_heads=8),
     "rh16": DecodeConfig(reduce_heads=16),
+    # programs dispatched request by request, longest request first (``order``), with the
+    # default split policy and with finer large-batch splits
+    "lpt": DecodeConfig(),
+    "lpt_l256": DecodeConfig(large_min_split_tokens=256),
+    "lpt_l8": DecodeConfig(large_splits=8, large_min_split_tokens=256),
+    "l256": DecodeConfig(large_min_split_tokens=256),
 }
 
 
@@ -78,6 +85,7 @@ class MixedSetup:
         self.outs = [torch.empty_like(q) for q in self.qs]
         self.qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
         self.seq = self.lens.cuda()
+        self.order = torch.from_numpy(longest_first_order(self.lens.numpy())).cuda()
 
     def call(self, i, **kw):
         # as a decode graph launches: no max length, the balanced-lengths value from the host
@@ -128,8 +136,10 @@ def main() -> None:
         res["default_us"] = t_def
         res["variants"] = {}
         for name in filter(None, args.variants.split(",")):
-            cfg = VARIANTS[name]
-            res["variants"][name] = {"us": s.time(config=cfg), "rel_err": s.check(config=cfg)}
+            kw = {"config": VARIANTS[name]}
+            if name.startswith("lpt"):
+                kw["order"] = s.order
+            res["variants"][name] = {"us": s.time(**kw), "rel_err": s.check(**kw)}
         for mst in filter(None, args.min_split_tokens.split(",")):
             mst = int(mst)
             cfg = DecodeConfig(min_split_tokens=mst)

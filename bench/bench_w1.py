@@ -74,7 +74,8 @@ def build_pagedkv(args) -> tuple[LLM, str]:
         tensor_parallel_size=args.tensor_parallel_size,
         decode_context_parallel_size=args.decode_context_parallel_size,
     )
-    if args.no_cascade or args.prefill_config or args.reduce_heads or args.fresh_prefill:
+    if args.no_cascade or args.prefill_config or args.reduce_heads or args.fresh_prefill \
+            or args.no_decode_order:
         # the Triton backend with cascade (shared-prefix) attention off, or with other
         # prefill launches (which the cascade prefix launch then takes as well), or another
         # reduce width of the decode kernel
@@ -87,7 +88,10 @@ def build_pagedkv(args) -> tuple[LLM, str]:
             bm, bn, w, st, pack = (int(v) for v in args.prefill_config.split(","))
             pc = PrefillConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st,
                                pack_heads=pack)
-        dc = DecodeConfig(reduce_heads=args.reduce_heads) if args.reduce_heads else None
+        dc = None
+        if args.reduce_heads or args.no_decode_order:
+            dc = DecodeConfig(reduce_heads=args.reduce_heads or DecodeConfig.reduce_heads,
+                              use_order=not args.no_decode_order)
         kw["attention_backend"] = TritonAttentionBackend(
             prefill_config=pc, decode_config=dc, fresh_prefill=args.fresh_prefill or "auto",
             cascade=None if args.no_cascade else CascadeConfig())
@@ -292,6 +296,9 @@ def main(argv=None) -> int:
                         "(fresh_prefill=...); A/B runs)")
     p.add_argument("--reduce-heads", type=int, default=None, metavar="N",
                    help="query heads a decode reduce program merges (DecodeConfig.reduce_heads)")
+    p.add_argument("--no-decode-order", action="store_true",
+                   help="the decode kernel launches requests in row order, not longest first "
+                        "(DecodeConfig.use_order=False)")
     p.add_argument("--splitk", action=argparse.BooleanOptionalAction, default=None,
                    help="the decode-step o / down projections through the split-K kernel "
                         "(pagedkv.kernels.splitk_gemm; on by default) or cuBLAS (A/B runs)")

@@ -377,7 +377,7 @@ class TritonAttentionBackend(AttentionBackend):
                                    config=self.decode_config, zero_padded_rows=True,
                                    check=check, workspace=plan.workspace,
                                    sliding_window=window, logits_soft_cap=cap, sinks=sinks,
-                                   **scales)
+                                   order=getattr(metadata, "decode_order", None), **scales)
             return out
         if plan.end < q.shape[0]:
             out[plan.end:].zero_()
@@ -390,7 +390,7 @@ class TritonAttentionBackend(AttentionBackend):
                                    max_seq_len=plan.max_seq_len, config=self.decode_config,
                                    check=check, workspace=plan.workspace,
                                    sliding_window=window, logits_soft_cap=cap, sinks=sinks,
-                                   **scales)
+                                   order=getattr(metadata, "decode_order", None), **scales)
         # cuDNN's fresh requests (not for sinks, not over an FP8 cache)
         skip_fresh = 0
         if plan.cudnn_reqs and sinks is None and not is_fp8_kv(kv_cache.dtype):

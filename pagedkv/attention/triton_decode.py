@@ -78,6 +78,7 @@ from pagedkv.kernels.fp8_kv import check_kv_scale, is_fp8_kv
 from pagedkv.kernels.pdl import pdl_launch_args, pdl_prologue
 
 MAX_SPLITS = 64
+MAX_GRID_Z = 65535  # CUDA's limit on a grid's y and z extents
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,13 @@ class DecodeConfig:
     are the sweep's best or within 1% of it. ``min_split_tokens`` (when set) overrides every
     regime's minimum (sweeps, tests).
 
+    ``use_order``: launch the programs request by request in the caller's ``order`` when
+    one is given (the engine passes the requests longest first, :func:`longest_first_order`):
+    the launch then ends on its shortest programs instead of on the last ranges of long
+    requests. H200, mixed lengths U[100, 2048] (``bench/bench_decode_mixed.py --variants
+    lpt``, us, ordered / request order): B32 46.6 / 51.6, B64 84.8 / 85.1, B128 148.4 /
+    147.7, B153 171.1 / 170.1, B200 214.4 / 216.6, B256 272.2 / 277.1.
+
     ``reduce_heads``: query heads one program of the reduce kernel merges (a power of two; the
     merge is a latency-bound round trip per program, so fewer, wider programs finish sooner).
     H200, mixed lengths U[100, 2048] (``bench/bench_decode_mixed.py``, split kernel + reduce,
@@ -147,6 +155,7 @@ class DecodeConfig:
     wave_programs_per_sm: float = 5.0
     balanced_fraction: float = 0.8
     reduce_heads: int = 4
+    use_order: bool = True
 
     def __post_init__(self):
         if self.tile_n < 16 or self.tile_n & (self.tile_n - 1):
@@ -228,6 +237,28 @@ def choose_split(num_reqs: int, num_kv_heads: int, max_seq_len: int | None,
     if max_seq_len is not None:
         splits = min(splits, cdiv(max(int(max_seq_len), 1), min_tokens))
     return max(1, min(config.max_splits, splits)), min_tokens
+
+
+def longest_first_order(seq_lens) -> np.ndarray:
+    """Request indices by decreasing context length, ties in index order (int32): the
+    ``order`` of :func:`paged_decode_attention` that launches the longest requests' programs
+    first. ``seq_lens``: host ints, one per request."""
+    lens = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
+    return np.argsort(-lens, kind="stable").astype(np.int32)
+
+
+def check_order(fn: str, order, num_reqs: int, device: torch.device) -> None:
+    """``order`` is None or an int32 1-D tensor of at least ``num_reqs`` entries on
+    ``device`` (its entries must be a permutation of ``range(num_reqs)``: a device tensor's
+    values are not read here)."""
+    if order is None:
+        return
+    if not isinstance(order, torch.Tensor) or order.dtype != torch.int32 or order.dim() != 1 \
+            or order.shape[0] < num_reqs or order.device != device:
+        raise ConfigError(f"{fn}: order must be an int32 1-D tensor of >= num_reqs ({num_reqs}) "
+                          f"entries on {device}, got "
+                          f"{getattr(order, 'dtype', type(order))} {tuple(getattr(order, 'shape', ()))}"
+                          f" on {getattr(order, 'device', None)}")
 
 
 def choose_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int | None,
@@ -346,11 +377,19 @@ def _decode_kernel(
     KV_FP8: tl.constexpr = False,
     Q_FP16: tl.constexpr = False,
     PDL: tl.constexpr = 0,
+    order_ptr=None,
+    ORDERED: tl.constexpr = False,
 ):
     pdl_prologue(PDL)
-    r = tl.program_id(0)
-    kvh = tl.program_id(1)
-    s = tl.program_id(2)
+    if ORDERED:  # grid (splits, KV heads, requests): a request's programs dispatch together,
+        # the requests in the order of order_ptr (longest first: the shortest programs last)
+        s = tl.program_id(0)
+        kvh = tl.program_id(1)
+        r = tl.load(order_ptr + tl.program_id(2))
+    else:
+        r = tl.program_id(0)
+        kvh = tl.program_id(1)
+        s = tl.program_id(2)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D_PAD)
     head = kvh * GROUP + g
@@ -515,6 +554,7 @@ def paged_decode_attention(
     lse: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each single-token request's query row over its paged context.
 
@@ -550,6 +590,10 @@ def paged_decode_attention(
         lse: float32 ``[T, H]`` (:func:`check_lse`): receives each served row's natural-log
             log-sum-exp of its scores (sinks included), the log of its softmax denominator;
             other rows are left as they are (cascade attention merges with it).
+        order: int32 ``[>= num_reqs]`` on ``q``'s device, a permutation of ``range(num_reqs)``
+            (:func:`longest_first_order`): the split kernel's programs run request by request
+            in this order (every split and KV head of ``order[0]`` first). Longest first puts
+            the shortest programs at the launch's end. The result does not depend on it.
     Returns ``out``.
     """
     fn = "paged_decode_attention"
@@ -572,6 +616,7 @@ def paged_decode_attention(
         check_lse(fn, lse, q)
         check_kv_scale(fn, "k_scale", k_scale)
         check_kv_scale(fn, "v_scale", v_scale)
+        check_order(fn, order, num_reqs, q.device)
     if not use_triton(_decode_kernel, q):
         return paged_decode_attention_ref(q, kv_cache, block_table, query_start_loc, seq_lens,
                                           num_reqs, scale, out, zero_padded_rows=zero_padded_rows,
@@ -602,7 +647,10 @@ def paged_decode_attention(
     else:
         m_buf = l_buf = acc_buf = out  # never touched: every request fits its one split
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    _decode_kernel[(num_reqs, shape.num_kv_heads, num_splits)](
+    ordered = order is not None and cfg.use_order and num_reqs <= MAX_GRID_Z
+    grid = (num_splits, shape.num_kv_heads, num_reqs) if ordered \
+        else (num_reqs, shape.num_kv_heads, num_splits)
+    _decode_kernel[grid](
         q, q.stride(0), q.stride(1),
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table, block_table.stride(0), block_table.shape[1],
@@ -620,6 +668,7 @@ def paged_decode_attention(
         RANGE_LOOP=not interpreted(_decode_kernel),
         lse_ptr=lse, lse_s0=0 if lse is None else lse.stride(0), WRITE_LSE=lse is not None,
         v_scale=float(v_scale), KV_FP8=fp8, Q_FP16=fp8 and q.dtype == torch.bfloat16,
+        order_ptr=order if ordered else None, ORDERED=ordered,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_launch_args(_decode_kernel, q.device),
     )

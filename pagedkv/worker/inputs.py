@@ -7,7 +7,8 @@ Order of work (V1 ``_prepare_inputs``):
 2. vectorised numpy (no per-token Python loop): ``query_start_loc`` (cumulative scheduled
    tokens from 0), ``req_indices`` (token -> row), ``positions = num_computed[row] + i``,
    ``input_ids`` (gathered from the token table), ``seq_lens = num_computed + scheduled``,
-   ``logits_indices`` (last token of each request), ``is_prefilling``;
+   ``logits_indices`` (last token of each request), ``is_prefilling``, ``decode_order`` (the
+   requests longest first: the order the decode kernel launches their programs in);
 3. ONE non-blocking copy to the device (the fields share one staging area, ``StagingArea``);
 4. CUDA-graph padding (reference sec. 13), rewritten every step because the buffers are
    persistent: device block-table rows ``[num_reqs, num_reqs_padded)`` -> 0 (null block),
@@ -32,6 +33,7 @@ from typing import Mapping
 import numpy as np
 import torch
 
+from pagedkv.attention.triton_decode import longest_first_order
 from pagedkv.errors import InvalidRequestError, InvariantError
 from pagedkv.worker.buffers import StagingArea
 from pagedkv.worker.input_batch import InputBatch
@@ -59,6 +61,9 @@ class StepInputs:
     max_seq_len: int
     dcp_local_seq_lens: torch.Tensor | None  # device int32 [num_reqs_padded], CP only
     dcp_local_seq_lens_cpu: torch.Tensor | None
+    # device int32 [max_num_reqs]: the decode kernel's request order (longest first over the
+    # padded requests, the rows past them in place; paged_decode_attention's ``order``)
+    decode_order: torch.Tensor | None = None
 
 
 def dcp_local_seq_lens(seq_lens: np.ndarray, cp_world_size: int, cp_rank: int, interleave: int) -> np.ndarray:
@@ -89,7 +94,8 @@ class InputPreparer:
         self._area = StagingArea(
             [("query_start_loc", R + 1, torch.int32), ("seq_lens", R, torch.int32),
              ("logits_indices", R, torch.int64), ("is_prefilling", R, torch.bool),
-             ("dcp_local_seq_lens", R, torch.int32), ("positions", T, torch.int64),
+             ("dcp_local_seq_lens", R, torch.int32), ("decode_order", R, torch.int32),
+             ("positions", T, torch.int64),
              ("input_ids", T, torch.int32)],
             device=device, pin_memory=pin_memory)
         self.query_start_loc = self._area["query_start_loc"]
@@ -100,6 +106,7 @@ class InputPreparer:
         self.logits_indices = self._area["logits_indices"]
         self.is_prefilling = self._area["is_prefilling"]
         self.dcp_local_seq_lens = self._area["dcp_local_seq_lens"]
+        self.decode_order = self._area["decode_order"]
         self._arange = np.arange(max(max_num_batched_tokens, max_num_reqs) + 1, dtype=np.int64)
         self._view_cache: dict[tuple, tuple] = {}  # shape -> (slot buffer, views)
         self._num_computed_np = self.num_computed.numpy()
@@ -178,6 +185,12 @@ class InputPreparer:
         ncomp = self._num_computed_np
         ncomp[:num_reqs] = computed
         ncomp[num_reqs:] = 0
+        # the decode kernel's program order: the padded requests longest first, then the
+        # rows past them in place (a permutation of every grid size up to max_num_reqs, so a
+        # graph captured for more requests than this step pads to reads one too)
+        order = self.decode_order.np
+        order[:n_reqs_pad] = longest_first_order(seq[:n_reqs_pad])
+        order[n_reqs_pad:] = self._arange[n_reqs_pad:self.max_num_reqs]
         pre = self.is_prefilling.np
         np.less(computed, batch.num_prompt_tokens[:num_reqs], out=pre[:num_reqs])
         pre[num_reqs:] = False
@@ -190,6 +203,7 @@ class InputPreparer:
         # 3. Host -> device: one copy.
         used = {"query_start_loc": n_reqs_pad + 1, "seq_lens": n_reqs_pad,
                 "logits_indices": num_reqs, "is_prefilling": n_reqs_pad,
+                "decode_order": self.max_num_reqs,
                 "positions": n_tok_pad, "input_ids": n_tok_pad}
         if cp > 1:
             used["dcp_local_seq_lens"] = n_reqs_pad
@@ -252,6 +266,7 @@ class InputPreparer:
             slot_mappings=slots[:, :n_tok_pad],
             dcp_local_seq_lens=self.dcp_local_seq_lens.gpu[:n_reqs_pad] if dcp else None,
             dcp_local_seq_lens_cpu=self.dcp_local_seq_lens.cpu[:n_reqs_pad] if dcp else None,
+            decode_order=self.decode_order.gpu,
         )
         self._view_cache[key] = (slots, views)
         return views

@@ -77,6 +77,9 @@ class CommonAttentionMetadata:
     # capture's bounds, every request may be a decode or a prefill; the host lengths are the
     # capture's (empty) batch's, never the replayed step's
     mixed_graph: bool = False
+    # device int32 [>= num_reqs]: the order the decode kernel launches the requests' programs
+    # in (StepInputs.decode_order, longest first); None: request order
+    decode_order: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.num_actual_reqs < 0:
@@ -102,6 +105,7 @@ def common_metadata_from_inputs(step: StepInputs, block_table: MultiGroupBlockTa
         dcp_local_seq_lens=step.dcp_local_seq_lens,
         dcp_local_seq_lens_cpu=step.dcp_local_seq_lens_cpu,
         num_actual_reqs=step.num_reqs,
+        decode_order=step.decode_order,
     )
 
 

@@ -18,6 +18,7 @@ from pagedkv.attention.triton_decode import (
     choose_num_splits,
     choose_split,
     lengths_balanced,
+    longest_first_order,
     one_range_if_balanced,
     paged_decode_attention,
     paged_decode_attention_ref,
@@ -107,6 +108,78 @@ def test_decode_twin_agrees(kernel_device):
     paged_decode_attention_ref(case["q"], case["cache"], m.block_table_tensor,
                                m.query_start_loc, m.seq_lens, m.num_reqs, case["scale"], b)
     torch.testing.assert_close(a.nan_to_num(7.0), b.nan_to_num(7.0), atol=1e-4, rtol=1e-4)
+
+
+def test_longest_first_order_by_hand():
+    """Decreasing length, ties in index order; int32."""
+    o = longest_first_order([5, 70, 5, 0, 70, 12])
+    assert o.dtype == np.int32 and o.tolist() == [1, 4, 5, 0, 2, 3]
+    assert longest_first_order([]).tolist() == []
+    assert longest_first_order(np.array([[3], [9]])).tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_decode_longest_first_order_exact(kernel_device, num_splits):
+    """Programs launched request by request in ``order`` (grid (splits, heads, requests)):
+    every decode row equals the reference and equals the unordered launch bit for bit;
+    prefill and padding rows stay untouched; zero_padded_rows still zeroes the padding rows
+    past the last request's row (the padded requests are in the order too)."""
+    reqs = [(9, 1), (0, 3), (63, 1), (20, 1), (33, 1), (4, 2)]
+    case = make_case(reqs, block_size=3, num_heads=4, num_kv_heads=2, device=kernel_device,
+                     write_new=True, pad_tokens=2, padded_reqs=1, seed=41)
+    m = case["meta"]
+    order = torch.from_numpy(longest_first_order(m.seq_lens_cpu[:m.num_reqs].numpy()))
+    assert order.tolist()[:2] == [2, 4]
+    ordered = run_decode(case, num_splits=num_splits, order=order.to(kernel_device))
+    plain = run_decode(case, num_splits=num_splits)
+    check(case, ordered)
+    dec = rows_of(case, lambda ql: ql == 1)
+    assert torch.equal(ordered.cpu()[dec], plain.cpu()[dec])
+    assert torch.isnan(ordered[-2:].cpu()).all()
+
+
+def test_decode_order_zero_padded_rows(kernel_device):
+    """CUDA-graph padding with an order: padded requests (length 0) come last in it and
+    zero their rows, exactly as without an order."""
+    case = make_case([(9, 1), (20, 1), (3, 1)], block_size=4, device=kernel_device,
+                     write_new=True, pad_tokens=3, padded_reqs=3, seed=8)
+    m = case["meta"]
+    order = torch.from_numpy(longest_first_order(m.seq_lens_cpu[:m.num_reqs].numpy()))
+    assert order.tolist() == [1, 0, 2, 3, 4, 5]
+    outs = []
+    for o in (order.to(kernel_device), None):
+        out = poisoned_out(case)
+        paged_decode_attention(case["q"], case["cache"], m.block_table_tensor, m.query_start_loc,
+                               m.seq_lens, m.num_reqs, case["scale"], out, num_splits=2,
+                               zero_padded_rows=True, order=o)
+        outs.append(out.cpu())
+    check(case, outs[0].to(kernel_device))
+    assert torch.equal(outs[0].nan_to_num(7.0), outs[1].nan_to_num(7.0))
+    assert (outs[0][3:6] == 0).all()
+
+
+def test_decode_order_is_read(kernel_device):
+    """The kernel maps its programs to requests through ``order``: an order naming request 2
+    only (not a permutation: outside the contract, for this test alone) writes request 2's
+    row and leaves the others poisoned."""
+    case = make_case([(9, 1), (20, 1), (30, 1)], block_size=4, device=kernel_device,
+                     write_new=True, seed=12)
+    out = run_decode(case, num_splits=1,  # one range: no reduce launch (it reads no order)
+                     order=torch.full((3,), 2, dtype=torch.int32, device=kernel_device))
+    ref = reference(case)
+    assert_rows_close(out, ref, [2], TOL[case["q"].dtype])
+    assert torch.isnan(out[:2].cpu()).all()
+
+
+def test_decode_order_argument_errors(kernel_device):
+    case = make_case([(9, 1), (20, 1)], block_size=4, device=kernel_device, write_new=True,
+                     seed=2)
+    for bad in (torch.tensor([1, 0], dtype=torch.int64), torch.tensor([0], dtype=torch.int32),
+                torch.zeros((2, 1), dtype=torch.int32), [1, 0]):
+        if isinstance(bad, torch.Tensor):
+            bad = bad.to(kernel_device)
+        with pytest.raises(ConfigError, match="order"):
+            run_decode(case, order=bad)
 
 
 def test_choose_split_regimes():
@@ -313,6 +386,22 @@ def test_decode_gpu_cuda_graph_replay():
         graph.replay()
         torch.cuda.synchronize()
         check(case, out)
+
+
+@pytest.mark.gpu
+def test_decode_gpu_longest_first_order():
+    """bf16, 16 / 8 heads, 150 mixed lengths: the ordered launch (default splits and 8) is
+    bit-for-bit the unordered one, and close to the reference."""
+    torch.manual_seed(3)
+    ctx = [int(x) for x in torch.randint(1, 2500, (150,))]
+    case = make_case([(c, 1) for c in ctx], block_size=16, num_heads=16, num_kv_heads=8,
+                     head_dim=128, dtype=torch.bfloat16, device="cuda", write_new=True, seed=3)
+    m = case["meta"]
+    order = torch.from_numpy(longest_first_order(m.seq_lens_cpu[:m.num_reqs].numpy())).cuda()
+    for splits in (None, 8):
+        a = run_decode(case, num_splits=splits, order=order)
+        check(case, a)
+        assert torch.equal(a, run_decode(case, num_splits=splits))
 
 
 @pytest.mark.gpu

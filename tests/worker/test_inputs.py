@@ -113,7 +113,27 @@ def test_commit_is_issued_first(monkeypatch):
     # commit first, then the host math, then the step's inputs in ONE copy
     assert calls == ["commit", "host", ("inputs", {
         "query_start_loc": 2, "seq_lens": 1, "logits_indices": 1, "is_prefilling": 1,
-        "positions": 4, "input_ids": 4})]
+        "decode_order": 4, "positions": 4, "input_ids": 4})]
+
+
+def test_decode_order_longest_first_and_padding():
+    """decode_order: the padded requests by decreasing seq_len (ties in row order, padding
+    rows' 0 last), then the rows past the padding in place: a permutation of every grid size
+    up to max_num_reqs; rewritten every step (a smaller batch leaves no stale entry)."""
+    b, prep = setup(reqs=6, tokens=16, max_blocks=(4,))
+    add(b, "A", range(10), ([1],), computed=9)   # seq 10
+    add(b, "B", range(30), ([2, 3],), computed=29)  # seq 30
+    add(b, "C", range(10), ([4],), computed=9)   # seq 10
+    add(b, "D", range(20), ([5, 6],), computed=19)  # seq 20
+    step = prep.prepare(b, {"A": 1, "B": 1, "C": 1, "D": 1}, num_reqs_padded=5)
+    assert step.seq_lens.tolist() == [10, 30, 10, 20, 0]
+    assert step.decode_order.dtype == torch.int32
+    assert step.decode_order.tolist() == [1, 3, 0, 2, 4, 5]
+    b.remove_request("B")
+    b.condense()
+    step = prep.prepare(b, {"A": 1, "C": 1, "D": 1})
+    assert step.seq_lens.tolist() == [10, 20, 10]
+    assert step.decode_order.tolist() == [1, 0, 2, 3, 4, 5]
 
 
 def test_staging_area_one_copy():
