@@ -60,6 +60,7 @@ from pagedkv.engine.memory import (
 )
 from pagedkv.engine.outputs import OutputDelta, CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedkv.errors import ConfigError, InvalidRequestError, InvariantError, UnknownRequestError
+from pagedkv.kernels._common import TOKEN_BLOCK_LEVELS
 from pagedkv.models.generation_config import GenerationDefaults
 from pagedkv.sampling.detokenizer import IncrementalDetokenizer
 from pagedkv.sampling.params import SamplingParams
@@ -557,7 +558,8 @@ class LLMEngine:
         on first use, which otherwise stalls the first mixed step of a run (1.3 s on the H200,
         measured in W1's second step).
 
-        Per round: a short request alone (a step of fresh prefills), its decodes (graph replays
+        Per round: a short request alone (a step of fresh prefills: 8 tokens in round 1, 40
+        in round 2, one per token-block level of the index kernels), its decodes (graph replays
         when captured), then a long request (``max_num_batched_tokens`` + 32 tokens, capped by
         ``max_model_len``) joins: mixed steps (the short one decodes while the long one's
         prompt prefills, chunked over cached context when it exceeds the budget) and decodes of
@@ -592,7 +594,13 @@ class LLMEngine:
         rng = random.Random(seed)
         budget = sched.scheduler_config.max_num_batched_tokens
         long_len = max(2, min(budget + 32, self.max_model_len - 4))
-        short_len = max(1, min(8, long_len // 2))
+        # round 1's short prompt fits the smallest token-block level of the index kernels
+        # (slot mappings: compiled variants per level, kernels._common.token_launch_geometry);
+        # round 2's the next one (a prompt of 33-256 tokens, a chat turn's size): a user's
+        # first such prompt otherwise compiled the slot-mapping kernel in its first step
+        # (H200: 310 ms in a fresh process, 18 ms from Triton's disk cache)
+        short_lens = (max(1, min(8, long_len // 2)),
+                      max(1, min(TOKEN_BLOCK_LEVELS[0] + 8, long_len // 2)))
         greedy = dict(temperature=0.0, ignore_eos=True)
         sampled = dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, seed=seed, logprobs=2,
                        ignore_eos=True)
@@ -612,7 +620,7 @@ class LLMEngine:
                 n_long = num_long if r == 0 else 1
                 # the long prompts' prefill chunks, then their decodes
                 long_steps = -(-(n_long * long_len) // max(1, budget - 1)) + 3
-                short = self.add_request(prompt(short_len),
+                short = self.add_request(prompt(short_lens[r]),
                                          SamplingParams(max_tokens=long_steps + 3, **short_kw),
                                          request_id=f"__warmup-{r}-short")
                 step()  # the short request's prefill

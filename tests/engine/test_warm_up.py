@@ -6,6 +6,7 @@ from engine_helpers import log_scheduled_steps, make_llm, pool_is_idle
 
 from pagedkv import SamplingParams
 from pagedkv.errors import InvariantError
+from pagedkv.kernels._common import TOKEN_BLOCK_LEVELS
 
 
 @pytest.mark.parametrize("max_model_len", [256, 48])
@@ -43,6 +44,13 @@ def test_warm_up_covers_prefill_mixed_and_decode_steps_and_leaves_nothing(tiny_d
         ids = [rid for so in log for rid in so]
         assert {"__warmup-0-long", "__warmup-0-long-1", "__warmup-0-long-2"} <= set(ids)
         assert "__warmup-1-long-1" not in ids  # round 2: one long request
+    # round 2's short request prefills 40 tokens alone (22 = 44 // 2 under max_model_len 48):
+    # with round 1's 8, the slot-mapping kernel's two small token-block levels (32, 256) are
+    # compiled before a user's first prompt (the budget of 64 never reaches the third)
+    first = next(so for so in log if "__warmup-1-short" in so)
+    assert first == {"__warmup-1-short": 40 if max_model_len == 256 else 22}
+    levels = {next(b for b in TOKEN_BLOCK_LEVELS if b >= max(so.values())) for so in log if so}
+    assert levels == {32, 256}
     # nothing left: no requests, every block free, no cached prefix, counters restored
     assert pool_is_idle(llm)
     assert not engine._requests
