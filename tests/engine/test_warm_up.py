@@ -196,7 +196,8 @@ def test_warm_up_interrupted_leaves_nothing_behind(tiny_dir, where, torn):
 @pytest.mark.gpu
 def test_no_triton_kernel_compiles_after_warm_up_gpu():
     """Qwen3-0.6B's shape (random weights, bf16) with ``LLM``'s defaults (warm-up, CUDA
-    graphs, cascade attention): after start-up, a shared-prefix batch (a W3 variant: 40
+    graphs, cascade attention): after start-up, chat-sized prompts (4 x 40 + 200 tokens), a
+    shared-prefix batch (a W3 variant: 40
     requests on a 512-token system prompt + 20-300 own tokens) and a W1-like batch (48
     prompts of 10-1,200 tokens, 1-40 output tokens, chunked by a 2,048-token budget) compile
     no Triton kernel: every variant they launch (tile levels, alignments, split counts,
@@ -229,6 +230,12 @@ def test_no_triton_kernel_compiles_after_warm_up_gpu():
     prev = knobs.runtime.jit_cache_hook
     knobs.runtime.jit_cache_hook = on_compile
     try:
+        # first, chat-sized prompts alone (33-256 tokens a step: the slot-mapping kernel's
+        # middle token-block level, which the warm-up's own prompts once missed: 310 ms)
+        chat = llm.generate([[1 + i] * 40 for i in range(4)] + [[7] * 200],
+                            SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                            use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 8 for o in chat)
         out3 = llm.generate(w3, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
                             use_tqdm=False)
         out1 = llm.generate(w1, w1_params, use_tqdm=False)
