@@ -56,9 +56,9 @@ VARIANTS = {
     "rh16": DecodeConfig(reduce_heads=16),
     # programs dispatched request by request, longest request first (``order``), with the
     # default split policy and with finer large-batch splits
-    "lpt": DecodeConfig(),
-    "lpt_l256": DecodeConfig(large_min_split_tokens=256),
-    "lpt_l8": DecodeConfig(large_splits=8, large_min_split_tokens=256),
+    "lpt": DecodeConfig(use_order=True),
+    "lpt_l256": DecodeConfig(large_min_split_tokens=256, use_order=True),
+    "lpt_l8": DecodeConfig(large_splits=8, large_min_split_tokens=256, use_order=True),
     "l256": DecodeConfig(large_min_split_tokens=256),
 }
 

@@ -75,7 +75,7 @@ def build_pagedkv(args) -> tuple[LLM, str]:
         decode_context_parallel_size=args.decode_context_parallel_size,
     )
     if args.no_cascade or args.prefill_config or args.reduce_heads or args.fresh_prefill \
-            or args.no_decode_order:
+            or args.decode_order is not None:
         # the Triton backend with cascade (shared-prefix) attention off, or with other
         # prefill launches (which the cascade prefix launch then takes as well), or another
         # reduce width of the decode kernel
@@ -89,9 +89,9 @@ def build_pagedkv(args) -> tuple[LLM, str]:
             pc = PrefillConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st,
                                pack_heads=pack)
         dc = None
-        if args.reduce_heads or args.no_decode_order:
+        if args.reduce_heads or args.decode_order is not None:
             dc = DecodeConfig(reduce_heads=args.reduce_heads or DecodeConfig.reduce_heads,
-                              use_order=not args.no_decode_order)
+                              use_order=bool(args.decode_order))
         kw["attention_backend"] = TritonAttentionBackend(
             prefill_config=pc, decode_config=dc, fresh_prefill=args.fresh_prefill or "auto",
             cascade=None if args.no_cascade else CascadeConfig())
@@ -296,9 +296,9 @@ def main(argv=None) -> int:
                         "(fresh_prefill=...); A/B runs)")
     p.add_argument("--reduce-heads", type=int, default=None, metavar="N",
                    help="query heads a decode reduce program merges (DecodeConfig.reduce_heads)")
-    p.add_argument("--no-decode-order", action="store_true",
-                   help="the decode kernel launches requests in row order, not longest first "
-                        "(DecodeConfig.use_order=False)")
+    p.add_argument("--decode-order", action=argparse.BooleanOptionalAction, default=None,
+                   help="the decode kernel launches the requests longest first "
+                        "(DecodeConfig.use_order; default: the DecodeConfig default, off)")
     p.add_argument("--splitk", action=argparse.BooleanOptionalAction, default=None,
                    help="the decode-step o / down projections through the split-K kernel "
                         "(pagedkv.kernels.splitk_gemm; on by default) or cuBLAS (A/B runs)")

@@ -190,10 +190,11 @@ def decode_report(config, sass: bool = False, pdl: bool = False) -> dict:
     const = dict(SOFTCAP=0.0, HAS_SINKS=False, NUM_HEADS=HEADS, GROUP=group,
                  GROUP_PAD=max(16, group), HEAD_DIM=HEAD_DIM, D_PAD=HEAD_DIM,
                  BLOCK_SIZE=BLOCK_SIZE, TILE_N=config.tile_n, DOT_PREC="tf32",
-                 RANGE_LOOP=True, WRITE_LSE=False, KV_FP8=False, Q_FP16=False, PDL=int(pdl))
+                 RANGE_LOOP=True, WRITE_LSE=False, KV_FP8=False, Q_FP16=False, PDL=int(pdl),
+                 ORDERED=False)  # the default launch (DecodeConfig.use_order off)
     ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", bt_ptr="*i32", qsl_ptr="*i32",
                 seq_ptr="*i32", out_ptr="*bf16", m_ptr="*fp32", l_ptr="*fp32",
-                acc_ptr="*fp32", sinks_ptr="*bf16", lse_ptr="*fp32")
+                acc_ptr="*fp32", sinks_ptr="*bf16", lse_ptr="*fp32", order_ptr="*i32")
     aligned = set(ptrs) | {"q_s0", "q_s1", "c_sb", "c_st", "c_sh", "o_s0", "o_s1", "bt_s0",
                            "lse_s0"}
     return report(_decode_kernel, const, ptrs, {"scale_log2", "v_scale"}, aligned,

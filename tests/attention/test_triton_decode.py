@@ -1,6 +1,8 @@
 """Paged decode kernel vs the torch reference: interpreted on CPU (tiny shapes, fp32/fp16), and
 natively on CUDA (bf16, model-sized shapes, CUDA-graph replay)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +17,7 @@ from test_triton_cases import (
 
 from pagedkv.attention.triton_decode import (
     DecodeConfig,
+    default_decode_config,
     choose_num_splits,
     choose_split,
     lengths_balanced,
@@ -110,6 +113,11 @@ def test_decode_twin_agrees(kernel_device):
     torch.testing.assert_close(a.nan_to_num(7.0), b.nan_to_num(7.0), atol=1e-4, rtol=1e-4)
 
 
+def ordered(device) -> DecodeConfig:
+    """The device's default launch with ``use_order`` on (off by default)."""
+    return dataclasses.replace(default_decode_config(torch.device(device)), use_order=True)
+
+
 def test_longest_first_order_by_hand():
     """Decreasing length, ties in index order; int32."""
     o = longest_first_order([5, 70, 5, 0, 70, 12])
@@ -130,12 +138,13 @@ def test_decode_longest_first_order_exact(kernel_device, num_splits):
     m = case["meta"]
     order = torch.from_numpy(longest_first_order(m.seq_lens_cpu[:m.num_reqs].numpy()))
     assert order.tolist()[:2] == [2, 4]
-    ordered = run_decode(case, num_splits=num_splits, order=order.to(kernel_device))
+    got = run_decode(case, num_splits=num_splits, order=order.to(kernel_device),
+                     config=ordered(kernel_device))
     plain = run_decode(case, num_splits=num_splits)
-    check(case, ordered)
+    check(case, got)
     dec = rows_of(case, lambda ql: ql == 1)
-    assert torch.equal(ordered.cpu()[dec], plain.cpu()[dec])
-    assert torch.isnan(ordered[-2:].cpu()).all()
+    assert torch.equal(got.cpu()[dec], plain.cpu()[dec])
+    assert torch.isnan(got[-2:].cpu()).all()
 
 
 def test_decode_order_zero_padded_rows(kernel_device):
@@ -151,7 +160,7 @@ def test_decode_order_zero_padded_rows(kernel_device):
         out = poisoned_out(case)
         paged_decode_attention(case["q"], case["cache"], m.block_table_tensor, m.query_start_loc,
                                m.seq_lens, m.num_reqs, case["scale"], out, num_splits=2,
-                               zero_padded_rows=True, order=o)
+                               zero_padded_rows=True, order=o, config=ordered(kernel_device))
         outs.append(out.cpu())
     check(case, outs[0].to(kernel_device))
     assert torch.equal(outs[0].nan_to_num(7.0), outs[1].nan_to_num(7.0))
@@ -165,7 +174,11 @@ def test_decode_order_is_read(kernel_device):
     case = make_case([(9, 1), (20, 1), (30, 1)], block_size=4, device=kernel_device,
                      write_new=True, seed=12)
     out = run_decode(case, num_splits=1,  # one range: no reduce launch (it reads no order)
-                     order=torch.full((3,), 2, dtype=torch.int32, device=kernel_device))
+                     order=torch.full((3,), 2, dtype=torch.int32, device=kernel_device),
+                     config=ordered(kernel_device))
+    # use_order off (the default): the order is not read, every row is computed
+    check(case, run_decode(case, num_splits=1,
+                           order=torch.full((3,), 2, dtype=torch.int32, device=kernel_device)))
     ref = reference(case)
     assert_rows_close(out, ref, [2], TOL[case["q"].dtype])
     assert torch.isnan(out[:2].cpu()).all()
@@ -399,7 +412,7 @@ def test_decode_gpu_longest_first_order():
     m = case["meta"]
     order = torch.from_numpy(longest_first_order(m.seq_lens_cpu[:m.num_reqs].numpy())).cuda()
     for splits in (None, 8):
-        a = run_decode(case, num_splits=splits, order=order)
+        a = run_decode(case, num_splits=splits, order=order, config=ordered("cuda"))
         check(case, a)
         assert torch.equal(a, run_decode(case, num_splits=splits))
 
