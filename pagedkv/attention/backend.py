@@ -142,6 +142,8 @@ class AttentionBackend(ABC):
       blocks (the scheduler's ``num_common_prefix_blocks``, capped by the runner so that every
       query sits after them), the backend may read those blocks once for the whole batch and
       merge with each request's own blocks; ``use_cascade`` is its host decision for a step.
+    * ``wants_decode_order``: ``forward`` reads ``metadata.decode_order`` (the requests longest
+      first, staged by the input preparer only for a backend that wants it).
     """
 
     name: str = "abstract"
@@ -155,6 +157,7 @@ class AttentionBackend(ABC):
     # ``forward`` serves a plan with ``metadata.common_prefix_len`` through cascade attention
     # where ``use_cascade`` says so (the runner then fills the metadata's prefix fields)
     supports_cascade: bool = False
+    wants_decode_order: bool = False
 
     def metadata_builder_for(self, spec: Any) -> type | None:
         """The metadata builder class of the KV-cache groups with ``spec`` (None: the step's

@@ -126,8 +126,9 @@ class DecodeConfig:
     requests. H200, mixed lengths U[100, 2048] (``bench/bench_decode_mixed.py --variants
     lpt``, us, ordered / request order): B32 46.6 / 51.6, B64 84.8 / 85.1, B128 148.4 /
     147.7, B153 171.1 / 170.1, B200 214.4 / 216.6, B256 272.2 / 277.1. Off by default until
-    the engine's GPU suite and a W1 A/B have run with it on (the engine always passes the
-    order; ``DecodeConfig(use_order=True)`` or ``bench_w1.py --decode-order`` turns it on).
+    the engine's GPU suite and a W1 A/B have run with it on: ``TritonAttentionBackend(
+    decode_config=DecodeConfig(use_order=True))`` or ``bench_w1.py --decode-order`` (the
+    runner then stages ``StepInputs.decode_order`` each step; otherwise it does not).
 
     ``reduce_heads``: query heads one program of the reduce kernel merges (a power of two; the
     merge is a latency-bound round trip per program, so fewer, wider programs finish sooner).

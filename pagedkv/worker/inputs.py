@@ -62,7 +62,8 @@ class StepInputs:
     dcp_local_seq_lens: torch.Tensor | None  # device int32 [num_reqs_padded], CP only
     dcp_local_seq_lens_cpu: torch.Tensor | None
     # device int32 [max_num_reqs]: the decode kernel's request order (longest first over the
-    # padded requests, the rows past them in place; paged_decode_attention's ``order``)
+    # padded requests, the rows past them in place; paged_decode_attention's ``order``);
+    # None unless InputPreparer.decode_order_enabled (a backend that reads it)
     decode_order: torch.Tensor | None = None
 
 
@@ -107,6 +108,8 @@ class InputPreparer:
         self.is_prefilling = self._area["is_prefilling"]
         self.dcp_local_seq_lens = self._area["dcp_local_seq_lens"]
         self.decode_order = self._area["decode_order"]
+        # stage decode_order each step (the runner sets it for a backend that reads it)
+        self.decode_order_enabled = False
         self._arange = np.arange(max(max_num_batched_tokens, max_num_reqs) + 1, dtype=np.int64)
         self._view_cache: dict[tuple, tuple] = {}  # shape -> (slot buffer, views)
         self._num_computed_np = self.num_computed.numpy()
@@ -188,9 +191,10 @@ class InputPreparer:
         # the decode kernel's program order: the padded requests longest first, then the
         # rows past them in place (a permutation of every grid size up to max_num_reqs, so a
         # graph captured for more requests than this step pads to reads one too)
-        order = self.decode_order.np
-        order[:n_reqs_pad] = longest_first_order(seq[:n_reqs_pad])
-        order[n_reqs_pad:] = self._arange[n_reqs_pad:self.max_num_reqs]
+        if self.decode_order_enabled:
+            order = self.decode_order.np
+            order[:n_reqs_pad] = longest_first_order(seq[:n_reqs_pad])
+            order[n_reqs_pad:] = self._arange[n_reqs_pad:self.max_num_reqs]
         pre = self.is_prefilling.np
         np.less(computed, batch.num_prompt_tokens[:num_reqs], out=pre[:num_reqs])
         pre[num_reqs:] = False
@@ -203,8 +207,9 @@ class InputPreparer:
         # 3. Host -> device: one copy.
         used = {"query_start_loc": n_reqs_pad + 1, "seq_lens": n_reqs_pad,
                 "logits_indices": num_reqs, "is_prefilling": n_reqs_pad,
-                "decode_order": self.max_num_reqs,
                 "positions": n_tok_pad, "input_ids": n_tok_pad}
+        if self.decode_order_enabled:
+            used["decode_order"] = self.max_num_reqs
         if cp > 1:
             used["dcp_local_seq_lens"] = n_reqs_pad
         self._area.copy_to_gpu(used)
@@ -247,7 +252,7 @@ class InputPreparer:
                slots: torch.Tensor) -> dict:
         """The step's ``StepInputs`` tensor fields, views of the persistent buffers made once
         per shape and reused (a dozen tensor slices cost ~15-25 us of host time per step)."""
-        key = (num_reqs, n_reqs_pad, n_tok_pad, dcp)
+        key = (num_reqs, n_reqs_pad, n_tok_pad, dcp, self.decode_order_enabled)
         hit = self._view_cache.get(key)
         if hit is not None and hit[0] is slots:  # the block table's persistent slot buffer
             return hit[1]
@@ -266,7 +271,7 @@ class InputPreparer:
             slot_mappings=slots[:, :n_tok_pad],
             dcp_local_seq_lens=self.dcp_local_seq_lens.gpu[:n_reqs_pad] if dcp else None,
             dcp_local_seq_lens_cpu=self.dcp_local_seq_lens.cpu[:n_reqs_pad] if dcp else None,
-            decode_order=self.decode_order.gpu,
+            decode_order=self.decode_order.gpu if self.decode_order_enabled else None,
         )
         self._view_cache[key] = (slots, views)
         return views

@@ -253,6 +253,8 @@ class ModelRunner:
         )
         self.requests: dict[str, CachedRequestState] = {}
         self.preparer = InputPreparer.for_batch(self.input_batch)
+        self.preparer.decode_order_enabled = bool(getattr(self.attn_backend,
+                                                          "wants_decode_order", False))
         # one tensor per layer, shared across groups by position (the hybrid allocator's
         # layout); a state layer's entry is the tuple of its state tensors
         self.kv_pool = allocate_kv_pool(kv_cache_config, self.layer_names, device=self.device,

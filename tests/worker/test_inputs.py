@@ -113,7 +113,12 @@ def test_commit_is_issued_first(monkeypatch):
     # commit first, then the host math, then the step's inputs in ONE copy
     assert calls == ["commit", "host", ("inputs", {
         "query_start_loc": 2, "seq_lens": 1, "logits_indices": 1, "is_prefilling": 1,
-        "decode_order": 4, "positions": 4, "input_ids": 4})]
+        "positions": 4, "input_ids": 4})]
+    # with the decode order on, the same one copy also carries it (all max_num_reqs rows)
+    prep.decode_order_enabled = True
+    calls.clear()
+    prep.prepare(b, {"A": 4})
+    assert calls[2][1]["decode_order"] == 4
 
 
 def test_decode_order_longest_first_and_padding():
@@ -122,6 +127,8 @@ def test_decode_order_longest_first_and_padding():
     up to max_num_reqs; rewritten every step (a smaller batch leaves no stale entry)."""
     b, prep = setup(reqs=6, tokens=16, max_blocks=(4,))
     add(b, "A", range(10), ([1],), computed=9)   # seq 10
+    assert prep.prepare(b, {"A": 1}).decode_order is None  # off unless a backend reads it
+    prep.decode_order_enabled = True
     add(b, "B", range(30), ([2, 3],), computed=29)  # seq 30
     add(b, "C", range(10), ([4],), computed=9)   # seq 10
     add(b, "D", range(20), ([5, 6],), computed=19)  # seq 20

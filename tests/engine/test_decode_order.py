@@ -1,0 +1,57 @@
+"""The longest-first decode launch through the engine (``DecodeConfig.use_order``): the runner
+stages ``decode_order`` only for a backend that reads it, and the tokens equal the row-order
+engine's (Triton kernels interpreted on CPU; the GPU twin of the kernel check is in
+tests/attention/test_triton_decode.py)."""
+
+import dataclasses
+
+from engine_helpers import make_llm, pool_is_idle
+
+from pagedkv import SamplingParams
+from pagedkv.attention.triton_backend import TritonAttentionBackend
+from pagedkv.attention.triton_decode import INTERPRET_DECODE_CONFIG
+
+
+def test_engine_with_decode_order_equals_row_order(tiny_dir, monkeypatch):
+    """Mixed lengths (3-40-token prompts, 6 output tokens, chunked prefill at a 32-token
+    budget): every decode launch of the ordered engine runs over a longest-first order that
+    the preparer staged, and its greedy tokens are the row-order engine's."""
+    path = tiny_dir("qwen3")
+    ordered_cfg = dataclasses.replace(INTERPRET_DECODE_CONFIG, use_order=True)
+    prompts = [[3 + i] * n for i, n in enumerate((3, 40, 7, 22, 1, 15))]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs, seen, launched = [], [], []
+    import pagedkv.attention.triton_backend as tb
+    inner_decode = tb.paged_decode_attention
+
+    def decode(*a, **kw):
+        launched.append(kw.get("order") is not None)
+        return inner_decode(*a, **kw)
+
+    monkeypatch.setattr(tb, "paged_decode_attention", decode)
+    for cfg in (ordered_cfg, None):
+        launched.clear()
+        backend = TritonAttentionBackend(decode_config=cfg, cascade=None)
+        llm = make_llm(path, attention_backend=backend, max_num_batched_tokens=32)
+        prep = llm.runner.preparer
+        assert prep.decode_order_enabled == (cfg is not None)
+        inner = prep.prepare
+
+        def prepare(*a, _inner=inner, **kw):
+            step = _inner(*a, **kw)
+            if step.decode_order is not None:
+                n = step.num_reqs_padded
+                seq = step.seq_lens_cpu[:n].tolist()
+                order = step.decode_order.tolist()
+                assert sorted(order[:n]) == list(range(n))
+                assert [seq[i] for i in order[:n]] == sorted(seq, reverse=True)
+                seen.append(n)
+            return step
+
+        prep.prepare = prepare
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                    use_tqdm=False)])
+        assert pool_is_idle(llm)
+        assert launched and set(launched) == {cfg is not None}  # the backend passes it on
+    assert seen and max(seen) == len(prompts)
+    assert outs[0] == outs[1]
