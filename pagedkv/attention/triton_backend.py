@@ -263,7 +263,7 @@ class TritonAttentionBackend(AttentionBackend):
     def wants_decode_order(self) -> bool:
         """The decode launches take the step's longest-first order (``DecodeConfig.use_order``
         of the configured launch; off by default)."""
-        return self.decode_config is not None and self.decode_config.use_order
+        return (self.decode_config or DecodeConfig()).use_order
 
     def _decode_cfg(self, device: torch.device) -> DecodeConfig:
         return self.decode_config or default_decode_config(device)
