@@ -597,6 +597,8 @@ def paged_decode_attention(
             (:func:`longest_first_order`): the split kernel's programs run request by request
             in this order (every split and KV head of ``order[0]`` first). Longest first puts
             the shortest programs at the launch's end. The result does not depend on it.
+            Read only where ``config.use_order`` is on and ``num_reqs <= 65535`` (the grid's
+            z limit); otherwise the launch is in row order.
     Returns ``out``.
     """
     fn = "paged_decode_attention"
