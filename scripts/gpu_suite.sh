@@ -17,11 +17,13 @@ fi
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
   cat COMMIT 2>/dev/null; } | tee "$OUT/env.txt"
+# -v names every result as it lands and SIGINT at the limit lets pytest print its summary, so a
+# cut run still says which test failed.
 # SUITE_GROUPS: which groups run ("kernels engine" by default; "engine" alone for a quick check)
 groups=${SUITE_GROUPS:-kernels engine}
-[[ " $groups " == *" kernels "* ]] && timeout ${T1:-280} python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests/kernels tests/attention \
+[[ " $groups " == *" kernels "* ]] && timeout -s INT -k 20 ${T1:-280} python3 -m pytest -v -p no:cacheprovider -m gpu -n 4 tests/kernels tests/attention \
   tests/sampling tests/worker tests/models tests/core tests/property -rfE > "$OUT/suite_kernels_models.log" 2>&1 \
   ; [[ " $groups " == *" kernels "* ]] && tail -12 "$OUT/suite_kernels_models.log"
-[[ " $groups " == *" engine "* ]] && timeout ${T2:-280} python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests/engine tests/entrypoints \
+[[ " $groups " == *" engine "* ]] && timeout -s INT -k 20 ${T2:-280} python3 -m pytest -v -p no:cacheprovider -m gpu -n 4 tests/engine tests/entrypoints \
   tests/conformance tests/distributed tests/test_sanitizer.py -k "not test_qwen3_0_6b_shape_w1_variant" -rfE \
   > "$OUT/suite_engine.log" 2>&1; [[ " $groups " == *" engine "* ]] && tail -12 "$OUT/suite_engine.log"
