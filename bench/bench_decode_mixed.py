@@ -60,6 +60,13 @@ VARIANTS = {
     "lpt_l256": DecodeConfig(large_min_split_tokens=256, use_order=True),
     "lpt_l8": DecodeConfig(large_splits=8, large_min_split_tokens=256, use_order=True),
     "l256": DecodeConfig(large_min_split_tokens=256),
+    # the flat split (the batch's tiles cut into equal shares, one wave of programs): shares of
+    # at least 128 / 256 / 512 positions; uncapped registers at 4 programs an SM; two waves
+    "flat": DecodeConfig(flat_split=True),
+    "flat_m128": DecodeConfig(flat_split=True, flat_min_split_tokens=128),
+    "flat_m512": DecodeConfig(flat_split=True, flat_min_split_tokens=512),
+    "flat_p4": DecodeConfig(flat_split=True, flat_programs_per_sm=4.0, flat_max_registers=None),
+    "flat_p10": DecodeConfig(flat_split=True, flat_programs_per_sm=10.0),
 }
 
 

@@ -130,6 +130,22 @@ class DecodeConfig:
     decode_config=DecodeConfig(use_order=True))`` or ``bench_w1.py --decode-order`` (the
     runner then stages ``StepInputs.decode_order`` each step; otherwise it does not).
 
+    ``flat_split``: split the batch's work evenly instead of each request separately
+    (:func:`flat_programs`): the decode requests' tiles are laid end to end and cut into one
+    equal share per program, ``flat_programs_per_sm x S`` programs over all KV heads (5 an SM
+    is one wave of the default launch), each share at least ``flat_min_split_tokens``
+    positions. A program walks its share request by request; a request it holds whole is
+    written directly, the pieces of the others are merged by a reduce launch over every
+    request (which also zeroes CUDA-graph padding rows). Every program then does the same work
+    and the launch is one wave whatever the lengths; the grid depends on the device and the
+    model only (one CUDA graph per batch size, no balanced variant). ``balanced``,
+    ``use_order`` and the regimes above do not apply; a forced ``num_splits`` takes the
+    per-request launch. ``flat_max_registers``: the flat kernel's register cap per thread
+    (Triton's ``maxnreg``; None: the compiler's choice). Its request loop around the tile loop
+    takes the compiler to 128 registers at the default tile (4 programs an SM, a wave of 5
+    would spill into a second one); capped at 96 it spills nothing (``python -m
+    pagedkv.tools.sm90_report decode-flat``: 96 registers, no local memory, 5 programs an SM).
+
     ``reduce_heads``: query heads one program of the reduce kernel merges (a power of two; the
     merge is a latency-bound round trip per program, so fewer, wider programs finish sooner).
     H200, mixed lengths U[100, 2048] (``bench/bench_decode_mixed.py``, split kernel + reduce,
@@ -159,6 +175,10 @@ class DecodeConfig:
     balanced_fraction: float = 0.8
     reduce_heads: int = 4
     use_order: bool = False
+    flat_split: bool = False
+    flat_programs_per_sm: float = 5.0
+    flat_min_split_tokens: int = 256
+    flat_max_registers: int | None = 96
 
     def __post_init__(self):
         if self.tile_n < 16 or self.tile_n & (self.tile_n - 1):
@@ -172,6 +192,10 @@ class DecodeConfig:
             raise ConfigError("DecodeConfig: split counts and small_waves must be positive")
         if self.num_warps < 1 or self.num_stages < 1:
             raise ConfigError("DecodeConfig: num_warps and num_stages must be positive")
+        if self.flat_programs_per_sm <= 0 or self.flat_min_split_tokens < 1 \
+                or (self.flat_max_registers is not None and self.flat_max_registers < 24):
+            raise ConfigError("DecodeConfig: need flat_programs_per_sm > 0, "
+                              "flat_min_split_tokens >= 1 and flat_max_registers >= 24 or None")
         r = self.reduce_heads
         if isinstance(r, bool) or not isinstance(r, int) or r < 1 or r & (r - 1):
             raise ConfigError(f"DecodeConfig.reduce_heads must be a power of two >= 1, got {r!r}")
@@ -202,7 +226,10 @@ def default_decode_config(device: torch.device, kv_dtype: torch.dtype | None = N
 
 def one_range_if_balanced(num_reqs: int, num_kv_heads: int, sms: int, config: DecodeConfig) -> bool:
     """Whether a balanced batch of ``num_reqs`` requests runs one range per request (the
-    programs fit one wave, :class:`DecodeConfig`): the launches that ``balanced`` changes."""
+    programs fit one wave, :class:`DecodeConfig`): the launches that ``balanced`` changes
+    (none under ``flat_split``)."""
+    if config.flat_split:
+        return False
     programs = num_reqs * num_kv_heads
     return (programs > 0 and config.balanced_min_programs_per_sm * sms <= programs
             <= config.wave_programs_per_sm * sms)
@@ -240,6 +267,38 @@ def choose_split(num_reqs: int, num_kv_heads: int, max_seq_len: int | None,
     if max_seq_len is not None:
         splits = min(splits, cdiv(max(int(max_seq_len), 1), min_tokens))
     return max(1, min(config.max_splits, splits)), min_tokens
+
+
+def flat_programs(num_kv_heads: int, sms: int, config: DecodeConfig) -> int:
+    """Programs per KV head of the flat split (``DecodeConfig.flat_split``): one wave of
+    ``flat_programs_per_sm`` programs on each of ``sms`` multiprocessors, at least 1."""
+    return max(1, int(config.flat_programs_per_sm * sms) // max(1, num_kv_heads))
+
+
+def flat_pieces(seq_lens, num_kv_heads: int, sms: int, config: DecodeConfig,
+                sliding_window: int | None = None) -> list[list[tuple[int, int, int]]]:
+    """Host twin of the flat split's partition (``DecodeConfig.flat_split``), for tests and
+    inspection: per program ``p`` (of :func:`flat_programs`) its pieces ``(request, first
+    tile, end tile)`` in request order, tiles of ``tile_n`` positions counted from each
+    request's window start; ``seq_lens`` holds the decode requests' lengths (0 for others)."""
+    tile = config.tile_n
+    lens = [int(x) for x in seq_lens]
+    tiles = [0 if n <= 0 else -(-n // tile) - (max(n - sliding_window, 0) if sliding_window else 0) // tile
+             for n in lens]
+    total = sum(tiles)
+    progs = flat_programs(num_kv_heads, sms, config)
+    share = max(cdiv(total, progs), cdiv(config.flat_min_split_tokens, tile))
+    pieces: list[list[tuple[int, int, int]]] = [[] for _ in range(progs)]
+    cu = 0
+    for r, nt in enumerate(tiles):
+        t = 0
+        while t < nt:
+            p = (cu + t) // share
+            end = min(nt, (p + 1) * share - cu)
+            pieces[p].append((r, t, end))
+            t = end
+        cu += nt
+    return pieces
 
 
 def longest_first_order(seq_lens) -> np.ndarray:
@@ -351,6 +410,87 @@ def _decode_tile(acc, l_i, m_i, q, t, seq_len, lo, k_ptr, v_ptr, bt_row, bt_widt
     return acc, l_i, m_new
 
 
+@triton.jit
+def _decode_range(q_ptr, q_s0, q_s1, q_row, head, d, gd_mask, t0, t1, seq_len, lo,
+                  k_ptr, v_ptr, bt_row, bt_width, c_sb, c_st, head_off, scale_log2, v_scale,
+                  GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PREC: tl.constexpr,
+                  SOFTCAP: tl.constexpr, RANGE_LOOP: tl.constexpr, KV_FP8: tl.constexpr,
+                  Q_FP16: tl.constexpr):
+    """The online softmax of one request's query heads ``head`` (query row ``q_row``) over
+    tiles ``[t0, t1)`` of its context: ``(acc, l, m)`` in fp32, base 2, ``acc`` unnormalized
+    (times ``v_scale`` for an FP8 cache)."""
+    q = tl.load(q_ptr + q_row.to(tl.int64) * q_s0 + head[:, None] * q_s1 + d[None, :],
+                mask=gd_mask, other=0.0)
+    if not KV_FP8:  # an FP8 cache's K / V are cast to the query dtype instead
+        q = q.to(k_ptr.dtype.element_ty)
+    elif Q_FP16:  # bf16 query, FP8 cache: the products in fp16 (e4m3 -> fp16 is one convert)
+        q = q.to(tl.float16)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    if RANGE_LOOP:  # compiled: a for-range loop, software-pipelined by Triton
+        for t in range(t0, t1):
+            acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, t, seq_len, lo, k_ptr, v_ptr, bt_row,
+                                         bt_width, c_sb, c_st, head_off, d, scale_log2,
+                                         HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, DOT_PREC, SOFTCAP)
+    else:  # the interpreter cannot iterate range() over runtime scalars
+        t = t0
+        while t < t1:
+            acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, t, seq_len, lo, k_ptr, v_ptr, bt_row,
+                                         bt_width, c_sb, c_st, head_off, d, scale_log2,
+                                         HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, DOT_PREC, SOFTCAP)
+            t += 1
+    if KV_FP8:
+        acc = acc * v_scale
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _decode_write(acc, l_i, m_i, direct, part, out_ptr, o_s0, o_s1, q_row, head, g, d, gd_mask,
+                  m_ptr, l_ptr, acc_ptr, sinks_ptr, lse_ptr, lse_s0, GROUP: tl.constexpr,
+                  D_PAD: tl.constexpr, HAS_SINKS: tl.constexpr, WRITE_LSE: tl.constexpr):
+    """A range's result: ``direct`` (the range is the request's whole context) normalizes and
+    writes the output row (and its log-sum-exp); otherwise the partial ``(m, l, acc)`` goes to
+    partial rows ``part`` (one per head) for a reduce kernel."""
+    if direct:
+        l_i = _sink_denominator(l_i, m_i, sinks_ptr, head, g < GROUP, HAS_SINKS)
+        out_rows = out_ptr + q_row.to(tl.int64) * o_s0 + head[:, None] * o_s1 + d[None, :]
+        tl.store(out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=gd_mask)
+        if WRITE_LSE:
+            tl.store(lse_ptr + q_row.to(tl.int64) * lse_s0 + head, _lse(m_i, l_i), mask=g < GROUP)
+    else:
+        tl.store(m_ptr + part, m_i, mask=g < GROUP)
+        tl.store(l_ptr + part, l_i, mask=g < GROUP)
+        tl.store(acc_ptr + part[:, None] * D_PAD + d[None, :], acc, mask=gd_mask)
+
+
+@triton.jit
+def _merge_partials(m_run, l_run, acc, m, l, a, ok):
+    """One chunk of a reduce: partials ``m, l [BLOCK_H, C]``, ``a [BLOCK_H, C, D]`` (those
+    with ``ok`` false left out by value) merged into the running ``(m_run, l_run, acc)``,
+    base 2."""
+    m = tl.where(ok, m, float("-inf"))
+    m_new = tl.maximum(m_run, tl.max(m, 1))
+    alpha = tl.exp2(m_run - m_new)
+    w = tl.exp2(m - m_new[:, None])  # 0 for the partials left out
+    l_run = l_run * alpha + tl.sum(tl.where(ok, w * l, 0.0), 1)
+    acc = acc * alpha[:, None] + tl.sum(tl.where(ok[:, :, None], w[:, :, None] * a, 0.0), 1)
+    return m_new, l_run, acc
+
+
+@triton.jit
+def _store_merged(m_run, l_run, acc, out_ptr, o_s0, o_s1, q_row, hh, h_ok, d, d_ok, sinks_ptr,
+                  lse_ptr, lse_s0, HAS_SINKS: tl.constexpr, WRITE_LSE: tl.constexpr):
+    """A reduce's normalized output rows (heads ``hh``) and log-sum-exps."""
+    l_run = _sink_denominator(l_run, m_run, sinks_ptr, hh, h_ok, HAS_SINKS)
+    tl.store(out_ptr + q_row.to(tl.int64) * o_s0 + hh[:, None].to(tl.int64) * o_s1 + d[None, :],
+             (acc / l_run[:, None]).to(out_ptr.dtype.element_ty),
+             mask=h_ok[:, None] & d_ok[None, :])
+    if WRITE_LSE:
+        tl.store(lse_ptr + q_row.to(tl.int64) * lse_s0 + hh, _lse(m_run, l_run), mask=h_ok)
+
+
 @triton.jit(do_not_specialize=["num_reqs", "num_splits", "min_split_tiles", "zero_rows",
                                "window"])
 def _decode_kernel(
@@ -412,45 +552,14 @@ def _decode_kernel(
     t0, t1, per, n_tiles = _split_range(seq_len, lo, s, num_splits, min_split_tiles, TILE_N)
     if t0 >= t1:
         return
-    q = tl.load(q_ptr + q_row.to(tl.int64) * q_s0 + head[:, None] * q_s1 + d[None, :],
-                mask=gd_mask, other=0.0)
-    if not KV_FP8:  # an FP8 cache's K / V are cast to the query dtype instead
-        q = q.to(k_ptr.dtype.element_ty)
-    elif Q_FP16:  # bf16 query, FP8 cache: the products in fp16 (e4m3 -> fp16 is one convert)
-        q = q.to(tl.float16)
-
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-    bt_row = bt_ptr + r.to(tl.int64) * bt_s0
-    head_off = kvh.to(tl.int64) * c_sh
-    if RANGE_LOOP:  # compiled: a for-range loop, software-pipelined by Triton
-        for t in range(t0, t1):
-            acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, t, seq_len, lo, k_ptr, v_ptr, bt_row,
-                                         bt_width, c_sb, c_st, head_off, d, scale_log2,
-                                         HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, DOT_PREC, SOFTCAP)
-    else:  # the interpreter cannot iterate range() over runtime scalars
-        t = t0
-        while t < t1:
-            acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, t, seq_len, lo, k_ptr, v_ptr, bt_row,
-                                         bt_width, c_sb, c_st, head_off, d, scale_log2,
-                                         HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, DOT_PREC, SOFTCAP)
-            t += 1
-    if KV_FP8:
-        acc = acc * v_scale
-
-    out_rows = out_ptr + q_row.to(tl.int64) * o_s0 + head[:, None] * o_s1 + d[None, :]
-    if per >= n_tiles:
-        # this request fits in one split: write the final output directly
-        l_i = _sink_denominator(l_i, m_i, sinks_ptr, head, g < GROUP, HAS_SINKS)
-        tl.store(out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=gd_mask)
-        if WRITE_LSE:
-            tl.store(lse_ptr + q_row.to(tl.int64) * lse_s0 + head, _lse(m_i, l_i), mask=g < GROUP)
-    else:
-        part = (r.to(tl.int64) * NUM_HEADS + head) * num_splits + s
-        tl.store(m_ptr + part, m_i, mask=g < GROUP)
-        tl.store(l_ptr + part, l_i, mask=g < GROUP)
-        tl.store(acc_ptr + part[:, None] * D_PAD + d[None, :], acc, mask=gd_mask)
+    acc, l_i, m_i = _decode_range(
+        q_ptr, q_s0, q_s1, q_row, head, d, gd_mask, t0, t1, seq_len, lo,
+        k_ptr, v_ptr, bt_ptr + r.to(tl.int64) * bt_s0, bt_width, c_sb, c_st,
+        kvh.to(tl.int64) * c_sh, scale_log2, v_scale, GROUP_PAD, HEAD_DIM, D_PAD, BLOCK_SIZE,
+        TILE_N, DOT_PREC, SOFTCAP, RANGE_LOOP, KV_FP8, Q_FP16)
+    _decode_write(acc, l_i, m_i, per >= n_tiles, (r.to(tl.int64) * NUM_HEADS + head) * num_splits + s,
+                  out_ptr, o_s0, o_s1, q_row, head, g, d, gd_mask, m_ptr, l_ptr, acc_ptr,
+                  sinks_ptr, lse_ptr, lse_s0, GROUP, D_PAD, HAS_SINKS, WRITE_LSE)
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_splits", "min_split_tiles", "window"])
@@ -517,21 +626,191 @@ def _decode_reduce_kernel(
             l = tl.load(l_ptr + idx, mask=in_buf, other=0.0)
             a = tl.load(acc_ptr + idx[:, :, None] * D_PAD + d[None, None, :],
                         mask=in_buf[:, :, None] & d_ok[None, None, :], other=0.0)
-        ok = ((sp + c) < used)[None, :]
-        m = tl.where(ok, m, float("-inf"))
-        m_new = tl.maximum(m_run, tl.max(m, 1))
-        alpha = tl.exp2(m_run - m_new)
-        w = tl.exp2(m - m_new[:, None])  # 0 for the ranges not used
-        l_run = l_run * alpha + tl.sum(tl.where(ok, w * l, 0.0), 1)
-        acc = acc * alpha[:, None] + tl.sum(tl.where(ok[:, :, None], w[:, :, None] * a, 0.0), 1)
-        m_run = m_new
+        m_run, l_run, acc = _merge_partials(m_run, l_run, acc, m, l, a,
+                                            ((sp + c) < used)[None, :])
         sp += SPLIT_CHUNK
-    l_run = _sink_denominator(l_run, m_run, sinks_ptr, hh, h_ok, HAS_SINKS)
-    tl.store(out_ptr + q_row.to(tl.int64) * o_s0 + hh[:, None].to(tl.int64) * o_s1 + d[None, :],
-             (acc / l_run[:, None]).to(out_ptr.dtype.element_ty),
-             mask=h_ok[:, None] & d_ok[None, :])
-    if WRITE_LSE:
-        tl.store(lse_ptr + q_row.to(tl.int64) * lse_s0 + hh, _lse(m_run, l_run), mask=h_ok)
+    _store_merged(m_run, l_run, acc, out_ptr, o_s0, o_s1, q_row, hh, h_ok, d, d_ok, sinks_ptr,
+                  lse_ptr, lse_s0, HAS_SINKS, WRITE_LSE)
+
+
+@triton.jit
+def _decode_tiles(qsl_ptr, seq_ptr, rr, num_reqs, window, TILE_N: tl.constexpr):
+    """The tiles of ``TILE_N`` positions that requests ``rr`` (a scalar or a vector) read: those
+    holding positions ``[window start, seq_len)`` for a single-token request ``rr < num_reqs``,
+    0 for every other request (longer queries, CUDA-graph padding, ``rr >= num_reqs``)."""
+    ok = rr < num_reqs
+    q0 = tl.load(qsl_ptr + rr, mask=ok, other=0)
+    q1 = tl.load(qsl_ptr + rr + 1, mask=ok, other=0)
+    dec = ok & (q1 - q0 == 1)
+    sl = tl.load(seq_ptr + rr, mask=dec, other=0)
+    return tl.where(dec, tl.cdiv(sl, TILE_N) - _window_start(sl, window) // TILE_N, 0)
+
+
+@triton.jit
+def _flat_scan(qsl_ptr, seq_ptr, num_reqs, window, a, r_lim, TILE_N: tl.constexpr,
+               REQ_CHUNK: tl.constexpr):
+    """The decode requests' tiles laid end to end in request order (the flat split): the total
+    tile count, the number of requests that end at or before flat tile ``a`` and their tiles
+    (so request ``n_before`` holds tile ``a`` when ``a < total``), and the tiles of the
+    requests before ``r_lim``. ``REQ_CHUNK`` requests per iteration."""
+    c = tl.arange(0, REQ_CHUNK)
+    total = tl.zeros([], tl.int32)
+    n_before = tl.zeros([], tl.int32)
+    t_before = tl.zeros([], tl.int32)
+    t_lim = tl.zeros([], tl.int32)
+    base = tl.zeros([], tl.int32)
+    while base < num_reqs:
+        rr = base + c
+        nt = _decode_tiles(qsl_ptr, seq_ptr, rr, num_reqs, window, TILE_N)
+        before = total + tl.cumsum(nt, 0) <= a  # the request ends at or before tile a
+        n_before += tl.sum(before.to(tl.int32), 0)
+        t_before += tl.sum(tl.where(before, nt, 0), 0)
+        t_lim += tl.sum(tl.where(rr < r_lim, nt, 0), 0)
+        total += tl.sum(nt, 0)
+        base += REQ_CHUNK
+    return total, n_before, t_before, t_lim
+
+
+@triton.jit
+def _flat_share(total, num_programs, min_tiles):
+    """Tiles per program of the flat split: an equal share, at least ``min_tiles``."""
+    return tl.maximum(tl.cdiv(total, num_programs), min_tiles)
+
+
+@triton.jit(do_not_specialize=["num_reqs", "min_tiles", "window"])
+def _decode_flat_kernel(
+    q_ptr, q_s0, q_s1,
+    k_ptr, v_ptr, c_sb, c_st, c_sh,
+    bt_ptr, bt_s0, bt_width,
+    qsl_ptr, seq_ptr, num_reqs, min_tiles, window,
+    out_ptr, o_s0, o_s1,
+    m_ptr, l_ptr, acc_ptr,
+    sinks_ptr,
+    scale_log2,
+    SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    RANGE_LOOP: tl.constexpr,
+    REQ_CHUNK: tl.constexpr,
+    lse_ptr=None,
+    lse_s0=0,
+    WRITE_LSE: tl.constexpr = False,
+    v_scale=1.0,
+    KV_FP8: tl.constexpr = False,
+    Q_FP16: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
+):
+    """The flat split, grid ``(P, Hkv)``: the decode requests' tiles laid end to end, program
+    ``(p, h)`` takes flat tiles ``[p W, (p + 1) W)`` of KV head ``h`` (``W``:
+    :func:`_flat_share`), request by request. A request it holds whole is written directly;
+    each piece of a longer one goes to partial row ``p + r`` (unique: consecutive pieces
+    advance ``p`` or ``r``) for ``_decode_flat_reduce_kernel``."""
+    pdl_prologue(PDL)
+    p = tl.program_id(0)
+    kvh = tl.program_id(1)
+    total, _n, _t, _l = _flat_scan(qsl_ptr, seq_ptr, num_reqs, window, -1, 0, TILE_N, REQ_CHUNK)
+    share = _flat_share(total, tl.num_programs(0), min_tiles)
+    a = p * share
+    if a >= total:
+        return
+    b = tl.minimum(a + share, total)
+    _t2, r, cu, _l2 = _flat_scan(qsl_ptr, seq_ptr, num_reqs, window, a, 0, TILE_N, REQ_CHUNK)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D_PAD)
+    head = kvh * GROUP + g
+    gd_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    head_off = kvh.to(tl.int64) * c_sh
+    while cu < b:  # request r's tiles are flat tiles [cu, cu + nt)
+        nt = _decode_tiles(qsl_ptr, seq_ptr, r, num_reqs, window, TILE_N)
+        if nt > 0:
+            q_row = tl.load(qsl_ptr + r)
+            seq_len = tl.load(seq_ptr + r)
+            lo = _window_start(seq_len, window)
+            s0 = tl.maximum(a - cu, 0)
+            s1 = tl.minimum(b - cu, nt)
+            acc, l_i, m_i = _decode_range(
+                q_ptr, q_s0, q_s1, q_row, head, d, gd_mask, lo // TILE_N + s0,
+                lo // TILE_N + s1, seq_len, lo, k_ptr, v_ptr, bt_ptr + r.to(tl.int64) * bt_s0,
+                bt_width, c_sb, c_st, head_off, scale_log2, v_scale, GROUP_PAD, HEAD_DIM,
+                D_PAD, BLOCK_SIZE, TILE_N, DOT_PREC, SOFTCAP, RANGE_LOOP, KV_FP8, Q_FP16)
+            _decode_write(acc, l_i, m_i, (s0 == 0) & (s1 == nt),
+                          (p + r).to(tl.int64) * NUM_HEADS + head, out_ptr, o_s0, o_s1, q_row,
+                          head, g, d, gd_mask, m_ptr, l_ptr, acc_ptr, sinks_ptr, lse_ptr, lse_s0,
+                          GROUP, D_PAD, HAS_SINKS, WRITE_LSE)
+        cu += nt
+        r += 1
+
+
+@triton.jit(do_not_specialize=["num_reqs", "num_programs", "min_tiles", "zero_rows", "window"])
+def _decode_flat_reduce_kernel(
+    qsl_ptr, seq_ptr, num_reqs, num_programs, min_tiles, zero_rows, window,
+    out_ptr, o_s0, o_s1,
+    m_ptr, l_ptr, acc_ptr,
+    sinks_ptr,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    TILE_N: tl.constexpr,
+    REQ_CHUNK: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    lse_ptr=None,
+    lse_s0=0,
+    WRITE_LSE: tl.constexpr = False,
+    BLOCK_H: tl.constexpr = 1,
+    PDL: tl.constexpr = 0,
+):
+    """Program ``(r, b)`` merges the pieces of request ``r`` (query heads ``[b BLOCK_H,
+    (b + 1) BLOCK_H)``) that ``_decode_flat_kernel``'s ``num_programs`` programs left: those of
+    programs ``p_lo .. p_hi`` (the programs whose shares its flat tiles meet), at partial rows
+    ``p + r``; a request held whole by one program was written directly. With ``zero_rows``, a
+    padded request (no query rows) zeroes row ``r`` when no request owns it."""
+    pdl_prologue(PDL)
+    r = tl.program_id(0)
+    hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = hh < NUM_HEADS
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    q_row = tl.load(qsl_ptr + r)
+    q_len = tl.load(qsl_ptr + r + 1) - q_row
+    if q_len != 1:
+        if (zero_rows != 0) & (q_len == 0):
+            if r >= tl.load(qsl_ptr + num_reqs):
+                tl.store(out_ptr + r.to(tl.int64) * o_s0 + hh[:, None].to(tl.int64) * o_s1
+                         + d[None, :], tl.zeros([BLOCK_H, D_PAD], tl.float32)
+                         .to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
+        return
+    total, _n, _t, cu = _flat_scan(qsl_ptr, seq_ptr, num_reqs, window, -1, r, TILE_N, REQ_CHUNK)
+    nt = _decode_tiles(qsl_ptr, seq_ptr, r, num_reqs, window, TILE_N)
+    share = _flat_share(total, num_programs, min_tiles)
+    p_lo = cu // share
+    count = (cu + nt - 1) // share - p_lo + 1
+    if (nt == 0) | (count <= 1):
+        return  # written directly by the flat kernel
+    c = tl.arange(0, SPLIT_CHUNK)
+    m_run = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_run = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D_PAD], tl.float32)
+    sp = tl.zeros([], tl.int32)
+    while sp < count:
+        ok = ((sp + c) < count)[None, :]
+        idx = (p_lo + r + sp + c).to(tl.int64)[None, :] * NUM_HEADS + hh[:, None]
+        live = h_ok[:, None] & ok
+        m = tl.load(m_ptr + idx, mask=live, other=float("-inf"))
+        l = tl.load(l_ptr + idx, mask=live, other=0.0)
+        a = tl.load(acc_ptr + idx[:, :, None] * D_PAD + d[None, None, :],
+                    mask=live[:, :, None] & d_ok[None, None, :], other=0.0)
+        m_run, l_run, acc = _merge_partials(m_run, l_run, acc, m, l, a, ok)
+        sp += SPLIT_CHUNK
+    _store_merged(m_run, l_run, acc, out_ptr, o_s0, o_s1, q_row, hh, h_ok, d, d_ok, sinks_ptr,
+                  lse_ptr, lse_s0, HAS_SINKS, WRITE_LSE)
 
 
 def paged_decode_attention(
@@ -630,6 +909,10 @@ def paged_decode_attention(
                                           k_scale=k_scale, v_scale=v_scale)
     fp8 = is_fp8_kv(kv_cache.dtype)
     cfg = config or default_decode_config(q.device, kv_cache.dtype)
+    if cfg.flat_split and num_splits is None:
+        return _flat_decode(q, kv_cache, block_table, query_start_loc, seq_lens, num_reqs,
+                            scale, out, shape, cfg, zero_padded_rows, workspace, window,
+                            softcap, sinks, lse, k_scale, v_scale, fp8)
     span = max_seq_len if not window or max_seq_len is None else min(max_seq_len, window)
     auto_splits, min_split_tokens = choose_split(num_reqs, shape.num_kv_heads, span,
                                                  num_sms(q.device), cfg, balanced)
@@ -690,6 +973,61 @@ def paged_decode_attention(
             BLOCK_H=block_h, num_warps=4 if d_pad >= 128 else 1,
             **pdl_launch_args(_decode_reduce_kernel, q.device),
         )
+    return out
+
+
+def _flat_decode(q, kv_cache, block_table, query_start_loc, seq_lens, num_reqs, scale, out,
+                 shape, cfg: DecodeConfig, zero_padded_rows, workspace, window, softcap, sinks,
+                 lse, k_scale, v_scale, fp8):
+    """:func:`paged_decode_attention`'s flat-split launches (``DecodeConfig.flat_split``):
+    ``_decode_flat_kernel`` over ``(flat_programs, Hkv)`` and ``_decode_flat_reduce_kernel``
+    over every request."""
+    progs = flat_programs(shape.num_kv_heads, num_sms(q.device), cfg)
+    min_tiles = max(1, cdiv(cfg.flat_min_split_tokens, cfg.tile_n))
+    d_pad = max(16, next_pow2(shape.head_dim))
+    rows = (progs + num_reqs) * shape.num_heads  # partial row (p + r) per head
+    bufs = None if workspace is None else workspace.get("decode_flat_partials")
+    if bufs is None or bufs[0].shape[0] < rows or bufs[2].shape[1] != d_pad \
+            or bufs[0].device != q.device:
+        bufs = (torch.empty(rows, dtype=torch.float32, device=q.device),
+                torch.empty(rows, dtype=torch.float32, device=q.device),
+                torch.empty(rows, d_pad, dtype=torch.float32, device=q.device))
+        if workspace is not None:
+            workspace["decode_flat_partials"] = bufs
+    m_buf, l_buf, acc_buf = bufs
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    interp = interpreted(_decode_flat_kernel)
+    req_chunk = 16 if interp else 256
+    sinks_arg = q if sinks is None else sinks  # never read without sinks
+    _decode_flat_kernel[(progs, shape.num_kv_heads)](
+        q, q.stride(0), q.stride(1),
+        k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_table, block_table.stride(0), block_table.shape[1],
+        query_start_loc, seq_lens, num_reqs, min_tiles, window,
+        out, out.stride(0), out.stride(1),
+        m_buf, l_buf, acc_buf, sinks_arg,
+        float(scale) * LOG2E * (float(k_scale) if fp8 else 1.0),
+        SOFTCAP=softcap, HAS_SINKS=sinks is not None,
+        NUM_HEADS=shape.num_heads, GROUP=shape.group, GROUP_PAD=max(16, next_pow2(shape.group)),
+        HEAD_DIM=shape.head_dim, D_PAD=d_pad, BLOCK_SIZE=shape.block_size, TILE_N=cfg.tile_n,
+        DOT_PREC=dot_precision(q.dtype if fp8 else kv_cache.dtype), RANGE_LOOP=not interp,
+        REQ_CHUNK=req_chunk,
+        lse_ptr=lse, lse_s0=0 if lse is None else lse.stride(0), WRITE_LSE=lse is not None,
+        v_scale=float(v_scale), KV_FP8=fp8, Q_FP16=fp8 and q.dtype == torch.bfloat16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({} if interp or cfg.flat_max_registers is None else {"maxnreg": cfg.flat_max_registers}),
+        **pdl_launch_args(_decode_flat_kernel, q.device),
+    )
+    block_h = min(cfg.reduce_heads, next_pow2(shape.num_heads))
+    _decode_flat_reduce_kernel[(num_reqs, cdiv(shape.num_heads, block_h))](
+        query_start_loc, seq_lens, num_reqs, progs, min_tiles, int(bool(zero_padded_rows)),
+        window, out, out.stride(0), out.stride(1), m_buf, l_buf, acc_buf, sinks_arg,
+        NUM_HEADS=shape.num_heads, HEAD_DIM=shape.head_dim, D_PAD=d_pad, TILE_N=cfg.tile_n,
+        REQ_CHUNK=req_chunk, SPLIT_CHUNK=8, HAS_SINKS=sinks is not None,
+        lse_ptr=lse, lse_s0=0 if lse is None else lse.stride(0), WRITE_LSE=lse is not None,
+        BLOCK_H=block_h, num_warps=4 if d_pad >= 128 else 1,
+        **pdl_launch_args(_decode_flat_reduce_kernel, q.device),
+    )
     return out
 
 
@@ -805,6 +1143,8 @@ __all__ = [
     "choose_split",
     "default_decode_config",
     "FP8_DECODE_CONFIG",
+    "flat_pieces",
+    "flat_programs",
     "lengths_balanced",
     "one_range_if_balanced",
     "paged_decode_attention",

@@ -98,12 +98,13 @@ def sass_ops(cubin: bytes) -> dict:
 
 
 def report(kernel, constexprs: dict, pointers: dict, floats: set, aligned: set,
-           num_warps: int, num_stages: int, sass: bool = False) -> dict:
+           num_warps: int, num_stages: int, sass: bool = False, maxnreg: int | None = None) -> dict:
     """Compile ``kernel`` (a ``triton.jit`` function, not interpreted) for sm_90. ``constexprs``:
     the constexpr arguments; ``pointers``: argument -> Triton pointer type (``"*bf16"``);
     ``floats``: fp32 arguments; every other argument is an i32; ``aligned``: arguments the
     launcher would specialize as 16-divisible (pointers, strides that are). ``sass``: also
-    ``sass_ops``, the static opcode counts (:func:`sass_ops`)."""
+    ``sass_ops``, the static opcode counts (:func:`sass_ops`); ``maxnreg``: the register cap
+    Triton's launch option of that name sets."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -120,7 +121,8 @@ def report(kernel, constexprs: dict, pointers: dict, floats: set, aligned: set,
     k = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=dict(constexprs),
                                  attrs=attrs),
                        target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": num_warps, "num_stages": num_stages})
+                       options={"num_warps": num_warps, "num_stages": num_stages,
+                                **({} if maxnreg is None else {"maxnreg": maxnreg})})
     ttgir = k.asm["ttgir"]
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
@@ -181,24 +183,32 @@ def prefill_report(config, causal: bool = True, sass: bool = False, off32: bool 
                   config.num_warps, config.num_stages, sass)
 
 
-def decode_report(config, sass: bool = False, pdl: bool = False) -> dict:
+def decode_report(config, sass: bool = False, pdl: bool = False, flat: bool = False) -> dict:
     """``_decode_kernel`` under ``config`` (a ``DecodeConfig``'s tile, warps and stages);
-    ``pdl``: the variant launched with programmatic dependent launch."""
-    from pagedkv.attention.triton_decode import _decode_kernel
+    ``pdl``: the variant launched with programmatic dependent launch; ``flat``: the flat
+    split's ``_decode_flat_kernel`` (``DecodeConfig.flat_split``) instead."""
+    from pagedkv.attention.triton_decode import _decode_flat_kernel, _decode_kernel
 
     group = HEADS // KV_HEADS
     const = dict(SOFTCAP=0.0, HAS_SINKS=False, NUM_HEADS=HEADS, GROUP=group,
                  GROUP_PAD=max(16, group), HEAD_DIM=HEAD_DIM, D_PAD=HEAD_DIM,
                  BLOCK_SIZE=BLOCK_SIZE, TILE_N=config.tile_n, DOT_PREC="tf32",
-                 RANGE_LOOP=True, WRITE_LSE=False, KV_FP8=False, Q_FP16=False, PDL=int(pdl),
-                 ORDERED=False)  # the default launch (DecodeConfig.use_order off)
+                 RANGE_LOOP=True, WRITE_LSE=False, KV_FP8=False, Q_FP16=False, PDL=int(pdl))
     ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", bt_ptr="*i32", qsl_ptr="*i32",
                 seq_ptr="*i32", out_ptr="*bf16", m_ptr="*fp32", l_ptr="*fp32",
-                acc_ptr="*fp32", sinks_ptr="*bf16", lse_ptr="*fp32", order_ptr="*i32")
+                acc_ptr="*fp32", sinks_ptr="*bf16", lse_ptr="*fp32")
+    if flat:
+        kernel = _decode_flat_kernel
+        const["REQ_CHUNK"] = 256
+    else:
+        kernel = _decode_kernel
+        const["ORDERED"] = False  # the default launch (DecodeConfig.use_order off)
+        ptrs["order_ptr"] = "*i32"
     aligned = set(ptrs) | {"q_s0", "q_s1", "c_sb", "c_st", "c_sh", "o_s0", "o_s1", "bt_s0",
                            "lse_s0"}
-    return report(_decode_kernel, const, ptrs, {"scale_log2", "v_scale"}, aligned,
-                  config.num_warps, config.num_stages, sass)
+    return report(kernel, const, ptrs, {"scale_log2", "v_scale"}, aligned,
+                  config.num_warps, config.num_stages, sass,
+                  maxnreg=config.flat_max_registers if flat else None)
 
 
 def argmax_report(sass: bool = False) -> dict:
@@ -224,7 +234,7 @@ def _ints(text: str, n: int, what: str) -> list[int]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("kernel", choices=["prefill", "decode", "argmax"])
+    p.add_argument("kernel", choices=["prefill", "decode", "decode-flat", "argmax"])
     p.add_argument("config", nargs="?", default=None,
                    help="prefill: BM,BN,WARPS,STAGES,PACK; decode: TILE,WARPS,STAGES "
                         "(default: the CUDA defaults)")
@@ -233,6 +243,8 @@ def main(argv=None) -> int:
     p.add_argument("--sass", action="store_true", help="also the static SASS opcode counts")
     p.add_argument("--pdl", action="store_true",
                    help="the programmatic-dependent-launch variant (pagedkv.kernels.pdl)")
+    p.add_argument("--maxnreg", type=int, default=None,
+                   help="decode-flat: the register cap (0: none; default DecodeConfig's)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):  # the kernels must compile: a fresh process
@@ -257,7 +269,10 @@ def main(argv=None) -> int:
         if args.config:
             tile, w, st = _ints(args.config, 3, "decode config")
             cfg = DecodeConfig(tile_n=tile, num_warps=w, num_stages=st)
-        rep = decode_report(cfg, sass=args.sass, pdl=args.pdl)
+        if args.maxnreg is not None:
+            cfg = DecodeConfig(tile_n=cfg.tile_n, num_warps=cfg.num_warps,
+                               num_stages=cfg.num_stages, flat_max_registers=args.maxnreg or None)
+        rep = decode_report(cfg, sass=args.sass, pdl=args.pdl, flat=args.kernel == "decode-flat")
     if args.json:
         print(json.dumps(rep))
     else:

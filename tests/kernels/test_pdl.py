@@ -42,7 +42,7 @@ def _report(*args: str) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+@pytest.mark.parametrize("kernel", ["decode", "decode-flat", "prefill"])
 def test_sm90_pdl_waits_before_any_global_access(kernel):
     on, off = _report(kernel, "--pdl"), _report(kernel)
     assert on["gdc_wait"] == 1 and on["gdc_launch"] == 1

@@ -1,0 +1,283 @@
+"""The flat split of paged decode attention (``DecodeConfig.flat_split``): the decode
+requests' tiles laid end to end and cut into equal shares, one per program.
+
+The host twin of the partition (``flat_pieces``) by hand; the kernels against the torch
+reference on mixed batches (block sizes, GQA, CUDA-graph padding, prefill rows left alone,
+sliding windows, soft caps, sinks and log-sum-exps, more requests than one scan chunk), with
+the partial rows poisoned so that a stale read shows; the workspace rows the kernel writes
+against the twin's pieces; a hypothesis property over random batches and program counts.
+Interpreted on CPU (tiny shapes, fp32 / fp16), native on CUDA (bf16, CUDA-graph replay)."""
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_triton_cases import assert_rows_close, assert_rows_untouched, make_case, poisoned_out, reference, rows_of
+
+from pagedkv.attention.triton_decode import (
+    DecodeConfig,
+    default_decode_config,
+    flat_pieces,
+    flat_programs,
+    one_range_if_balanced,
+    paged_decode_attention,
+    paged_decode_attention_ref,
+)
+from pagedkv.errors import ConfigError
+
+TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+SMS_CPU = 132  # num_sms() of a CPU device
+
+
+def flat_cfg(programs: int, num_kv_heads: int, min_tokens: int = 16, **kw) -> DecodeConfig:
+    """An interpreter-sized flat-split launch with ``programs`` programs per KV head."""
+    per_sm = (programs * num_kv_heads + 0.5) / SMS_CPU
+    cfg = DecodeConfig(tile_n=16, num_warps=1, num_stages=1, flat_split=True,
+                       flat_programs_per_sm=per_sm, flat_min_split_tokens=min_tokens, **kw)
+    assert flat_programs(num_kv_heads, SMS_CPU, cfg) == programs
+    return cfg
+
+
+def poisoned_workspace(case, programs: int) -> dict:
+    """Partial rows full of NaN / inf: a merge that reads a row no program wrote shows."""
+    m, dev = case["meta"], case["q"].device
+    rows = (programs + m.num_reqs) * case["q"].shape[1]
+    return {"decode_flat_partials": (torch.full((rows,), float("nan"), device=dev),
+                                     torch.full((rows,), float("inf"), device=dev),
+                                     torch.full((rows, 16), float("nan"), device=dev))}
+
+
+def run_flat(case, cfg, workspace=None, **kw):
+    m = case["meta"]
+    out = poisoned_out(case)
+    paged_decode_attention(case["q"], case["cache"], m.block_table_tensor, m.query_start_loc,
+                           m.seq_lens, m.num_reqs, case["scale"], out, config=cfg,
+                           workspace=workspace, **kw)
+    return out
+
+
+def check(case, out):
+    assert_rows_close(out, reference(case), rows_of(case, lambda ql: ql == 1),
+                      TOL[case["q"].dtype])
+    assert_rows_untouched(out, rows_of(case, lambda ql: ql != 1))
+
+
+def test_flat_pieces_by_hand():
+    """Tiles of 16: lengths 40, 5, 70 hold 3, 1 and 5 tiles, 9 in all; 3 programs take 3
+    each: program 0 request 0 whole, program 1 request 1 whole and request 2's tiles 0-1,
+    program 2 request 2's tiles 2-4."""
+    cfg = flat_cfg(3, 1, min_tokens=16)
+    assert flat_pieces([40, 5, 70], 1, SMS_CPU, cfg) == [
+        [(0, 0, 3)], [(1, 0, 1), (2, 0, 2)], [(2, 2, 5)]]
+    # a share of at least 4 tiles (64 positions): 3 programs, the last one idle
+    assert flat_pieces([40, 5, 70], 1, SMS_CPU, flat_cfg(3, 1, min_tokens=64)) == [
+        [(0, 0, 3), (1, 0, 1)], [(2, 0, 4)], [(2, 4, 5)]]
+    # other requests (length 0 here) hold no tiles; a window of 20 keeps 2 tiles of a
+    # 40-long request (positions 20-39: tiles 1-2) and 2 of a 70-long one (50-69: 3-4):
+    # 4 tiles, shares of 2, the third program idle
+    assert flat_pieces([40, 0, 70], 1, SMS_CPU, cfg, sliding_window=20) == [
+        [(0, 0, 2)], [(2, 0, 2)], []]
+    assert flat_pieces([], 1, SMS_CPU, cfg) == [[], [], []]
+
+
+def test_flat_programs_and_config():
+    cfg = DecodeConfig(flat_split=True)  # 5 an SM: 660 programs on an H200, over 8 KV heads
+    assert flat_programs(8, 132, cfg) == 82
+    assert flat_programs(1, 132, cfg) == 660
+    assert flat_programs(1000, 132, cfg) == 1
+    # the flat split has no balanced variant
+    assert one_range_if_balanced(64, 8, 132, DecodeConfig())
+    assert not one_range_if_balanced(64, 8, 132, cfg)
+    for bad in (dict(flat_programs_per_sm=0.0), dict(flat_min_split_tokens=0)):
+        with pytest.raises(ConfigError):
+            DecodeConfig(**bad)
+
+
+REQS = [(40, 1), (0, 3), (4, 1), (69, 1), (15, 1), (7, 4), (100, 1), (31, 1)]
+
+
+@pytest.mark.parametrize("block_size,heads,programs,min_tokens", [
+    (4, (4, 2), 3, 16), (1, (2, 2), 5, 16), (16, (8, 2), 2, 32), (3, (4, 1), 7, 16),
+    (32, (4, 4), 1, 16), (5, (4, 2), 40, 16),
+])
+def test_flat_matches_reference(kernel_device, block_size, heads, programs, min_tokens):
+    """Mixed batch (prefill rows left alone), stale partials poisoned."""
+    case = make_case(REQS, block_size=block_size, num_heads=heads[0], num_kv_heads=heads[1],
+                     device=kernel_device, write_new=True, seed=block_size + programs)
+    cfg = flat_cfg(programs, heads[1], min_tokens)
+    check(case, run_flat(case, cfg, workspace=poisoned_workspace(case, programs)))
+
+
+def test_flat_kernel_writes_the_twins_pieces(kernel_device):
+    """The partial rows the kernel writes are those of the host twin's pieces of requests
+    cut in several: row ``(p + r) H + h`` for each such piece, every other row untouched."""
+    reqs = [(40, 1), (4, 1), (69, 1), (100, 1), (15, 1)]
+    case = make_case(reqs, block_size=4, num_heads=4, num_kv_heads=2, device=kernel_device,
+                     write_new=True, seed=3)
+    cfg = flat_cfg(4, 2)
+    ws = poisoned_workspace(case, 4)
+    check(case, run_flat(case, cfg, workspace=ws))
+    lens = case["meta"].seq_lens_cpu[:len(reqs)].tolist()
+    pieces = flat_pieces(lens, 2, SMS_CPU, cfg)
+    whole = {r for prog in pieces for r, t0, t1 in prog
+             if t0 == 0 and t1 == -(-lens[r] // 16)}
+    want = torch.zeros((4 + len(reqs)) * 4, dtype=torch.bool)
+    for p, prog in enumerate(pieces):
+        for r, _, _ in prog:
+            if r not in whole:
+                want[(p + r) * 4:(p + r + 1) * 4] = True
+    assert want.any() and whole
+    written = ~torch.isnan(ws["decode_flat_partials"][0].cpu())
+    assert torch.equal(written, want)
+
+
+def test_flat_zero_padded_rows(kernel_device):
+    """CUDA-graph padding: the reduce launch zeroes the padded requests' rows past the last
+    request's row; decode rows exact; rows past num_reqs never touched."""
+    case = make_case([(9, 1), (20, 1), (3, 1)], block_size=4, device=kernel_device,
+                     write_new=True, pad_tokens=3, padded_reqs=3, seed=8)
+    m = case["meta"]
+    out = poisoned_out(case)
+    extra = torch.full((2,) + tuple(out.shape[1:]), float("nan"), dtype=out.dtype, device=out.device)
+    out = torch.cat([out, extra])
+    q = torch.cat([case["q"], torch.zeros_like(extra)])
+    paged_decode_attention(q, case["cache"], m.block_table_tensor, m.query_start_loc,
+                           m.seq_lens, m.num_reqs, case["scale"], out, zero_padded_rows=True,
+                           config=flat_cfg(2, 2))
+    check(case, out[: case["q"].shape[0]])
+    assert (out[3:6].cpu() == 0).all()
+    assert torch.isnan(out[6:].cpu()).all()
+
+
+def test_flat_more_requests_than_a_scan_chunk(kernel_device):
+    """The interpreter scans 16 requests an iteration: 37 requests take three."""
+    reqs = [((7 * i) % 53, 1) for i in range(37)]
+    case = make_case(reqs, block_size=8, num_heads=2, num_kv_heads=1, device=kernel_device,
+                     write_new=True, seed=37)
+    check(case, run_flat(case, flat_cfg(6, 1), workspace=poisoned_workspace(case, 6)))
+
+
+@pytest.mark.parametrize("window,cap", [(7, None), (20, 4.0), (None, 3.0), (1, None)])
+def test_flat_window_and_soft_cap(kernel_device, window, cap):
+    """A sliding window counts only the tiles holding its positions (the null block, NaN,
+    stays unread); the soft cap passes through."""
+    case = make_case(REQS, block_size=4, device=kernel_device, write_new=True, seed=5,
+                     sliding_window=window)
+    out = run_flat(case, flat_cfg(3, 2), sliding_window=window, logits_soft_cap=cap)
+    m = case["meta"]
+    want = paged_decode_attention_ref(case["q"], case["cache"], m.block_table_tensor,
+                                      m.query_start_loc, m.seq_lens, m.num_reqs, case["scale"],
+                                      poisoned_out(case), sliding_window=window,
+                                      logits_soft_cap=cap)
+    dec = rows_of(case, lambda ql: ql == 1)
+    torch.testing.assert_close(out.cpu()[dec], want.cpu()[dec], atol=1e-4, rtol=1e-4)
+    assert_rows_untouched(out, rows_of(case, lambda ql: ql != 1))
+
+
+def test_flat_sinks_and_lse(kernel_device):
+    """Sinks and log-sum-exps both on the direct write and through the reduce; 6 heads with
+    4 a reduce program (the last program's heads past 6 masked)."""
+    case = make_case(REQS, block_size=4, num_heads=6, num_kv_heads=3, device=kernel_device,
+                     write_new=True, seed=31)
+    m = case["meta"]
+    sinks = torch.randn(6, generator=torch.Generator().manual_seed(5)).to(kernel_device)
+    rows = case["q"].shape[0]
+    lse = torch.full((rows, 6), float("nan"), device=kernel_device)
+    out = run_flat(case, flat_cfg(4, 3), sinks=sinks, lse=lse)
+    want_lse = torch.full((rows, 6), float("nan"), device=kernel_device)
+    want = paged_decode_attention_ref(case["q"], case["cache"], m.block_table_tensor,
+                                      m.query_start_loc, m.seq_lens, m.num_reqs, case["scale"],
+                                      poisoned_out(case), sinks=sinks, lse=want_lse)
+    dec = rows_of(case, lambda ql: ql == 1)
+    torch.testing.assert_close(out.cpu()[dec], want.cpu()[dec], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.cpu()[dec], want_lse.cpu()[dec], atol=1e-5, rtol=1e-5)
+    assert torch.isnan(lse.cpu()[rows_of(case, lambda ql: ql != 1)]).all()
+
+
+def test_flat_fp16(kernel_device):
+    case = make_case([(40, 1), (2, 1), (70, 1), (0, 2)], block_size=16, dtype=torch.float16,
+                     device=kernel_device, write_new=True, seed=3)
+    check(case, run_flat(case, flat_cfg(3, 2)))
+
+
+def test_flat_forced_splits_take_the_per_request_launch(kernel_device):
+    """A forced ``num_splits`` is the per-request launch: its workspace key is the other."""
+    case = make_case([(40, 1), (70, 1)], block_size=4, device=kernel_device, write_new=True,
+                     seed=2)
+    ws = {}
+    check(case, run_flat(case, flat_cfg(3, 2), workspace=ws, num_splits=3))
+    assert list(ws) == ["decode_partials"]
+    ws = {}
+    check(case, run_flat(case, flat_cfg(3, 2), workspace=ws))
+    assert list(ws) == ["decode_flat_partials"]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lens=st.lists(st.tuples(st.integers(0, 90), st.sampled_from([1, 1, 1, 2])), min_size=1,
+                     max_size=9),
+       programs=st.integers(1, 9), min_tokens=st.sampled_from([16, 32, 48]),
+       block_size=st.sampled_from([1, 3, 4, 16]), seed=st.integers(0, 1000))
+def test_flat_property_random_batches(kernel_device, lens, programs, min_tokens, block_size, seed):
+    """Any batch, program count and minimum share: exact against the reference, stale
+    partial rows never read, non-decode rows untouched."""
+    case = make_case(lens, block_size=block_size, num_heads=2, num_kv_heads=1,
+                     device=kernel_device, write_new=True, seed=seed)
+    cfg = flat_cfg(programs, 1, min_tokens)
+    check(case, run_flat(case, cfg, workspace=poisoned_workspace(case, programs)))
+
+
+# ---- native GPU
+
+
+def gpu_flat() -> DecodeConfig:
+    return dataclasses.replace(default_decode_config(torch.device("cuda")), flat_split=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 1, 48])
+def test_flat_gpu_bf16(block_size):
+    torch.manual_seed(block_size)
+    ctx = [int(x) for x in torch.randint(1, 3000, (150,))] + [8191, 1, 15, 16, 17]
+    case = make_case([(c, 1) for c in ctx], block_size=block_size, num_heads=16,
+                     num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, device="cuda",
+                     write_new=True, seed=block_size)
+    check(case, run_flat(case, gpu_flat()))
+    one = make_case([(8191, 1)], block_size=block_size, num_heads=16, num_kv_heads=8,
+                    head_dim=128, dtype=torch.bfloat16, device="cuda", write_new=True, seed=1)
+    check(one, run_flat(one, gpu_flat()))
+
+
+@pytest.mark.gpu
+def test_flat_gpu_cuda_graph_replay_matches_per_request_launch():
+    """Captured once, replayed with other lengths written in place: equal to the reference, and within bf16 rounding of the per-request launch."""
+    case = make_case([(4000, 1), (100, 1), (2500, 1)], block_size=16, num_heads=16, num_kv_heads=8, head_dim=128,
+                     dtype=torch.bfloat16, device="cuda", write_new=True, seed=11)
+    m = case["meta"]
+    out = torch.zeros_like(case["q"])
+    cfg = gpu_flat()
+
+    def call():
+        paged_decode_attention(case["q"], case["cache"], m.block_table_tensor,
+                               m.query_start_loc, m.seq_lens, m.num_reqs, case["scale"], out,
+                               config=cfg, zero_padded_rows=True, workspace=ws)
+
+    ws = {}
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for lens in ([3000, 1, 2000], [17, 101, 2501], [4001, 101, 2501]):
+        m.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        m.seq_lens_cpu.copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(case, out)
+        plain = run_flat(case, default_decode_config(torch.device("cuda")))
+        torch.testing.assert_close(out.float(), plain.float(), atol=2e-2, rtol=2e-2)
