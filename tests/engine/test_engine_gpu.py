@@ -130,6 +130,26 @@ def test_triton_engine_matches_transformers(tiny_dir, family):
             assert o.outputs[0].token_ids == _hf_greedy(hf, o.prompt_token_ids, 12)
 
 
+def test_flat_split_engine_matches_transformers(tiny_dir):
+    """The decode kernel's flat split (``DecodeConfig.flat_split``) through the engine: decode
+    CUDA graphs and chunked prefill mixed with decodes; greedy tokens equal transformers'."""
+    import dataclasses
+
+    from pagedkv.attention.triton_backend import TritonAttentionBackend
+    from pagedkv.attention.triton_decode import default_decode_config
+
+    path = tiny_dir("qwen3")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    cfg = dataclasses.replace(default_decode_config(torch.device("cuda")), flat_split=True)
+    llm = _gpu_llm(path, max_num_batched_tokens=32,
+                   attention_backend=TritonAttentionBackend(decode_config=cfg))
+    assert llm.runner.cuda_graphs is not None
+    outs = llm.generate(TEXTS, _greedy(12), use_tqdm=False)
+    with torch.no_grad():
+        for o in outs:
+            assert o.outputs[0].token_ids == _hf_greedy(hf, o.prompt_token_ids, 12)
+
+
 def test_kv_pool_sized_from_profiled_memory(tiny_dir):
     llm = LLM(tiny_dir("qwen3"), dtype="float32", device="cuda", max_model_len=256,
               gpu_memory_utilization=0.3, max_num_seqs=32, max_num_batched_tokens=1024)
