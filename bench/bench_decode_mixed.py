@@ -60,13 +60,19 @@ VARIANTS = {
     "lpt_l256": DecodeConfig(large_min_split_tokens=256, use_order=True),
     "lpt_l8": DecodeConfig(large_splits=8, large_min_split_tokens=256, use_order=True),
     "l256": DecodeConfig(large_min_split_tokens=256),
-    # the flat split (the batch's tiles cut into equal shares, one wave of programs): shares of
-    # at least 128 / 256 / 512 positions; uncapped registers at 4 programs an SM; two waves
+    # the flat split (the batch's tiles cut into equal shares, one wave of programs; default 4
+    # an SM, registers uncapped): shares of at least 128 / 256 / 512 positions; 5 an SM at 96
+    # registers; 10 an SM (several waves)
     "flat": DecodeConfig(flat_split=True),
     "flat_m128": DecodeConfig(flat_split=True, flat_min_split_tokens=128),
     "flat_m512": DecodeConfig(flat_split=True, flat_min_split_tokens=512),
-    "flat_p4": DecodeConfig(flat_split=True, flat_programs_per_sm=4.0, flat_max_registers=None),
+    "flat_p5": DecodeConfig(flat_split=True, flat_programs_per_sm=5.0, flat_max_registers=96),
     "flat_p10": DecodeConfig(flat_split=True, flat_programs_per_sm=10.0),
+    # longest first with fewer ranges: one range a request up to 1,024 / 2,048 positions in
+    # the large regime; every request one range (no partials, no reduce launch)
+    "lpt_l1k": DecodeConfig(large_min_split_tokens=1024, use_order=True),
+    "lpt_l2k": DecodeConfig(large_min_split_tokens=2048, use_order=True),
+    "lpt1": DecodeConfig(max_splits=1, use_order=True),
 }
 
 

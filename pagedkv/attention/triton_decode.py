@@ -132,19 +132,27 @@ class DecodeConfig:
 
     ``flat_split``: split the batch's work evenly instead of each request separately
     (:func:`flat_programs`): the decode requests' tiles are laid end to end and cut into one
-    equal share per program, ``flat_programs_per_sm x S`` programs over all KV heads (5 an SM
-    is one wave of the default launch), each share at least ``flat_min_split_tokens``
-    positions. A program walks its share request by request; a request it holds whole is
-    written directly, the pieces of the others are merged by a reduce launch over every
-    request (which also zeroes CUDA-graph padding rows). Every program then does the same work
-    and the launch is one wave whatever the lengths; the grid depends on the device and the
-    model only (one CUDA graph per batch size, no balanced variant). ``balanced``,
-    ``use_order`` and the regimes above do not apply; a forced ``num_splits`` takes the
-    per-request launch. ``flat_max_registers``: the flat kernel's register cap per thread
-    (Triton's ``maxnreg``; None: the compiler's choice). Its request loop around the tile loop
-    takes the compiler to 128 registers at the default tile (4 programs an SM, a wave of 5
-    would spill into a second one); capped at 96 it spills nothing (``python -m
-    pagedkv.tools.sm90_report decode-flat``: 96 registers, no local memory, 5 programs an SM).
+    equal share per program, ``flat_programs_per_sm x S`` programs over all KV heads, each
+    share at least ``flat_min_split_tokens`` positions. A program walks its share request by
+    request; a request it holds whole is written directly, the pieces of the others are merged
+    by a reduce launch over every request (which also zeroes CUDA-graph padding rows). Every
+    program then does the same work and the launch is one wave whatever the lengths; the grid
+    depends on the device and the model only (one CUDA graph per batch size, no balanced
+    variant). ``balanced``, ``use_order`` and the regimes above do not apply; a forced
+    ``num_splits`` takes the per-request launch. ``flat_max_registers``: a register cap per
+    thread (Triton's ``maxnreg``; None: the compiler's choice, 128 at the default tile: 4
+    programs an SM, the default wave; capped at 96, 5 fit with no spill, ``python -m
+    pagedkv.tools.sm90_report decode-flat --maxnreg 96``).
+
+    H200, mixed lengths U[100, 2048] (``bench/bench_decode_mixed.py --variants flat,flat_p4``,
+    us; per-request launch / 5 an SM capped at 96 registers / 4 an SM uncapped, the default):
+    B32 51.7 / 51.5 / 50.1, B64 85.1 / 84.2 / 84.7, B128 147.4 / 146.4 / 142.7, B153 169.6 /
+    168.0 / 164.3, B256 276.6 / 276.5 / 269.2. Equal lengths L2048 (5 an SM): B64 141.1
+    against the balanced one-wave launch's 129.7, B256 512.8 against 518.7; B1/L8192 21.8
+    against 18.3. W1 (5 an SM, alternating processes): 25,851 / 25,236 against 25,315 /
+    25,663 off. Equal work per program did not remove the mixed batches' excess: it is a
+    fixed cost of ~10-19 us a call (the split partials and the reduce launch: the one-wave
+    launch without them is within 4 us of the bytes' time). Off by default.
 
     ``reduce_heads``: query heads one program of the reduce kernel merges (a power of two; the
     merge is a latency-bound round trip per program, so fewer, wider programs finish sooner).
@@ -176,9 +184,9 @@ class DecodeConfig:
     reduce_heads: int = 4
     use_order: bool = False
     flat_split: bool = False
-    flat_programs_per_sm: float = 5.0
+    flat_programs_per_sm: float = 4.0
     flat_min_split_tokens: int = 256
-    flat_max_registers: int | None = 96
+    flat_max_registers: int | None = None
 
     def __post_init__(self):
         if self.tile_n < 16 or self.tile_n & (self.tile_n - 1):
