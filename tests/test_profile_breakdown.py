@@ -64,6 +64,33 @@ def test_breakdown_leaves_out_host_entries_with_device_time():
     assert not is_host_entry("cutlass_80_tensorop_gemm") and not is_host_entry("_decode_kernel")
 
 
+def test_breakdown_counts_a_triton_launch_once():
+    """A Triton kernel launched from a compiled region: the host launch record
+    (``_silu_and_mul_kernel``, ``triton_per_fused_...``, device type CPU) carries the kernel's
+    time as self device time; the kernel (``..._0``, device type CUDA) is its own entry. Only
+    the device entries count (the H200 W1 profile of the fourteenth session counted both)."""
+    from pagedkv.tools.profile_breakdown import is_device_event
+
+    def ev(key, us, dev):
+        return types.SimpleNamespace(key=key, self_device_time_total=us,
+                                     device_type=f"DeviceType.{dev}")
+
+    evs = [ev("_silu_and_mul_kernel", 40.0, "CPU"), ev("_silu_and_mul_kernel_0", 40.0, "CUDA"),
+           ev("triton_per_fused_add_rsqrt_1", 30.0, "CPU"),
+           ev("triton_per_fused_add_rsqrt_1", 30.0, "CUDA"), ev("aten::mm", 100.0, "CPU"),
+           ev("nvjet_gemm", 100.0, "CUDA")]
+    b = breakdown(evs, wall_s=0.0002, steps=1)
+    assert b["us_per_step"]["activation"] == 40.0 and b["us_per_step"]["norm_rope"] == 30.0
+    assert b["us_per_step"]["gemm"] == 100.0 and b["busy_us_per_step"] == 170.0
+    assert is_device_event(("_decode_kernel", 1.0)) and not is_device_event(("aten::mm", 1.0))
+    # a real (CPU) profile: torch's ops are host entries
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.ones(4) @ torch.ones(4)
+    assert prof.key_averages() and not any(is_device_event(e) for e in prof.key_averages())
+
+
 def test_device_gaps_by_hand():
     from pagedkv.tools.profile_breakdown import device_gaps, format_gaps
 

@@ -61,15 +61,30 @@ def is_host_entry(name: str) -> bool:
     return bool(_HOST_ENTRY.match(name))
 
 
+def is_device_event(e) -> bool:
+    """Whether a ``key_averages()`` entry is a device kernel / copy: its ``device_type`` is not
+    the CPU. A host entry's self device time is that of the kernels it launched, which are
+    entries of their own: a Triton kernel launched from a compiled region shows up as the host
+    launch record (``_silu_and_mul_kernel``, ``triton_per_fused_...``) and as the kernel
+    (``_silu_and_mul_kernel_0``), both with its time. Entries without a device type (``(name,
+    us)`` pairs) are kernels unless :func:`is_host_entry` says otherwise."""
+    dt = getattr(e, "device_type", None)
+    if dt is not None:
+        return str(dt).rsplit(".", 1)[-1] != "CPU"
+    name = e[0] if isinstance(e, tuple) else e.key
+    return not is_host_entry(name)
+
+
 def breakdown(events, wall_s: float, steps: int) -> dict:
     """Per step: microseconds of device time by class, the busy total, the wall time and the
     idle time (``wall - busy``: the host's share as the device sees it); fractions of the
-    busy time by class. Host entries (``is_host_entry``: torch ops, CUDA runtime / driver
-    calls, compiled-region markers) are left out: their device time is their kernels'."""
+    busy time by class. Host entries (:func:`is_device_event`: torch ops, CUDA runtime / driver
+    calls, compiled-region markers, Triton launch records) are left out: their device time is
+    their kernels'."""
     by = dict.fromkeys(CLASSES, 0.0)
     for e in events:
         name, us = (e if isinstance(e, tuple) else (e.key, e.self_device_time_total))
-        if us and not is_host_entry(name):
+        if us and is_device_event(e):
             by[kernel_class(name)] += float(us)
     steps = max(1, int(steps))
     busy = sum(by.values())
@@ -92,7 +107,7 @@ def format_breakdown(label: str, b: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["CLASSES", "breakdown", "format_breakdown", "kernel_class"]
+__all__ = ["CLASSES", "breakdown", "format_breakdown", "is_device_event", "kernel_class"]
 
 
 GAP_BUCKETS_US = (2.0, 5.0, 20.0, 100.0)  # upper edges; the last bucket is open
