@@ -33,8 +33,8 @@ from pagedkv.attention.torch_ref import paged_attention_ref  # noqa: E402
 from pagedkv.attention.triton_decode import (  # noqa: E402
     DecodeConfig,
     choose_num_splits,
-    lengths_balanced,
     longest_first_order,
+    one_range_for,
     paged_decode_attention,
 )
 
@@ -73,6 +73,11 @@ VARIANTS = {
     "lpt_l1k": DecodeConfig(large_min_split_tokens=1024, use_order=True),
     "lpt_l2k": DecodeConfig(large_min_split_tokens=2048, use_order=True),
     "lpt1": DecodeConfig(max_splits=1, use_order=True),
+    # the longest-first one-range policy (DecodeConfig.lpt_one_range) at load fractions 0.75
+    # (its default) and 1.0; with the flat split for the launches it leaves split
+    "lptor": DecodeConfig(use_order=True, lpt_one_range=True),
+    "lptor100": DecodeConfig(use_order=True, lpt_one_range=True, lpt_load_fraction=1.0),
+    "lptor_flat": DecodeConfig(use_order=True, lpt_one_range=True, flat_split=True),
 }
 
 
@@ -101,9 +106,11 @@ class MixedSetup:
         self.order = torch.from_numpy(longest_first_order(self.lens.numpy())).cuda()
 
     def call(self, i, **kw):
-        # as a decode graph launches: no max length, the balanced-lengths value from the host
-        # lengths (a graph variant)
-        kw.setdefault("balanced", lengths_balanced(self.lens.numpy(), kw.get("config") or DecodeConfig()))
+        # as a decode graph launches: no max length, the one-range value from the host lengths
+        # (a graph variant)
+        kw.setdefault("balanced", one_range_for(self.lens.numpy(), self.batch, HKV,
+                                                num_sms(torch.device("cuda")),
+                                                kw.get("config") or DecodeConfig()))
         return lambda: paged_decode_attention(self.qs[i], self.cache, self.tables[i], self.qsl,
                                               self.seq, self.batch, SCALE, self.outs[i], **kw)
 
@@ -141,7 +148,8 @@ def main() -> None:
     rows = []
     for b in [int(x) for x in args.batches.split(",")]:
         s = MixedSetup(b, args.lo, args.hi)
-        default = choose_num_splits(b, HKV, None, sms, base, lengths_balanced(s.lens.numpy(), base))
+        default = choose_num_splits(b, HKV, None, sms, base,
+                                    one_range_for(s.lens.numpy(), b, HKV, sms, base))
         err = s.check()
         res = {"batch": b, "sum_len": int(s.lens.sum()), "max_len": s.max_len, "default_splits": default,
                "rel_err": err, "times": {}}

@@ -75,7 +75,7 @@ def build_pagedkv(args) -> tuple[LLM, str]:
         decode_context_parallel_size=args.decode_context_parallel_size,
     )
     if args.no_cascade or args.prefill_config or args.reduce_heads or args.fresh_prefill \
-            or args.decode_order is not None or args.flat_split is not None:
+            or args.decode_order is not None or args.flat_split is not None or args.lpt_one_range:
         # the Triton backend with cascade (shared-prefix) attention off, or with other
         # prefill launches (which the cascade prefix launch then takes as well), or another
         # reduce width of the decode kernel
@@ -89,10 +89,13 @@ def build_pagedkv(args) -> tuple[LLM, str]:
             pc = PrefillConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st,
                                pack_heads=pack)
         dc = None
-        if args.reduce_heads or args.decode_order is not None or args.flat_split is not None:
+        if args.reduce_heads or args.decode_order is not None or args.flat_split is not None \
+                or args.lpt_one_range:
             dc = DecodeConfig(reduce_heads=args.reduce_heads or DecodeConfig.reduce_heads,
-                              use_order=DecodeConfig.use_order if args.decode_order is None
-                              else args.decode_order,
+                              use_order=args.lpt_one_range or (
+                                  DecodeConfig.use_order if args.decode_order is None
+                                  else args.decode_order),
+                              lpt_one_range=args.lpt_one_range,
                               flat_split=DecodeConfig.flat_split if args.flat_split is None
                               else args.flat_split)
         kw["attention_backend"] = TritonAttentionBackend(
@@ -305,6 +308,9 @@ def main(argv=None) -> int:
     p.add_argument("--flat-split", action=argparse.BooleanOptionalAction, default=None,
                    help="the decode kernel splits the batch's work evenly over one wave of "
                         "programs (DecodeConfig.flat_split; default: the DecodeConfig default)")
+    p.add_argument("--lpt-one-range", action="store_true",
+                   help="decode launches of one range per request, longest first, where the "
+                        "lengths allow it (DecodeConfig.lpt_one_range; implies --decode-order)")
     p.add_argument("--splitk", action=argparse.BooleanOptionalAction, default=None,
                    help="the decode-step o / down projections through the split-K kernel "
                         "(pagedkv.kernels.splitk_gemm; on by default) or cuBLAS (A/B runs)")

@@ -35,7 +35,7 @@ token then sees the K/V that later steps and prefix hits read back.
 
 Host work per call reads only host ints and the metadata's ``*_cpu`` copies: a decode-only
 batch (``max_query_len <= 1``) costs no array work, except a sum and a max of its host lengths
-where the batch size is one the balanced-lengths rule of ``DecodeConfig`` can change (unless the
+where the batch size is one the one-range rules of ``DecodeConfig`` can change (unless the
 metadata's ``decode_balanced`` says it, as a CUDA graph's does), and its launches depend on host
 values only (CUDA-graph safe); a mixed batch takes one ``numpy.diff`` of ``query_start_loc_cpu``.
 
@@ -97,8 +97,8 @@ from pagedkv.attention.triton_decode import (
     DecodeConfig,
     _decode_kernel,
     default_decode_config,
-    lengths_balanced,
-    one_range_if_balanced,
+    one_range_for,
+    one_range_possible,
     paged_decode_attention,
 )
 from pagedkv.attention.triton_prefill import (
@@ -270,11 +270,12 @@ class TritonAttentionBackend(AttentionBackend):
 
     def graph_variants(self, num_reqs: int, num_kv_heads: int, device: torch.device) -> tuple:
         """The host decisions that a decode CUDA graph of ``num_reqs`` requests bakes in
-        besides its size, one graph per value: whether the lengths are balanced, where that
-        changes the decode launch (``(False, True)``), else ``(False,)``; plus ``CASCADE``
+        besides its size, one graph per value: whether the decode launch runs one range per
+        request (balanced lengths, or the longest-first bound: ``one_range_for``), where that
+        can change it (``(False, True)``), else ``(False,)``; plus ``CASCADE``
         where cascade attention is on and ``num_reqs >= min_reqs``. The graph's metadata
         carries the value as :meth:`graph_capture_fields` says."""
-        if one_range_if_balanced(num_reqs, num_kv_heads, num_sms(device), self._decode_cfg(device)):
+        if one_range_possible(num_reqs, num_kv_heads, num_sms(device), self._decode_cfg(device)):
             plain = (False, True)
         else:
             plain = (False,)
@@ -290,9 +291,8 @@ class TritonAttentionBackend(AttentionBackend):
         the size has that graph)."""
         if cascade and self.cascade is not None and num_reqs >= self.cascade.min_reqs:
             return CASCADE
-        cfg = self._decode_cfg(device)
-        return (one_range_if_balanced(num_reqs, num_kv_heads, num_sms(device), cfg)
-                and lengths_balanced(seq_lens, cfg))
+        return one_range_for(seq_lens, num_reqs, num_kv_heads, num_sms(device),
+                             self._decode_cfg(device))
 
     def mixed_graph_variants(self, num_reqs: int) -> tuple:
         """Mixed-step graphs: the plain one and, where cascade attention is on and
@@ -535,14 +535,13 @@ class TritonPlan(AttentionPlan):
                                      common_prefix_len=self.prefix, min_context=int(ctx.min()))
         if self.max_q <= 1:
             self.decode_only = True
-            # balanced lengths: the graph's baked value, else (eager) from the host lengths
+            # one range per request: the graph's baked value, else (eager) from the host lengths
             # where it changes the launch
             self.balanced = getattr(metadata, "decode_balanced", None)
             if self.balanced is None:
-                cfg = backend._decode_cfg(dev)
-                self.balanced = one_range_if_balanced(n, layout.num_kv_heads, num_sms(dev), cfg) \
-                    and lengths_balanced(_host_ints(metadata.seq_lens_cpu,
-                                                    getattr(metadata, "num_actual_reqs", n)), cfg)
+                self.balanced = one_range_for(
+                    _host_ints(metadata.seq_lens_cpu, getattr(metadata, "num_actual_reqs", n)),
+                    n, layout.num_kv_heads, num_sms(dev), backend._decode_cfg(dev))
             return
         qsl_h = _host_ints(metadata.query_start_loc_cpu, n + 1)
         q_lens = np.diff(qsl_h)

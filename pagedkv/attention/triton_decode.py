@@ -138,7 +138,8 @@ class DecodeConfig:
     by a reduce launch over every request (which also zeroes CUDA-graph padding rows). Every
     program then does the same work and the launch is one wave whatever the lengths; the grid
     depends on the device and the model only (one CUDA graph per batch size, no balanced
-    variant). ``balanced``, ``use_order`` and the regimes above do not apply; a forced
+    variant of its own). It replaces the launches that would split: a launch of one range per
+    request (balanced, longest first, or short contexts) stays as it is, and a forced
     ``num_splits`` takes the per-request launch. ``flat_max_registers``: a register cap per
     thread (Triton's ``maxnreg``; None: the compiler's choice, 128 at the default tile: 4
     programs an SM, the default wave; capped at 96, 5 fit with no spill, ``python -m
@@ -149,10 +150,26 @@ class DecodeConfig:
     B32 51.7 / 51.5 / 50.1, B64 85.1 / 84.2 / 84.7, B128 147.4 / 146.4 / 142.7, B153 169.6 /
     168.0 / 164.3, B256 276.6 / 276.5 / 269.2. Equal lengths L2048 (5 an SM): B64 141.1
     against the balanced one-wave launch's 129.7, B256 512.8 against 518.7; B1/L8192 21.8
-    against 18.3. W1 (5 an SM, alternating processes): 25,851 / 25,236 against 25,315 /
-    25,663 off. Equal work per program did not remove the mixed batches' excess: it is a
-    fixed cost of ~10-19 us a call (the split partials and the reduce launch: the one-wave
-    launch without them is within 4 us of the bytes' time). Off by default.
+    against 18.3 (these equal-length launches now keep their single range or per-request
+    split: the balanced one-wave launch is not replaced, and ``bench_decode_mixed`` has not
+    re-run them). W1 with every decode launch flat, alternating processes: 5 an SM 25,851 /
+    25,236 against 25,315 / 25,663 off (one lease); 4 an SM **26,214 / 26,005 against 25,532
+    / 25,557** (another lease). Equal work per program did not remove the mixed batches'
+    excess: most of it is a fixed cost of ~10-19 us a call (the split partials and the reduce
+    launch: the balanced one-wave launch without them is within 4 us of its bytes' time).
+    Off by default until W2 and the short-batch anchors have run with it.
+
+    ``lpt_one_range`` (needs ``use_order``): one range per request, launched longest first,
+    also past one wave, when the lengths allow it (:func:`lpt_fits`): the batch's positions
+    per program slot of one wave (``sum x Hkv / (wave_programs_per_sm x S)``) are at least
+    ``lpt_load_fraction`` of the longest request's. Longest-first dispatch then fills the
+    slots about evenly (each slot takes the next longest request as it frees), and the launch
+    writes no partials and needs no reduce. H200, lengths U[100, 2048], one range longest
+    first against the default split (``bench_decode_mixed.py --variants lpt1``, us): B128
+    139.8 / 147.0 (the bound's ratio 0.82), B153 154.4 / 169.6 (0.93: 98% of copy bandwidth),
+    B256 256.5 / 277.2 (1.58: 100%). Off by default until W1 / W2 A/B runs have measured it.
+    The decision is a host one from the step's lengths (:func:`one_range_for`), a CUDA-graph
+    variant like ``balanced``.
 
     ``reduce_heads``: query heads one program of the reduce kernel merges (a power of two; the
     merge is a latency-bound round trip per program, so fewer, wider programs finish sooner).
@@ -187,6 +204,8 @@ class DecodeConfig:
     flat_programs_per_sm: float = 4.0
     flat_min_split_tokens: int = 256
     flat_max_registers: int | None = None
+    lpt_one_range: bool = False
+    lpt_load_fraction: float = 0.75
 
     def __post_init__(self):
         if self.tile_n < 16 or self.tile_n & (self.tile_n - 1):
@@ -204,6 +223,11 @@ class DecodeConfig:
                 or (self.flat_max_registers is not None and self.flat_max_registers < 24):
             raise ConfigError("DecodeConfig: need flat_programs_per_sm > 0, "
                               "flat_min_split_tokens >= 1 and flat_max_registers >= 24 or None")
+        if self.lpt_one_range and not self.use_order:
+            raise ConfigError("DecodeConfig.lpt_one_range launches the requests longest first: "
+                              "it needs use_order=True")
+        if not self.lpt_load_fraction > 0:
+            raise ConfigError("DecodeConfig.lpt_load_fraction must be > 0")
         r = self.reduce_heads
         if isinstance(r, bool) or not isinstance(r, int) or r < 1 or r & (r - 1):
             raise ConfigError(f"DecodeConfig.reduce_heads must be a power of two >= 1, got {r!r}")
@@ -234,13 +258,48 @@ def default_decode_config(device: torch.device, kv_dtype: torch.dtype | None = N
 
 def one_range_if_balanced(num_reqs: int, num_kv_heads: int, sms: int, config: DecodeConfig) -> bool:
     """Whether a balanced batch of ``num_reqs`` requests runs one range per request (the
-    programs fit one wave, :class:`DecodeConfig`): the launches that ``balanced`` changes
-    (none under ``flat_split``)."""
-    if config.flat_split:
-        return False
+    programs fit one wave, :class:`DecodeConfig`)."""
     programs = num_reqs * num_kv_heads
     return (programs > 0 and config.balanced_min_programs_per_sm * sms <= programs
             <= config.wave_programs_per_sm * sms)
+
+
+def one_range_possible(num_reqs: int, num_kv_heads: int, sms: int, config: DecodeConfig) -> bool:
+    """Whether a launch over ``num_reqs`` requests runs one range per request for some
+    lengths (the launches that ``balanced`` changes, a CUDA graph's variants): the balanced
+    one-wave rule (:func:`one_range_if_balanced`), or with ``lpt_one_range`` at least
+    ``balanced_min_programs_per_sm`` programs an SM."""
+    if one_range_if_balanced(num_reqs, num_kv_heads, sms, config):
+        return True
+    return config.lpt_one_range and num_reqs * num_kv_heads >= max(
+        1.0, config.balanced_min_programs_per_sm * sms)
+
+
+def lpt_fits(seq_lens, num_kv_heads: int, sms: int, config: DecodeConfig) -> bool:
+    """The longest-first one-range bound (``DecodeConfig.lpt_one_range``): the positions per
+    program slot of one wave, ``sum(seq_lens) x num_kv_heads / (wave_programs_per_sm x sms)``,
+    are at least ``lpt_load_fraction`` of the longest length. Zero lengths (padding) are left
+    out; no lengths: False."""
+    lens = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
+    lens = lens[lens > 0]
+    if lens.size == 0:
+        return False
+    slots = config.wave_programs_per_sm * sms
+    return int(lens.sum()) * num_kv_heads >= config.lpt_load_fraction * slots * int(lens.max())
+
+
+def one_range_for(seq_lens, num_reqs: int, num_kv_heads: int, sms: int,
+                  config: DecodeConfig) -> bool:
+    """The host decision ``balanced`` of a decode launch over ``num_reqs`` requests (a graph's
+    padded size) whose decode lengths are ``seq_lens`` (host ints): one range per request,
+    by the balanced one-wave rule (:func:`one_range_if_balanced` and
+    :func:`lengths_balanced`) or the longest-first bound (``lpt_one_range``,
+    :func:`lpt_fits`)."""
+    if one_range_if_balanced(num_reqs, num_kv_heads, sms, config) \
+            and lengths_balanced(seq_lens, config):
+        return True
+    return (config.lpt_one_range and one_range_possible(num_reqs, num_kv_heads, sms, config)
+            and lpt_fits(seq_lens, num_kv_heads, sms, config))
 
 
 def lengths_balanced(seq_lens, config: DecodeConfig) -> bool:
@@ -260,9 +319,10 @@ def choose_split(num_reqs: int, num_kv_heads: int, max_seq_len: int | None,
     """``(split count, min positions per split)`` of a launch, from host values only (see
     :class:`DecodeConfig`); the split count is further capped so that ``max_seq_len`` (when
     known) fills every split with the minimum, and lies in ``[1, config.max_splits]``.
-    ``balanced``: the batch's lengths are balanced (:func:`lengths_balanced`)."""
+    ``balanced``: one range per request where :func:`one_range_possible` (the caller's
+    :func:`one_range_for` of the batch's lengths)."""
     programs = max(1, num_reqs * num_kv_heads)
-    if balanced and one_range_if_balanced(num_reqs, num_kv_heads, sms, config):
+    if balanced and one_range_possible(num_reqs, num_kv_heads, sms, config):
         return 1, config.min_split_tokens or config.mid_min_split_tokens
     if programs < 2 * sms:
         splits, min_tokens = cdiv(int(config.small_waves * sms), programs), config.small_min_split_tokens
@@ -917,14 +977,14 @@ def paged_decode_attention(
                                           k_scale=k_scale, v_scale=v_scale)
     fp8 = is_fp8_kv(kv_cache.dtype)
     cfg = config or default_decode_config(q.device, kv_cache.dtype)
-    if cfg.flat_split and num_splits is None:
-        return _flat_decode(q, kv_cache, block_table, query_start_loc, seq_lens, num_reqs,
-                            scale, out, shape, cfg, zero_padded_rows, workspace, window,
-                            softcap, sinks, lse, k_scale, v_scale, fp8)
     span = max_seq_len if not window or max_seq_len is None else min(max_seq_len, window)
     auto_splits, min_split_tokens = choose_split(num_reqs, shape.num_kv_heads, span,
                                                  num_sms(q.device), cfg, balanced)
     if num_splits is None:
+        if cfg.flat_split and auto_splits > 1:  # the flat split replaces split launches
+            return _flat_decode(q, kv_cache, block_table, query_start_loc, seq_lens, num_reqs,
+                                scale, out, shape, cfg, zero_padded_rows, workspace, window,
+                                softcap, sinks, lse, k_scale, v_scale, fp8)
         num_splits = auto_splits
     d_pad = max(16, next_pow2(shape.head_dim))
     group_pad = max(16, next_pow2(shape.group))
@@ -1154,6 +1214,9 @@ __all__ = [
     "flat_pieces",
     "flat_programs",
     "lengths_balanced",
+    "lpt_fits",
+    "one_range_for",
+    "one_range_possible",
     "one_range_if_balanced",
     "paged_decode_attention",
     "paged_decode_attention_ref",

@@ -83,13 +83,13 @@ def test_flat_pieces_by_hand():
 
 
 def test_flat_programs_and_config():
-    cfg = DecodeConfig(flat_split=True)  # 5 an SM: 660 programs on an H200, over 8 KV heads
-    assert flat_programs(8, 132, cfg) == 82
-    assert flat_programs(1, 132, cfg) == 660
+    cfg = DecodeConfig(flat_split=True)  # 4 an SM: 528 programs on an H200, over 8 KV heads
+    assert flat_programs(8, 132, cfg) == 66
+    assert flat_programs(1, 132, cfg) == 528
+    assert flat_programs(8, 132, DecodeConfig(flat_split=True, flat_programs_per_sm=5.0)) == 82
     assert flat_programs(1000, 132, cfg) == 1
-    # the flat split has no balanced variant
-    assert one_range_if_balanced(64, 8, 132, DecodeConfig())
-    assert not one_range_if_balanced(64, 8, 132, cfg)
+    # the flat split leaves the balanced one-wave launch as it is
+    assert one_range_if_balanced(64, 8, 132, DecodeConfig()) and one_range_if_balanced(64, 8, 132, cfg)
     for bad in (dict(flat_programs_per_sm=0.0), dict(flat_min_split_tokens=0)):
         with pytest.raises(ConfigError):
             DecodeConfig(**bad)
@@ -202,16 +202,27 @@ def test_flat_fp16(kernel_device):
     check(case, run_flat(case, flat_cfg(3, 2)))
 
 
-def test_flat_forced_splits_take_the_per_request_launch(kernel_device):
-    """A forced ``num_splits`` is the per-request launch: its workspace key is the other."""
+def test_flat_replaces_split_launches_only(kernel_device):
+    """A forced ``num_splits``, a one-range launch (``balanced``) and a launch whose contexts
+    are too short to split are the per-request launch (its workspace key, or none); a launch
+    that would split is flat."""
     case = make_case([(40, 1), (70, 1)], block_size=4, device=kernel_device, write_new=True,
                      seed=2)
+    flat = flat_cfg(3, 2)
     ws = {}
-    check(case, run_flat(case, flat_cfg(3, 2), workspace=ws, num_splits=3))
+    check(case, run_flat(case, flat, workspace=ws, num_splits=3))
     assert list(ws) == ["decode_partials"]
     ws = {}
-    check(case, run_flat(case, flat_cfg(3, 2), workspace=ws))
+    check(case, run_flat(case, flat, workspace=ws))
     assert list(ws) == ["decode_flat_partials"]
+    # one range a request: balanced within one wave (2 requests x 2 KV heads = 4 programs
+    # <= 1 an SM), and contexts shorter than the split minimum (71 < 512 positions)
+    one_wave = dataclasses.replace(flat, balanced_min_programs_per_sm=0.0, wave_programs_per_sm=1.0)
+    short = dataclasses.replace(flat, min_split_tokens=512)
+    for cfg, kw in ((one_wave, dict(balanced=True)), (short, dict(max_seq_len=71))):
+        ws = {}
+        check(case, run_flat(case, cfg, workspace=ws, **kw))
+        assert ws == {}
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

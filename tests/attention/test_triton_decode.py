@@ -22,7 +22,10 @@ from pagedkv.attention.triton_decode import (
     choose_split,
     lengths_balanced,
     longest_first_order,
+    lpt_fits,
+    one_range_for,
     one_range_if_balanced,
+    one_range_possible,
     paged_decode_attention,
     paged_decode_attention_ref,
 )
@@ -236,6 +239,64 @@ def test_choose_split_balanced_lengths():
         [False, False, True, True, False]
     wide = DecodeConfig(balanced_min_programs_per_sm=0.0, wave_programs_per_sm=1.0)
     assert [one_range_if_balanced(b, 2, 132, wide) for b in (0, 1, 66, 67)] == [False, True, True, False]
+
+
+def test_longest_first_one_range_policy_by_hand():
+    """``lpt_one_range``: one range per request where the positions per program slot of one
+    wave (5 x 132 = 660 slots, 8 KV heads) reach 0.75 of the longest length; from 2 x 132
+    programs on (33 requests of 8 KV heads)."""
+    cfg = DecodeConfig(use_order=True, lpt_one_range=True)
+    # 153 requests: 157,408 positions x 8 / 660 = 1,908 per slot against 2,048: 0.93
+    lens = [1029] * 152 + [2048]
+    assert lpt_fits(lens, 8, 132, cfg)
+    assert one_range_for(lens, 153, 8, 132, cfg)
+    assert not one_range_for(lens, 153, 8, 132, DecodeConfig())  # off by default
+    assert choose_split(153, 8, None, 132, cfg, balanced=True)[0] == 1
+    assert choose_split(153, 8, None, 132, cfg) == (4, 512)
+    # the bound: sum x 8 >= 0.75 x 660 x max; 64 requests of 1,000 and one of 2,048:
+    # 66,048 x 8 = 528,384 against 0.75 x 660 x 2,048 = 1,013,760: no
+    short = [1000] * 64 + [2048]
+    assert not lpt_fits(short, 8, 132, cfg) and not one_range_for(short, 65, 8, 132, cfg)
+    # exactly at the bound (sum x 8 == 495 x max) it fits, one position less does not
+    assert lpt_fits([495, 495, 495, 495, 495, 495, 495, 495], 1, 132, DecodeConfig(
+        use_order=True, lpt_one_range=True, lpt_load_fraction=8 / 660))
+    assert not lpt_fits([495] * 7 + [494], 1, 132, DecodeConfig(
+        use_order=True, lpt_one_range=True, lpt_load_fraction=8 * 495 / (660 * 495) + 1e-9))
+    # padding (length 0) left out; nothing: no
+    assert lpt_fits(lens + [0] * 20, 8, 132, cfg) and not lpt_fits([0, 0], 8, 132, cfg)
+    # where a launch can change: the balanced one-wave sizes, and with the policy >= 264
+    # programs (33 requests of 8 KV heads) at any size
+    assert [one_range_possible(b, 8, 132, cfg) for b in (32, 33, 82, 83, 256, 1024)] == \
+        [False, True, True, True, True, True]
+    assert [one_range_possible(b, 8, 132, DecodeConfig()) for b in (32, 33, 82, 83)] == \
+        [False, True, True, False]
+    # balanced lengths still take one range within one wave, with or without the policy
+    assert one_range_for([2048] * 64, 64, 8, 132, DecodeConfig())
+    assert one_range_for([2048] * 64, 64, 8, 132, cfg)
+    with pytest.raises(ConfigError, match="use_order"):
+        DecodeConfig(lpt_one_range=True)
+    with pytest.raises(ConfigError, match="lpt_load_fraction"):
+        DecodeConfig(lpt_load_fraction=0.0)
+
+
+def test_decode_longest_first_one_range_exact(kernel_device):
+    """The policy's launch (one range per request, longest first) through
+    ``paged_decode_attention(balanced=True)``: exact against the reference, no partials
+    written (the workspace stays empty), prefill rows untouched."""
+    reqs = [(9, 1), (0, 3), (63, 1), (20, 1), (33, 1), (4, 2), (47, 1)]
+    case = make_case(reqs, block_size=3, num_heads=4, num_kv_heads=2, device=kernel_device,
+                     write_new=True, seed=43)
+    m = case["meta"]
+    cfg = dataclasses.replace(default_decode_config(torch.device(kernel_device)), use_order=True,
+                              lpt_one_range=True, balanced_min_programs_per_sm=0.0,
+                              lpt_load_fraction=0.001)
+    lens = m.seq_lens_cpu[:m.num_reqs].numpy()
+    assert one_range_for(lens, m.num_reqs, 2, 132, cfg)
+    order = torch.from_numpy(longest_first_order(lens)).to(kernel_device)
+    ws = {}
+    got = run_decode(case, balanced=True, order=order, config=cfg, workspace=ws)
+    check(case, got)
+    assert ws == {}
 
 
 def test_lengths_balanced():

@@ -55,3 +55,38 @@ def test_engine_with_decode_order_equals_row_order(tiny_dir, monkeypatch):
         assert launched and set(launched) == {cfg is not None}  # the backend passes it on
     assert seen and max(seen) == len(prompts)
     assert outs[0] == outs[1]
+
+
+def test_engine_with_longest_first_one_range_equals_default(tiny_dir, monkeypatch):
+    """``DecodeConfig.lpt_one_range`` through the engine, its bounds scaled to the tiny model
+    (one program slot, from one program on): decode-only steps whose lengths pass the bound
+    launch one range per request longest first (``balanced=True``), the others split; the
+    greedy tokens equal the default engine's."""
+    path = tiny_dir("qwen3")
+    lpt = dataclasses.replace(INTERPRET_DECODE_CONFIG, use_order=True, lpt_one_range=True,
+                              balanced_min_programs_per_sm=0.0, wave_programs_per_sm=1.0 / 132,
+                              lpt_load_fraction=2.0)
+    prompts = [[3 + i] * n for i, n in enumerate((3, 40, 7, 22, 1, 15))]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    import pagedkv.attention.triton_backend as tb
+    inner_decode = tb.paged_decode_attention
+    balanced = []
+
+    def decode(*a, **kw):
+        balanced.append(bool(kw.get("balanced")))
+        return inner_decode(*a, **kw)
+
+    monkeypatch.setattr(tb, "paged_decode_attention", decode)
+    outs = []
+    for cfg in (lpt, None):
+        balanced.clear()
+        llm = make_llm(path, attention_backend=TritonAttentionBackend(decode_config=cfg, cascade=None),
+                       max_num_batched_tokens=32)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                    use_tqdm=False)])
+        assert pool_is_idle(llm)
+        if cfg is not None:  # both launches met
+            assert True in balanced and False in balanced
+        else:
+            assert True not in balanced
+    assert outs[0] == outs[1]
