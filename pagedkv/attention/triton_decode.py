@@ -987,45 +987,23 @@ def paged_decode_attention(
                                 softcap, sinks, lse, k_scale, v_scale, fp8)
         num_splits = auto_splits
     d_pad = max(16, next_pow2(shape.head_dim))
-    group_pad = max(16, next_pow2(shape.group))
     min_split_tiles = max(1, cdiv(min_split_tokens, cfg.tile_n))
     if num_splits > 1:
-        parts = num_reqs * shape.num_heads * num_splits
-        bufs = None if workspace is None else workspace.get("decode_partials")
-        if bufs is None or bufs[0].shape[0] < parts or bufs[2].shape[1] != d_pad \
-                or bufs[0].device != q.device:
-            bufs = (torch.empty(parts, dtype=torch.float32, device=q.device),
-                    torch.empty(parts, dtype=torch.float32, device=q.device),
-                    torch.empty(parts, d_pad, dtype=torch.float32, device=q.device))
-            if workspace is not None:
-                workspace["decode_partials"] = bufs
-        m_buf, l_buf, acc_buf = bufs
+        m_buf, l_buf, acc_buf = _partials(workspace, "decode_partials",
+                                          num_reqs * shape.num_heads * num_splits, d_pad, q.device)
     else:
         m_buf = l_buf = acc_buf = out  # never touched: every request fits its one split
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
     ordered = order is not None and cfg.use_order and num_reqs <= MAX_GRID_Z
     grid = (num_splits, shape.num_kv_heads, num_reqs) if ordered \
         else (num_reqs, shape.num_kv_heads, num_splits)
     _decode_kernel[grid](
-        q, q.stride(0), q.stride(1),
-        k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_table, block_table.stride(0), block_table.shape[1],
-        query_start_loc, seq_lens, num_reqs, num_splits, min_split_tiles, int(bool(zero_padded_rows)),
-        window,
-        out, out.stride(0), out.stride(1),
-        m_buf, l_buf, acc_buf,
-        q if sinks is None else sinks,  # never read without sinks
-        float(scale) * LOG2E * (float(k_scale) if fp8 else 1.0),
-        SOFTCAP=softcap, HAS_SINKS=sinks is not None,
-        NUM_HEADS=shape.num_heads, GROUP=shape.group, GROUP_PAD=group_pad,
-        HEAD_DIM=shape.head_dim, D_PAD=d_pad, BLOCK_SIZE=shape.block_size,
-        TILE_N=cfg.tile_n,
-        DOT_PREC=dot_precision(q.dtype if fp8 else kv_cache.dtype),
+        qsl_ptr=query_start_loc, seq_ptr=seq_lens, num_reqs=num_reqs, num_splits=num_splits,
+        min_split_tiles=min_split_tiles, zero_rows=int(bool(zero_padded_rows)), window=window,
+        m_ptr=m_buf, l_ptr=l_buf, acc_ptr=acc_buf,
         RANGE_LOOP=not interpreted(_decode_kernel),
-        lse_ptr=lse, lse_s0=0 if lse is None else lse.stride(0), WRITE_LSE=lse is not None,
-        v_scale=float(v_scale), KV_FP8=fp8, Q_FP16=fp8 and q.dtype == torch.bfloat16,
         order_ptr=order if ordered else None, ORDERED=ordered,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_attend_args(q, kv_cache, block_table, out, shape, cfg, scale, softcap, sinks, lse,
+                       k_scale, v_scale, fp8, d_pad),
         **pdl_launch_args(_decode_kernel, q.device),
     )
     if num_splits > 1:
@@ -1044,6 +1022,43 @@ def paged_decode_attention(
     return out
 
 
+def _partials(workspace, key: str, rows: int, d_pad: int, device: torch.device):
+    """Float32 split partials ``(m [rows], l [rows], acc [rows, d_pad])``: ``workspace[key]``
+    when it is large enough (every layer of a step reuses it), else new ones kept there."""
+    bufs = None if workspace is None else workspace.get(key)
+    if bufs is None or bufs[0].shape[0] < rows or bufs[2].shape[1] != d_pad \
+            or bufs[0].device != device:
+        bufs = (torch.empty(rows, dtype=torch.float32, device=device),
+                torch.empty(rows, dtype=torch.float32, device=device),
+                torch.empty(rows, d_pad, dtype=torch.float32, device=device))
+        if workspace is not None:
+            workspace[key] = bufs
+    return bufs
+
+
+def _attend_args(q, kv_cache, block_table, out, shape, cfg: DecodeConfig, scale, softcap, sinks,
+                 lse, k_scale, v_scale, fp8, d_pad: int) -> dict:
+    """The arguments ``_decode_kernel`` and ``_decode_flat_kernel`` share, by name: the query,
+    cache, table and output, the softmax scale (``k_scale`` folded in for an FP8 cache), the
+    shape constants and the optional sinks / log-sum-exps."""
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    return dict(
+        q_ptr=q, q_s0=q.stride(0), q_s1=q.stride(1),
+        k_ptr=k_cache, v_ptr=v_cache, c_sb=k_cache.stride(0), c_st=k_cache.stride(1),
+        c_sh=k_cache.stride(2),
+        bt_ptr=block_table, bt_s0=block_table.stride(0), bt_width=block_table.shape[1],
+        out_ptr=out, o_s0=out.stride(0), o_s1=out.stride(1),
+        sinks_ptr=q if sinks is None else sinks,  # never read without sinks
+        scale_log2=float(scale) * LOG2E * (float(k_scale) if fp8 else 1.0),
+        SOFTCAP=softcap, HAS_SINKS=sinks is not None,
+        NUM_HEADS=shape.num_heads, GROUP=shape.group, GROUP_PAD=max(16, next_pow2(shape.group)),
+        HEAD_DIM=shape.head_dim, D_PAD=d_pad, BLOCK_SIZE=shape.block_size, TILE_N=cfg.tile_n,
+        DOT_PREC=dot_precision(q.dtype if fp8 else kv_cache.dtype),
+        lse_ptr=lse, lse_s0=0 if lse is None else lse.stride(0), WRITE_LSE=lse is not None,
+        v_scale=float(v_scale), KV_FP8=fp8, Q_FP16=fp8 and q.dtype == torch.bfloat16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
 def _flat_decode(q, kv_cache, block_table, query_start_loc, seq_lens, num_reqs, scale, out,
                  shape, cfg: DecodeConfig, zero_padded_rows, workspace, window, softcap, sinks,
                  lse, k_scale, v_scale, fp8):
@@ -1053,43 +1068,25 @@ def _flat_decode(q, kv_cache, block_table, query_start_loc, seq_lens, num_reqs, 
     progs = flat_programs(shape.num_kv_heads, num_sms(q.device), cfg)
     min_tiles = max(1, cdiv(cfg.flat_min_split_tokens, cfg.tile_n))
     d_pad = max(16, next_pow2(shape.head_dim))
-    rows = (progs + num_reqs) * shape.num_heads  # partial row (p + r) per head
-    bufs = None if workspace is None else workspace.get("decode_flat_partials")
-    if bufs is None or bufs[0].shape[0] < rows or bufs[2].shape[1] != d_pad \
-            or bufs[0].device != q.device:
-        bufs = (torch.empty(rows, dtype=torch.float32, device=q.device),
-                torch.empty(rows, dtype=torch.float32, device=q.device),
-                torch.empty(rows, d_pad, dtype=torch.float32, device=q.device))
-        if workspace is not None:
-            workspace["decode_flat_partials"] = bufs
-    m_buf, l_buf, acc_buf = bufs
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    m_buf, l_buf, acc_buf = _partials(workspace, "decode_flat_partials",
+                                      (progs + num_reqs) * shape.num_heads,  # row (p + r) a head
+                                      d_pad, q.device)
     interp = interpreted(_decode_flat_kernel)
     req_chunk = 16 if interp else 256
-    sinks_arg = q if sinks is None else sinks  # never read without sinks
     _decode_flat_kernel[(progs, shape.num_kv_heads)](
-        q, q.stride(0), q.stride(1),
-        k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_table, block_table.stride(0), block_table.shape[1],
-        query_start_loc, seq_lens, num_reqs, min_tiles, window,
-        out, out.stride(0), out.stride(1),
-        m_buf, l_buf, acc_buf, sinks_arg,
-        float(scale) * LOG2E * (float(k_scale) if fp8 else 1.0),
-        SOFTCAP=softcap, HAS_SINKS=sinks is not None,
-        NUM_HEADS=shape.num_heads, GROUP=shape.group, GROUP_PAD=max(16, next_pow2(shape.group)),
-        HEAD_DIM=shape.head_dim, D_PAD=d_pad, BLOCK_SIZE=shape.block_size, TILE_N=cfg.tile_n,
-        DOT_PREC=dot_precision(q.dtype if fp8 else kv_cache.dtype), RANGE_LOOP=not interp,
-        REQ_CHUNK=req_chunk,
-        lse_ptr=lse, lse_s0=0 if lse is None else lse.stride(0), WRITE_LSE=lse is not None,
-        v_scale=float(v_scale), KV_FP8=fp8, Q_FP16=fp8 and q.dtype == torch.bfloat16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        qsl_ptr=query_start_loc, seq_ptr=seq_lens, num_reqs=num_reqs, min_tiles=min_tiles,
+        window=window, m_ptr=m_buf, l_ptr=l_buf, acc_ptr=acc_buf,
+        RANGE_LOOP=not interp, REQ_CHUNK=req_chunk,
+        **_attend_args(q, kv_cache, block_table, out, shape, cfg, scale, softcap, sinks, lse,
+                       k_scale, v_scale, fp8, d_pad),
         **({} if interp or cfg.flat_max_registers is None else {"maxnreg": cfg.flat_max_registers}),
         **pdl_launch_args(_decode_flat_kernel, q.device),
     )
     block_h = min(cfg.reduce_heads, next_pow2(shape.num_heads))
     _decode_flat_reduce_kernel[(num_reqs, cdiv(shape.num_heads, block_h))](
         query_start_loc, seq_lens, num_reqs, progs, min_tiles, int(bool(zero_padded_rows)),
-        window, out, out.stride(0), out.stride(1), m_buf, l_buf, acc_buf, sinks_arg,
+        window, out, out.stride(0), out.stride(1), m_buf, l_buf, acc_buf,
+        q if sinks is None else sinks,
         NUM_HEADS=shape.num_heads, HEAD_DIM=shape.head_dim, D_PAD=d_pad, TILE_N=cfg.tile_n,
         REQ_CHUNK=req_chunk, SPLIT_CHUNK=8, HAS_SINKS=sinks is not None,
         lse_ptr=lse, lse_s0=0 if lse is None else lse.stride(0), WRITE_LSE=lse is not None,
