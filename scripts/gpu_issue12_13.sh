@@ -11,7 +11,7 @@
 # the decode reduce's heads per program (mixed lengths, W1 4 vs 1 twice), with PREFILL_AB=1
 # (OLD_TREE=DIR) the prefill kernel's sweeps and W3 / W2 against an older tree's, with DECODE_AB=1
 # the decode kernel against the older tree's, with FLAGS_AB=1 (AB_FLAGS, AB_ENV, AB_WORKLOADS, AB_PAIRS) bench_w1.py's defaults against extra flags,
-# with HOST_W3=1 W3's host phases and a profiler window of its prefill-like steps, with CUDNN_AB=1 the cuDNN fresh-prefill path's GPU tests, bench and W2 A/B, with CUDNN_PROF=1 its layer and W2-step profiles, with W3_DIAG=1 W3's compiles and host phases in a first run (and the first user generate's step times), with ARGMAX=1 the greedy argmax bench and tests, with HOSTCPU=1 the host's CPU quota, throttling and per-core speed. Logs/JSON under $OUT. SKIP_* skip single steps, ONLY=1 all the default ones;
+# with HOST_W3=1 W3's host phases and a profiler window of its prefill-like steps, with CUDNN_AB=1 the cuDNN fresh-prefill path's GPU tests, bench and W2 A/B, with CUDNN_PROF=1 its layer and W2-step profiles, with W3_DIAG=1 W3's compiles and host phases in a first run (and the first user generate's step times), with ARGMAX=1 the greedy argmax bench and tests, with HOSTCPU=1 the host's CPU quota, throttling and per-core speed, with DECODE_POLICY=1 the decode launch policies (flat split, longest-first one range) on mixed lengths and in W1 A/B rounds. Logs/JSON under $OUT. SKIP_* skip single steps, ONLY=1 all the default ones;
 # more than ~550 s of steps needs two calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -78,6 +78,20 @@ if [ -n "${FLAGS_AB:-}" ]; then  # bench_w1.py with the defaults (a) against ext
       TAIL=4 run ${w}_b_$i 200 env ${AB_ENV:-AB=b} python3 bench/bench_w1.py --workload $w $extra ${AB_FLAGS:-} --json "$OUT/${w}_b_$i.json"
     done
   done
+fi
+if [ -n "${DECODE_POLICY:-}" ]; then  # the decode launch policies (fifteenth session, opt-in): the mixed-length kernel sweep, then W1 (POLICY_WORKLOADS) with each of POLICY_FLAGS (';'-separated, "" = defaults) in turn, POLICY_ROUNDS rounds (~35 s a W1 run); the outputs' tok/s in policy.txt
+  TAIL=9 run policy_mixed 90 python3 bench/bench_decode_mixed.py --batches ${POLICY_BATCHES:-32,48,64,96,128,153,256} --splits "" --min-split-tokens "" --variants ${POLICY_VARIANTS:-flat,lpt1,lptor,lptor100,lptor_flat} --out "$OUT/policy_mixed.json"
+  IFS=';' read -r -a flagsets <<< "${POLICY_FLAGS:-;--flat-split;--lpt-one-range;--lpt-one-range --flat-split}"
+  for w in ${POLICY_WORKLOADS:-w1}; do
+    for i in $(seq 1 ${POLICY_ROUNDS:-2}); do
+      for j in "${!flagsets[@]}"; do
+        f=${flagsets[$j]}
+        timeout ${POLICY_T:-60} python3 bench/bench_w1.py --workload $w $f --json "$OUT/policy_${w}_${j}_$i.json" > "$OUT/policy_${w}_${j}_$i.log" 2>&1
+        echo "$w round $i flags [$f]: $(python3 -c "import json; print(round(json.load(open('$OUT/policy_${w}_${j}_$i.json'))['pagedkv']['output_tokens_per_s']))" 2>/dev/null || echo failed)" | tee -a "$OUT/policy.txt"
+      done
+    done
+  done
+  (cd "$OUT" && tar czf policy_runs.tgz policy_w*.json policy_w*.log && rm -f policy_w*.json policy_w*.log)
 fi
 if [ -n "${HOST_W3:-}" ]; then  # host milliseconds per engine phase of W3's steps, and a profiler window over its prefill-like steps (host ops by own CPU time)
   TAIL=60 run prof_w3_host 240 python3 bench/profile_w1_gpu.py --workload w3 --phases --windows ${HOST_W3_WINDOWS:-1:5} --no-trace-files --out "$OUT/prof_w3_host"
