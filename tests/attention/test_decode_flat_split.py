@@ -14,7 +14,16 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_triton_cases import assert_rows_close, assert_rows_untouched, make_case, poisoned_out, reference, rows_of
+from test_triton_cases import (
+    assert_rows_close,
+    assert_rows_untouched,
+    capture_graph,
+    make_case,
+    poisoned_out,
+    reference,
+    rows_of,
+    set_lengths,
+)
 
 from pagedkv.attention.triton_decode import (
     DecodeConfig,
@@ -275,17 +284,9 @@ def test_flat_gpu_cuda_graph_replay_matches_per_request_launch():
                                config=cfg, zero_padded_rows=True, workspace=ws)
 
     ws = {}
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        call()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    graph = capture_graph(call)
     for lens in ([3000, 1, 2000], [17, 101, 2501], [4001, 101, 2501]):
-        m.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
-        m.seq_lens_cpu.copy_(torch.tensor(lens, dtype=torch.int32))
+        set_lengths(case, lens)
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()

@@ -92,6 +92,28 @@ def poisoned_out(case) -> torch.Tensor:
     return torch.full_like(case["q"], float("nan"))
 
 
+def capture_graph(call) -> torch.cuda.CUDAGraph:
+    """``call`` run once on a side stream (kernels compiled, workspaces allocated), then
+    captured into a CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph
+
+
+def set_lengths(case, lens) -> None:
+    """Writes new sequence lengths in place (device and host copies), as a graph replay
+    sees them."""
+    m = case["meta"]
+    m.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+    m.seq_lens_cpu.copy_(torch.tensor(lens, dtype=torch.int32))
+
+
 def assert_rows_close(out, ref, rows, atol, rtol=None):
     idx = torch.tensor(rows, dtype=torch.int64)
     got = out.float().cpu()[idx]

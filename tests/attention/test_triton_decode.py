@@ -9,10 +9,12 @@ import torch
 from test_triton_cases import (
     assert_rows_close,
     assert_rows_untouched,
+    capture_graph,
     make_case,
     poisoned_out,
     reference,
     rows_of,
+    set_lengths,
 )
 
 from pagedkv.attention.triton_decode import (
@@ -445,17 +447,9 @@ def test_decode_gpu_cuda_graph_replay():
                                m.query_start_loc, m.seq_lens, m.num_reqs, case["scale"], out,
                                max_seq_len=8192)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        call()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    graph = capture_graph(call)
     for lens in ([3000, 1, 2000], [17, 101, 2501]):
-        m.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
-        m.seq_lens_cpu.copy_(torch.tensor(lens, dtype=torch.int32))
+        set_lengths(case, lens)
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
