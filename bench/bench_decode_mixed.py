@@ -39,45 +39,56 @@ from pagedkv.attention.triton_decode import (  # noqa: E402
 )
 
 COLD_BYTES = 512 << 20
+
+
+def _per_request(**kw) -> DecodeConfig:
+    """The per-request split launch in request order (no flat split, no longest-first order or
+    one-range policy) with ``kw`` changed."""
+    return DecodeConfig(**{"use_order": False, "flat_split": False, "lpt_one_range": False, **kw})
+
+
 VARIANTS = {
-    "mid1": DecodeConfig(mid_splits=1),
+    # the per-request launch in request order, the default before the sixteenth session:
+    # every other variant below changes it (the row "default" is DecodeConfig())
+    "per_request": _per_request(),
+    "mid1": _per_request(mid_splits=1),
     # launch-parameter variants (every regime)
-    "s3": DecodeConfig(num_stages=3),
-    "s4": DecodeConfig(num_stages=4),
-    "s6": DecodeConfig(num_stages=6),
-    "t16s5": DecodeConfig(tile_n=16),
-    "t64s4": DecodeConfig(tile_n=64, num_stages=4),
-    "w2": DecodeConfig(num_warps=2),
-    "w8": DecodeConfig(num_warps=8),
+    "s3": _per_request(num_stages=3),
+    "s4": _per_request(num_stages=4),
+    "s6": _per_request(num_stages=6),
+    "t16s5": _per_request(tile_n=16),
+    "t64s4": _per_request(tile_n=64, num_stages=4),
+    "w2": _per_request(num_warps=2),
+    "w8": _per_request(num_warps=8),
     # query heads a reduce program merges (default 4)
-    "rh1": DecodeConfig(reduce_heads=1),
-    "rh2": DecodeConfig(reduce_heads=2),
-    "rh8": DecodeConfig(reduce_heads=8),
-    "rh16": DecodeConfig(reduce_heads=16),
+    "rh1": _per_request(reduce_heads=1),
+    "rh2": _per_request(reduce_heads=2),
+    "rh8": _per_request(reduce_heads=8),
+    "rh16": _per_request(reduce_heads=16),
     # programs dispatched request by request, longest request first (``order``), with the
     # default split policy and with finer large-batch splits
-    "lpt": DecodeConfig(use_order=True),
-    "lpt_l256": DecodeConfig(large_min_split_tokens=256, use_order=True),
-    "lpt_l8": DecodeConfig(large_splits=8, large_min_split_tokens=256, use_order=True),
-    "l256": DecodeConfig(large_min_split_tokens=256),
+    "lpt": _per_request(use_order=True),
+    "lpt_l256": _per_request(large_min_split_tokens=256, use_order=True),
+    "lpt_l8": _per_request(large_splits=8, large_min_split_tokens=256, use_order=True),
+    "l256": _per_request(large_min_split_tokens=256),
     # the flat split (the batch's tiles cut into equal shares, one wave of programs; default 4
     # an SM, registers uncapped): shares of at least 128 / 256 / 512 positions; 5 an SM at 96
     # registers; 10 an SM (several waves)
-    "flat": DecodeConfig(flat_split=True),
-    "flat_m128": DecodeConfig(flat_split=True, flat_min_split_tokens=128),
-    "flat_m512": DecodeConfig(flat_split=True, flat_min_split_tokens=512),
-    "flat_p5": DecodeConfig(flat_split=True, flat_programs_per_sm=5.0, flat_max_registers=96),
-    "flat_p10": DecodeConfig(flat_split=True, flat_programs_per_sm=10.0),
+    "flat": _per_request(flat_split=True),
+    "flat_m128": _per_request(flat_split=True, flat_min_split_tokens=128),
+    "flat_m512": _per_request(flat_split=True, flat_min_split_tokens=512),
+    "flat_p5": _per_request(flat_split=True, flat_programs_per_sm=5.0, flat_max_registers=96),
+    "flat_p10": _per_request(flat_split=True, flat_programs_per_sm=10.0),
     # longest first with fewer ranges: one range a request up to 1,024 / 2,048 positions in
     # the large regime; every request one range (no partials, no reduce launch)
-    "lpt_l1k": DecodeConfig(large_min_split_tokens=1024, use_order=True),
-    "lpt_l2k": DecodeConfig(large_min_split_tokens=2048, use_order=True),
-    "lpt1": DecodeConfig(max_splits=1, use_order=True),
+    "lpt_l1k": _per_request(large_min_split_tokens=1024, use_order=True),
+    "lpt_l2k": _per_request(large_min_split_tokens=2048, use_order=True),
+    "lpt1": _per_request(max_splits=1, use_order=True),
     # the longest-first one-range policy (DecodeConfig.lpt_one_range) at load fractions 0.75
     # (its default) and 1.0; with the flat split for the launches it leaves split
-    "lptor": DecodeConfig(use_order=True, lpt_one_range=True),
-    "lptor100": DecodeConfig(use_order=True, lpt_one_range=True, lpt_load_fraction=1.0),
-    "lptor_flat": DecodeConfig(use_order=True, lpt_one_range=True, flat_split=True),
+    "lptor": _per_request(use_order=True, lpt_one_range=True),
+    "lptor100": _per_request(use_order=True, lpt_one_range=True, lpt_load_fraction=1.0),
+    "lptor_flat": _per_request(use_order=True, lpt_one_range=True, flat_split=True),
 }
 
 

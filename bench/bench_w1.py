@@ -75,7 +75,8 @@ def build_pagedkv(args) -> tuple[LLM, str]:
         decode_context_parallel_size=args.decode_context_parallel_size,
     )
     if args.no_cascade or args.prefill_config or args.reduce_heads or args.fresh_prefill \
-            or args.decode_order is not None or args.flat_split is not None or args.lpt_one_range:
+            or args.decode_order is not None or args.flat_split is not None \
+            or args.lpt_one_range is not None:
         # the Triton backend with cascade (shared-prefix) attention off, or with other
         # prefill launches (which the cascade prefix launch then takes as well), or another
         # reduce width of the decode kernel
@@ -90,12 +91,12 @@ def build_pagedkv(args) -> tuple[LLM, str]:
                                pack_heads=pack)
         dc = None
         if args.reduce_heads or args.decode_order is not None or args.flat_split is not None \
-                or args.lpt_one_range:
+                or args.lpt_one_range is not None:
+            order = DecodeConfig.use_order if args.decode_order is None else args.decode_order
+            lpt = (DecodeConfig.lpt_one_range and order) if args.lpt_one_range is None \
+                else args.lpt_one_range
             dc = DecodeConfig(reduce_heads=args.reduce_heads or DecodeConfig.reduce_heads,
-                              use_order=args.lpt_one_range or (
-                                  DecodeConfig.use_order if args.decode_order is None
-                                  else args.decode_order),
-                              lpt_one_range=args.lpt_one_range,
+                              use_order=order or lpt, lpt_one_range=lpt,
                               flat_split=DecodeConfig.flat_split if args.flat_split is None
                               else args.flat_split)
         kw["attention_backend"] = TritonAttentionBackend(
@@ -304,13 +305,16 @@ def main(argv=None) -> int:
                    help="query heads a decode reduce program merges (DecodeConfig.reduce_heads)")
     p.add_argument("--decode-order", action=argparse.BooleanOptionalAction, default=None,
                    help="the decode kernel launches the requests longest first "
-                        "(DecodeConfig.use_order; default: the DecodeConfig default, off)")
+                        "(DecodeConfig.use_order; default: the DecodeConfig default, on; "
+                        "--no-decode-order also turns the one-range policy off unless "
+                        "--lpt-one-range is given)")
     p.add_argument("--flat-split", action=argparse.BooleanOptionalAction, default=None,
                    help="the decode kernel splits the batch's work evenly over one wave of "
                         "programs (DecodeConfig.flat_split; default: the DecodeConfig default)")
-    p.add_argument("--lpt-one-range", action="store_true",
+    p.add_argument("--lpt-one-range", action=argparse.BooleanOptionalAction, default=None,
                    help="decode launches of one range per request, longest first, where the "
-                        "lengths allow it (DecodeConfig.lpt_one_range; implies --decode-order)")
+                        "lengths allow it (DecodeConfig.lpt_one_range; implies --decode-order; "
+                        "default: the DecodeConfig default, on)")
     p.add_argument("--splitk", action=argparse.BooleanOptionalAction, default=None,
                    help="the decode-step o / down projections through the split-K kernel "
                         "(pagedkv.kernels.splitk_gemm; on by default) or cuBLAS (A/B runs)")

@@ -125,10 +125,10 @@ class DecodeConfig:
     the launch then ends on its shortest programs instead of on the last ranges of long
     requests. H200, mixed lengths U[100, 2048] (``bench/bench_decode_mixed.py --variants
     lpt``, us, ordered / request order): B32 46.6 / 51.6, B64 84.8 / 85.1, B128 148.4 /
-    147.7, B153 171.1 / 170.1, B200 214.4 / 216.6, B256 272.2 / 277.1. Off by default until
-    the engine's GPU suite and a W1 A/B have run with it on: ``TritonAttentionBackend(
-    decode_config=DecodeConfig(use_order=True))`` or ``bench_w1.py --decode-order`` (the
-    runner then stages ``StepInputs.decode_order`` each step; otherwise it does not).
+    147.7, B153 171.1 / 170.1, B200 214.4 / 216.6, B256 272.2 / 277.1. On by default since
+    the sixteenth session (with ``lpt_one_range``, which needs it; W1 below); the runner stages
+    ``StepInputs.decode_order`` each step for a backend whose config has it on
+    (``use_order=False``, ``bench_w1.py --no-decode-order``: it does not).
 
     ``flat_split``: split the batch's work evenly instead of each request separately
     (:func:`flat_programs`): the decode requests' tiles are laid end to end and cut into one
@@ -157,7 +157,7 @@ class DecodeConfig:
     / 25,557** (another lease). Equal work per program did not remove the mixed batches'
     excess: most of it is a fixed cost of ~10-19 us a call (the split partials and the reduce
     launch: the balanced one-wave launch without them is within 4 us of its bytes' time).
-    Off by default until W2 and the short-batch anchors have run with it.
+    On by default since the sixteenth session (W1 below).
 
     ``lpt_one_range`` (needs ``use_order``): one range per request, launched longest first,
     also past one wave, when the lengths allow it (:func:`lpt_fits`): the batch's positions
@@ -167,9 +167,15 @@ class DecodeConfig:
     writes no partials and needs no reduce. H200, lengths U[100, 2048], one range longest
     first against the default split (``bench_decode_mixed.py --variants lpt1``, us): B128
     139.8 / 147.0 (the bound's ratio 0.82), B153 154.4 / 169.6 (0.93: 98% of copy bandwidth),
-    B256 256.5 / 277.2 (1.58: 100%). Off by default until W1 / W2 A/B runs have measured it.
-    The decision is a host one from the step's lengths (:func:`one_range_for`), a CUDA-graph
-    variant like ``balanced``.
+    B256 256.5 / 277.2 (1.58: 100%). The decision is a host one from the step's lengths
+    (:func:`one_range_for`), a CUDA-graph variant like ``balanced``.
+
+    The defaults (sixteenth session): ``use_order``, ``flat_split`` and ``lpt_one_range`` on.
+    W1 on the H200, two rounds in one lease, output tok/s: per-request launches in request
+    order 25,501 / 25,531; flat split 26,277 / 26,229; longest-first one range 25,930 /
+    26,200; both 26,373 / 26,395. FP8 caches keep the per-request launch
+    (:data:`FP8_DECODE_CONFIG`); the CPU interpreter runs the defaults on a wave of 8 programs
+    (:data:`INTERPRET_DECODE_CONFIG`).
 
     ``reduce_heads``: query heads one program of the reduce kernel merges (a power of two; the
     merge is a latency-bound round trip per program, so fewer, wider programs finish sooner).
@@ -199,12 +205,12 @@ class DecodeConfig:
     wave_programs_per_sm: float = 5.0
     balanced_fraction: float = 0.8
     reduce_heads: int = 4
-    use_order: bool = False
-    flat_split: bool = False
+    use_order: bool = True
+    flat_split: bool = True
     flat_programs_per_sm: float = 4.0
     flat_min_split_tokens: int = 256
     flat_max_registers: int | None = None
-    lpt_one_range: bool = False
+    lpt_one_range: bool = True
     lpt_load_fraction: float = 0.75
 
     def __post_init__(self):
@@ -237,7 +243,10 @@ class DecodeConfig:
                               "wave_programs_per_sm and 0 < balanced_fraction <= 1")
 
 
-INTERPRET_DECODE_CONFIG = DecodeConfig(tile_n=16, num_warps=1, num_stages=1, min_split_tokens=16)
+# The interpreter runs the GPU's default policies (longest-first order and one range, the flat
+# split) on small shapes: a flat wave of 8 programs over the KV heads and shares of >= 16 positions.
+INTERPRET_DECODE_CONFIG = DecodeConfig(tile_n=16, num_warps=1, num_stages=1, min_split_tokens=16,
+                                       flat_programs_per_sm=8 / 132, flat_min_split_tokens=16)
 
 # An FP8 cache moves half the bytes per position, so the default tile of 32 positions leaves
 # the kernel bound by its per-tile work, not by memory: on the H200 (bench/bench_fp8_decode_gpu.py,
@@ -245,7 +254,10 @@ INTERPRET_DECODE_CONFIG = DecodeConfig(tile_n=16, num_warps=1, num_stages=1, min
 # 641.8 / 2374.8 us at B1/L8192, B16/L4096, B64/L2048, B64/L8192, B256/L2048, B256/L8192, slower
 # than the bf16 cache (19.5 / 77.9 / 129.9 / 497.4 / 528.5 / 1997.3); tile 128 x 4 warps x 2
 # stages was the best or within 6% of the best of 24 variants at every shape.
-FP8_DECODE_CONFIG = DecodeConfig(tile_n=128, num_warps=4, num_stages=2)
+# The launch policies measured with it are the per-request split and request order: the flat
+# split and the longest-first one range were measured on bf16 caches only.
+FP8_DECODE_CONFIG = DecodeConfig(tile_n=128, num_warps=4, num_stages=2, use_order=False,
+                                 flat_split=False, lpt_one_range=False)
 
 
 def default_decode_config(device: torch.device, kv_dtype: torch.dtype | None = None) -> DecodeConfig:

@@ -119,8 +119,15 @@ def test_decode_twin_agrees(kernel_device):
 
 
 def ordered(device) -> DecodeConfig:
-    """The device's default launch with ``use_order`` on (off by default)."""
+    """The device's default launch with ``use_order`` on (the default, except for FP8 caches)."""
     return dataclasses.replace(default_decode_config(torch.device(device)), use_order=True)
+
+
+def unordered(device) -> DecodeConfig:
+    """The device's default launch with ``use_order`` (and the one-range policy that needs it)
+    off."""
+    return dataclasses.replace(default_decode_config(torch.device(device)), use_order=False,
+                               lpt_one_range=False)
 
 
 def test_longest_first_order_by_hand():
@@ -181,9 +188,10 @@ def test_decode_order_is_read(kernel_device):
     out = run_decode(case, num_splits=1,  # one range: no reduce launch (it reads no order)
                      order=torch.full((3,), 2, dtype=torch.int32, device=kernel_device),
                      config=ordered(kernel_device))
-    # use_order off (the default): the order is not read, every row is computed
+    # use_order off: the order is not read, every row is computed
     check(case, run_decode(case, num_splits=1,
-                           order=torch.full((3,), 2, dtype=torch.int32, device=kernel_device)))
+                           order=torch.full((3,), 2, dtype=torch.int32, device=kernel_device),
+                           config=unordered(kernel_device)))
     ref = reference(case)
     assert_rows_close(out, ref, [2], TOL[case["q"].dtype])
     assert torch.isnan(out[:2].cpu()).all()
@@ -226,7 +234,9 @@ def test_choose_split_regimes():
 
 
 def test_choose_split_balanced_lengths():
-    cfg = DecodeConfig()  # one range when balanced and 2 x 132 <= programs <= 5 x 132
+    # one range when balanced and 2 x 132 <= programs <= 5 x 132 (without the longest-first
+    # one-range policy, which also allows it past one wave)
+    cfg = DecodeConfig(use_order=False, lpt_one_range=False)
     # B64 x 8 KV heads = 512 programs: the mid regime's 8 splits, one range when balanced
     assert choose_split(64, 8, 2048, 132, cfg) == (8, 256)
     assert choose_split(64, 8, 2048, 132, cfg, balanced=True)[0] == 1
@@ -252,7 +262,9 @@ def test_longest_first_one_range_policy_by_hand():
     lens = [1029] * 152 + [2048]
     assert lpt_fits(lens, 8, 132, cfg)
     assert one_range_for(lens, 153, 8, 132, cfg)
-    assert not one_range_for(lens, 153, 8, 132, DecodeConfig())  # off by default
+    off = DecodeConfig(use_order=False, lpt_one_range=False)
+    assert cfg == DecodeConfig()  # the default
+    assert not one_range_for(lens, 153, 8, 132, off)
     assert choose_split(153, 8, None, 132, cfg, balanced=True)[0] == 1
     assert choose_split(153, 8, None, 132, cfg) == (4, 512)
     # the bound: sum x 8 >= 0.75 x 660 x max; 64 requests of 1,000 and one of 2,048:
@@ -270,13 +282,13 @@ def test_longest_first_one_range_policy_by_hand():
     # programs (33 requests of 8 KV heads) at any size
     assert [one_range_possible(b, 8, 132, cfg) for b in (32, 33, 82, 83, 256, 1024)] == \
         [False, True, True, True, True, True]
-    assert [one_range_possible(b, 8, 132, DecodeConfig()) for b in (32, 33, 82, 83)] == \
+    assert [one_range_possible(b, 8, 132, off) for b in (32, 33, 82, 83)] == \
         [False, True, True, False]
     # balanced lengths still take one range within one wave, with or without the policy
-    assert one_range_for([2048] * 64, 64, 8, 132, DecodeConfig())
+    assert one_range_for([2048] * 64, 64, 8, 132, off)
     assert one_range_for([2048] * 64, 64, 8, 132, cfg)
     with pytest.raises(ConfigError, match="use_order"):
-        DecodeConfig(lpt_one_range=True)
+        DecodeConfig(use_order=False, lpt_one_range=True)
     with pytest.raises(ConfigError, match="lpt_load_fraction"):
         DecodeConfig(lpt_load_fraction=0.0)
 

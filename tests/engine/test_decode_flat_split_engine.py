@@ -15,7 +15,9 @@ from pagedkv.attention.triton_decode import INTERPRET_DECODE_CONFIG
 def test_engine_with_flat_split_equals_per_request_launch(tiny_dir, monkeypatch):
     """Mixed lengths (1-40-token prompts, 6 output tokens, chunked prefill at a 32-token budget:
     decodes in mixed steps and in decode-only steps) over 3 programs a KV head with shares of
-    at least one 16-position tile: requests cut across programs and merged."""
+    at least one 16-position tile: requests cut across programs and merged. The default
+    configuration (``decode_config=None``: flat split, longest-first order and one range on)
+    takes the flat launches too; both give the per-request launch's tokens."""
     import pagedkv.attention.triton_decode as td
 
     path = tiny_dir("qwen3")
@@ -32,11 +34,13 @@ def test_engine_with_flat_split_equals_per_request_launch(tiny_dir, monkeypatch)
 
     monkeypatch.setattr(td, "_flat_decode", counted)
     outs = []
-    for cfg in (flat, None):
+    per_request = dataclasses.replace(INTERPRET_DECODE_CONFIG, flat_split=False, use_order=False,
+                                      lpt_one_range=False)
+    for cfg in (flat, None, per_request):
         launches.clear()
         llm = make_llm(path, attention_backend=TritonAttentionBackend(decode_config=cfg, cascade=None),
                        max_num_batched_tokens=32)
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         assert pool_is_idle(llm)
-        assert bool(launches) == (cfg is not None)
+        assert bool(launches) == (cfg is not per_request)
     assert outs[0] == outs[1]

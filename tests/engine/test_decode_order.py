@@ -17,7 +17,10 @@ def test_engine_with_decode_order_equals_row_order(tiny_dir, monkeypatch):
     budget): every decode launch of the ordered engine runs over a longest-first order that
     the preparer staged, and its greedy tokens are the row-order engine's."""
     path = tiny_dir("qwen3")
-    ordered_cfg = dataclasses.replace(INTERPRET_DECODE_CONFIG, use_order=True)
+    # the per-request launch (no flat split, no one-range policy), ordered and in row order
+    ordered_cfg = dataclasses.replace(INTERPRET_DECODE_CONFIG, use_order=True, flat_split=False,
+                                      lpt_one_range=False)
+    row_cfg = dataclasses.replace(ordered_cfg, use_order=False)
     prompts = [[3 + i] * n for i, n in enumerate((3, 40, 7, 22, 1, 15))]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     outs, seen, launched = [], [], []
@@ -29,12 +32,12 @@ def test_engine_with_decode_order_equals_row_order(tiny_dir, monkeypatch):
         return inner_decode(*a, **kw)
 
     monkeypatch.setattr(tb, "paged_decode_attention", decode)
-    for cfg in (ordered_cfg, None):
+    for cfg in (ordered_cfg, row_cfg):
         launched.clear()
         backend = TritonAttentionBackend(decode_config=cfg, cascade=None)
         llm = make_llm(path, attention_backend=backend, max_num_batched_tokens=32)
         prep = llm.runner.preparer
-        assert prep.decode_order_enabled == (cfg is not None)
+        assert prep.decode_order_enabled == (cfg is ordered_cfg)
         inner = prep.prepare
 
         def prepare(*a, _inner=inner, **kw):
@@ -52,7 +55,7 @@ def test_engine_with_decode_order_equals_row_order(tiny_dir, monkeypatch):
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params,
                                                                     use_tqdm=False)])
         assert pool_is_idle(llm)
-        assert launched and set(launched) == {cfg is not None}  # the backend passes it on
+        assert launched and set(launched) == {cfg is ordered_cfg}  # the backend passes it on
     assert seen and max(seen) == len(prompts)
     assert outs[0] == outs[1]
 
@@ -61,7 +64,7 @@ def test_engine_with_longest_first_one_range_equals_default(tiny_dir, monkeypatc
     """``DecodeConfig.lpt_one_range`` through the engine, its bounds scaled to the tiny model
     (one program slot, from one program on): decode-only steps whose lengths pass the bound
     launch one range per request longest first (``balanced=True``), the others split; the
-    greedy tokens equal the default engine's."""
+    greedy tokens equal the per-request launch's (row order, no one-range policy)."""
     path = tiny_dir("qwen3")
     lpt = dataclasses.replace(INTERPRET_DECODE_CONFIG, use_order=True, lpt_one_range=True,
                               balanced_min_programs_per_sm=0.0, wave_programs_per_sm=1.0 / 132,
@@ -78,14 +81,17 @@ def test_engine_with_longest_first_one_range_equals_default(tiny_dir, monkeypatc
 
     monkeypatch.setattr(tb, "paged_decode_attention", decode)
     outs = []
-    for cfg in (lpt, None):
+    plain = dataclasses.replace(INTERPRET_DECODE_CONFIG, use_order=False, lpt_one_range=False,
+                                flat_split=False, balanced_min_programs_per_sm=0.0,
+                                wave_programs_per_sm=1.0 / 132)
+    for cfg in (lpt, plain):
         balanced.clear()
         llm = make_llm(path, attention_backend=TritonAttentionBackend(decode_config=cfg, cascade=None),
                        max_num_batched_tokens=32)
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params,
                                                                     use_tqdm=False)])
         assert pool_is_idle(llm)
-        if cfg is not None:  # both launches met
+        if cfg is lpt:  # both launches met
             assert True in balanced and False in balanced
         else:
             assert True not in balanced
