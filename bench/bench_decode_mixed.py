@@ -118,10 +118,12 @@ class MixedSetup:
 
     def call(self, i, **kw):
         # as a decode graph launches: no max length, the one-range value from the host lengths
-        # (a graph variant)
+        # (a graph variant), the longest-first order where the config reads it
+        cfg = kw.get("config") or DecodeConfig()
         kw.setdefault("balanced", one_range_for(self.lens.numpy(), self.batch, HKV,
-                                                num_sms(torch.device("cuda")),
-                                                kw.get("config") or DecodeConfig()))
+                                                num_sms(torch.device("cuda")), cfg))
+        if cfg.use_order:
+            kw.setdefault("order", self.order)
         return lambda: paged_decode_attention(self.qs[i], self.cache, self.tables[i], self.qsl,
                                               self.seq, self.batch, SCALE, self.outs[i], **kw)
 
@@ -169,8 +171,6 @@ def main() -> None:
         res["variants"] = {}
         for name in filter(None, args.variants.split(",")):
             kw = {"config": VARIANTS[name]}
-            if name.startswith("lpt"):
-                kw["order"] = s.order
             res["variants"][name] = {"us": s.time(**kw), "rel_err": s.check(**kw)}
         for mst in filter(None, args.min_split_tokens.split(",")):
             mst = int(mst)
