@@ -143,7 +143,13 @@ class DecodeConfig:
     ``num_splits`` takes the per-request launch. ``flat_max_registers``: a register cap per
     thread (Triton's ``maxnreg``; None: the compiler's choice, 128 at the default tile: 4
     programs an SM, the default wave; capped at 96, 5 fit with no spill, ``python -m
-    pagedkv.tools.sm90_report decode-flat --maxnreg 96``).
+    pagedkv.tools.sm90_report decode-flat --maxnreg 96``). ``flat_min_programs_per_sm``: the
+    flat split replaces only launches whose per-request grid has at least this many programs
+    per multiprocessor before splitting (:func:`flat_launch`; 1.0: from 17 requests of 8 KV
+    heads on an H200): small batches keep the per-request split, whose short ranges the
+    flat shares (>= ``flat_min_split_tokens``) cannot match. H200, equal lengths, default
+    flat / per-request, us: B1/L512 18.6 / 7.4, B1/L2048 18.8 / 11.1, B1/L8192 23.9 / 18.3,
+    B8/L8192 73.5 / 79.9 (the one small batch the flat split won).
 
     H200, mixed lengths U[100, 2048] (``bench/bench_decode_mixed.py --variants flat,flat_p4``,
     us; per-request launch / 5 an SM capped at 96 registers / 4 an SM uncapped, the default):
@@ -210,6 +216,7 @@ class DecodeConfig:
     flat_programs_per_sm: float = 4.0
     flat_min_split_tokens: int = 256
     flat_max_registers: int | None = None
+    flat_min_programs_per_sm: float = 1.0
     lpt_one_range: bool = True
     lpt_load_fraction: float = 0.75
 
@@ -226,9 +233,11 @@ class DecodeConfig:
         if self.num_warps < 1 or self.num_stages < 1:
             raise ConfigError("DecodeConfig: num_warps and num_stages must be positive")
         if self.flat_programs_per_sm <= 0 or self.flat_min_split_tokens < 1 \
-                or (self.flat_max_registers is not None and self.flat_max_registers < 24):
+                or (self.flat_max_registers is not None and self.flat_max_registers < 24) \
+                or not self.flat_min_programs_per_sm >= 0:
             raise ConfigError("DecodeConfig: need flat_programs_per_sm > 0, "
-                              "flat_min_split_tokens >= 1 and flat_max_registers >= 24 or None")
+                              "flat_min_split_tokens >= 1, flat_max_registers >= 24 or None "
+                              "and flat_min_programs_per_sm >= 0")
         if self.lpt_one_range and not self.use_order:
             raise ConfigError("DecodeConfig.lpt_one_range launches the requests longest first: "
                               "it needs use_order=True")
@@ -246,7 +255,8 @@ class DecodeConfig:
 # The interpreter runs the GPU's default policies (longest-first order and one range, the flat
 # split) on small shapes: a flat wave of 8 programs over the KV heads and shares of >= 16 positions.
 INTERPRET_DECODE_CONFIG = DecodeConfig(tile_n=16, num_warps=1, num_stages=1, min_split_tokens=16,
-                                       flat_programs_per_sm=8 / 132, flat_min_split_tokens=16)
+                                       flat_programs_per_sm=8 / 132, flat_min_split_tokens=16,
+                                       flat_min_programs_per_sm=0.0)
 
 # An FP8 cache moves half the bytes per position, so the default tile of 32 positions leaves
 # the kernel bound by its per-tile work, not by memory: on the H200 (bench/bench_fp8_decode_gpu.py,
@@ -347,6 +357,16 @@ def choose_split(num_reqs: int, num_kv_heads: int, max_seq_len: int | None,
     if max_seq_len is not None:
         splits = min(splits, cdiv(max(int(max_seq_len), 1), min_tokens))
     return max(1, min(config.max_splits, splits)), min_tokens
+
+
+def flat_launch(num_reqs: int, num_kv_heads: int, sms: int, config: DecodeConfig,
+                splits: int) -> bool:
+    """Whether a decode launch of ``num_reqs`` requests that :func:`choose_split` gives
+    ``splits`` ranges a request takes the flat split (``DecodeConfig.flat_split``): it would
+    split, and its per-request launch has at least ``flat_min_programs_per_sm x sms`` programs
+    before splitting (host values only: a CUDA graph's padded size decides it)."""
+    return (config.flat_split and splits > 1
+            and num_reqs * num_kv_heads >= config.flat_min_programs_per_sm * sms)
 
 
 def flat_programs(num_kv_heads: int, sms: int, config: DecodeConfig) -> int:
@@ -993,7 +1013,7 @@ def paged_decode_attention(
     auto_splits, min_split_tokens = choose_split(num_reqs, shape.num_kv_heads, span,
                                                  num_sms(q.device), cfg, balanced)
     if num_splits is None:
-        if cfg.flat_split and auto_splits > 1:  # the flat split replaces split launches
+        if flat_launch(num_reqs, shape.num_kv_heads, num_sms(q.device), cfg, auto_splits):
             return _flat_decode(q, kv_cache, block_table, query_start_loc, seq_lens, num_reqs,
                                 scale, out, shape, cfg, zero_padded_rows, workspace, window,
                                 softcap, sinks, lse, k_scale, v_scale, fp8)
@@ -1220,6 +1240,7 @@ __all__ = [
     "choose_split",
     "default_decode_config",
     "FP8_DECODE_CONFIG",
+    "flat_launch",
     "flat_pieces",
     "flat_programs",
     "lengths_balanced",

@@ -28,6 +28,7 @@ from test_triton_cases import (
 from pagedkv.attention.triton_decode import (
     DecodeConfig,
     default_decode_config,
+    flat_launch,
     flat_pieces,
     flat_programs,
     one_range_if_balanced,
@@ -44,7 +45,8 @@ def flat_cfg(programs: int, num_kv_heads: int, min_tokens: int = 16, **kw) -> De
     """An interpreter-sized flat-split launch with ``programs`` programs per KV head."""
     per_sm = (programs * num_kv_heads + 0.5) / SMS_CPU
     cfg = DecodeConfig(tile_n=16, num_warps=1, num_stages=1, flat_split=True,
-                       flat_programs_per_sm=per_sm, flat_min_split_tokens=min_tokens, **kw)
+                       flat_programs_per_sm=per_sm, flat_min_split_tokens=min_tokens,
+                       **{"flat_min_programs_per_sm": 0.0, **kw})
     assert flat_programs(num_kv_heads, SMS_CPU, cfg) == programs
     return cfg
 
@@ -99,9 +101,25 @@ def test_flat_programs_and_config():
     assert flat_programs(1000, 132, cfg) == 1
     # the flat split leaves the balanced one-wave launch as it is
     assert one_range_if_balanced(64, 8, 132, DecodeConfig()) and one_range_if_balanced(64, 8, 132, cfg)
-    for bad in (dict(flat_programs_per_sm=0.0), dict(flat_min_split_tokens=0)):
+    for bad in (dict(flat_programs_per_sm=0.0), dict(flat_min_split_tokens=0),
+                dict(flat_min_programs_per_sm=-1.0)):
         with pytest.raises(ConfigError):
             DecodeConfig(**bad)
+
+
+def test_flat_launch_by_hand():
+    """The flat split replaces split launches of at least ``flat_min_programs_per_sm x S``
+    per-request programs (default 1.0: 132 on an H200): with 8 KV heads from 17 requests on
+    (136 programs; 16 requests are 128); never a launch of one range; never with the flat split
+    off; every split launch with the floor at 0."""
+    cfg = DecodeConfig()
+    assert cfg.flat_split and cfg.flat_min_programs_per_sm == 1.0
+    assert [flat_launch(b, 8, 132, cfg, 4) for b in (1, 8, 16, 17, 64, 256)] == \
+        [False, False, False, True, True, True]
+    assert not flat_launch(256, 8, 132, cfg, 1)
+    assert not flat_launch(256, 8, 132, DecodeConfig(flat_split=False), 4)
+    assert flat_launch(1, 8, 132, DecodeConfig(flat_min_programs_per_sm=0.0), 32)
+    assert flat_launch(132, 1, 132, cfg, 2) and not flat_launch(131, 1, 132, cfg, 2)
 
 
 REQS = [(40, 1), (0, 3), (4, 1), (69, 1), (15, 1), (7, 4), (100, 1), (31, 1)]
@@ -252,7 +270,8 @@ def test_flat_property_random_batches(kernel_device, lens, programs, min_tokens,
 
 
 def gpu_flat() -> DecodeConfig:
-    return dataclasses.replace(default_decode_config(torch.device("cuda")), flat_split=True)
+    return dataclasses.replace(default_decode_config(torch.device("cuda")), flat_split=True,
+                               flat_min_programs_per_sm=0.0)
 
 
 @pytest.mark.gpu

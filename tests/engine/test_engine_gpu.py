@@ -140,7 +140,8 @@ def test_flat_split_engine_matches_transformers(tiny_dir):
 
     path = tiny_dir("qwen3")
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
-    cfg = dataclasses.replace(default_decode_config(torch.device("cuda")), flat_split=True)
+    cfg = dataclasses.replace(default_decode_config(torch.device("cuda")), flat_split=True,
+                              flat_min_programs_per_sm=0.0)  # every split launch, small batches too
     llm = _gpu_llm(path, max_num_batched_tokens=32,
                    attention_backend=TritonAttentionBackend(decode_config=cfg))
     assert llm.runner.cuda_graphs is not None
