@@ -116,7 +116,8 @@ def main() -> int:
 
 
 def best_table(rows: list, table_ms: str) -> dict:
-    """Per narrow projection (o, down): the split-K launch (config, splits) with the least
+    """Per projection whose consumer reads the partials (o, down: the residual add + RMSNorm;
+    gate_up: the activation, ``silu_and_mul_partials``): the split-K launch (config, splits) with the least
     total over the batch sizes ``table_ms`` of the kernel time plus the extra read of its
     partials by the consumer (``(S - 1/2) x M x N x 4`` bytes... counted as ``S x M x N x 4 -
     M x N x 2`` at 4.27 TB/s), if that beats cuBLAS there; the shapes ``bench_w1.py
@@ -125,7 +126,7 @@ def best_table(rows: list, table_ms: str) -> dict:
     sel = [r for r in rows if r["m"] in ms]
     table = {}
     for name, (n, k) in LAYER.items():
-        if name not in ("o", "down") or not sel or name not in sel[0]["linear_us"]:
+        if name not in ("o", "down", "gate_up") or not sel or name not in sel[0]["linear_us"]:
             continue
         lin = sum(r["linear_us"][name] for r in sel)
         cands = {}

@@ -235,16 +235,43 @@ def splitk_config_for(N: int, K: int) -> SplitKConfig:
     return SPLITK_CONFIGS.get((N, K), SplitKConfig())
 
 
-def splitk_splits(N: int, K: int) -> int:
-    """The split count for a weight ``[N, K]`` (1: not worth splitting): enough programs for
-    ``SPLITK_MIN_PROGRAMS`` at one row tile, at most ``SPLITK_MAX_SPLITS``, chunks of at least
-    ``SPLITK_MIN_CHUNK`` columns."""
+def splitk_splits(N: int, K: int, min_programs: int | None = None) -> int:
+    """The split count for a weight ``[N, K]`` (1: not worth splitting): its entry in
+    ``SPLITK_SPLITS``, else enough programs for ``min_programs`` (``SPLITK_MIN_PROGRAMS``) at
+    one row tile, at most ``SPLITK_MAX_SPLITS``, chunks of at least ``SPLITK_MIN_CHUNK``
+    columns."""
     if (N, K) in SPLITK_SPLITS:
         return SPLITK_SPLITS[(N, K)]
+    want = SPLITK_MIN_PROGRAMS if min_programs is None else min_programs
     tiles = cdiv(N, splitk_config_for(N, K).block_n)
-    if tiles >= SPLITK_MIN_PROGRAMS:
+    if tiles >= want:
         return 1
-    return max(1, min(SPLITK_MAX_SPLITS, cdiv(SPLITK_MIN_PROGRAMS, tiles), K // SPLITK_MIN_CHUNK))
+    return max(1, min(SPLITK_MAX_SPLITS, cdiv(want, tiles), K // SPLITK_MIN_CHUNK))
+
+
+# The gate/up projection (``N = 2 x intermediate``: 6144 x 1024 at the Qwen3-0.6B shape) as
+# split-K partials that the activation kernel sums (``pagedkv.kernels.activation.
+# silu_and_mul_partials``: no reduce launch, the activation's one launch reads S float32
+# partials instead of one bf16 product). cuBLAS took 5.9-7.4 us for it at M = 8-256 on the H200
+# (12.6 MB of weights: 2.9 us at 4.27 TB/s; ``bench/bench_decode_gemm_gpu.py``). Off by default:
+# not measured yet (``bench/bench_splitk_gemm_gpu.py --shapes gate_up``, ``bench_w1.py
+# --splitk-gate-up``). Its split rule wants ``SPLITK_WIDE_MIN_PROGRAMS`` programs a row tile
+# (96 column tiles of 64 -> 3 splits).
+SPLITK_GATE_UP_ENABLED = False
+SPLITK_WIDE_MIN_PROGRAMS = 256
+
+
+def gate_up_partials(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
+                     ) -> torch.Tensor | None:
+    """The split-K partials ``[S, M, N]`` (float32) of the gate/up product ``x @ w^T`` where
+    the split runs (``SPLITK_GATE_UP_ENABLED``, CUDA, at most ``SPLITK_MAX_ROWS`` rows, no
+    bias, more than one split); None where the plain product runs."""
+    if SPLITK_GATE_UP_ENABLED and bias is None and x.is_cuda and x.dim() == 2 \
+            and x.shape[0] <= SPLITK_MAX_ROWS:
+        splits = splitk_splits(w.shape[0], w.shape[1], SPLITK_WIDE_MIN_PROGRAMS)
+        if splits > 1:
+            return splitk_linear_op(x, w, splits)
+    return None
 
 
 def linear_partials(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
@@ -268,5 +295,5 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None 
 
 
 __all__ = ["INTERPRET_CONFIG", "SPLITK_CONFIGS", "SPLITK_SPLITS", "SplitKConfig", "default_splitk_config",
-           "linear_partials", "split_chunk", "splitk_config_for", "splitk_linear",
+           "gate_up_partials", "linear_partials", "split_chunk", "splitk_config_for", "splitk_linear",
            "splitk_linear_op", "splitk_linear_ref", "splitk_splits"]

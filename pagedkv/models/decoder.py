@@ -36,7 +36,7 @@ from pagedkv.attention.torch_ref import TorchRefBackend
 from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.kernels.splitk_gemm import linear_partials
 from pagedkv.models.config import ModelArchConfig
-from pagedkv.models.layers import GatedMLP, Linear, QKVProjection, RMSNorm, rms_norm, silu_and_mul
+from pagedkv.models.layers import GatedMLP, Linear, QKVProjection, RMSNorm, gate_up_silu, rms_norm
 from pagedkv.models.rotary import RotaryEmbedding, apply_rotary, tokens_seq_lens
 
 
@@ -164,7 +164,7 @@ def post_attention(
     hidden = residual_add(hidden, _row_linear(attn_out.reshape(hidden.shape[0], -1), o_weight,
                                               o_bias, reduce))
     x = rms_norm(hidden, ln_weight, eps)
-    return hidden, _row_linear(silu_and_mul(F.linear(x, gate_up_weight, gate_up_bias)),
+    return hidden, _row_linear(gate_up_silu(x, gate_up_weight, gate_up_bias),
                                down_weight, down_bias, reduce)
 
 

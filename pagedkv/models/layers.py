@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedkv.kernels.activation import silu_and_mul_op
+from pagedkv.kernels.activation import silu_and_mul_op, silu_and_mul_partials_op
+from pagedkv.kernels.splitk_gemm import gate_up_partials
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -48,6 +49,18 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return silu_and_mul_op(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """``silu_and_mul(x @ weight^T + bias)``: the MLP's gate/up projection and activation. On
+    CUDA for decode-sized batches with ``SPLITK_GATE_UP_ENABLED`` (off by default), split-K
+    partials summed by the activation's kernel (``silu_and_mul_partials``); otherwise
+    ``F.linear`` then :func:`silu_and_mul`."""
+    parts = gate_up_partials(x, weight, bias)
+    if parts is not None:
+        return silu_and_mul_partials_op(parts, x.dtype)
+    return silu_and_mul(F.linear(x, weight, bias))
 
 
 class RMSNorm(nn.Module):

@@ -82,6 +82,50 @@ def test_split_choice_by_hand(monkeypatch):
     assert splitk_splits(1024, 2048) == 3
 
 
+def test_wide_split_choice_by_hand(monkeypatch):
+    """The gate/up rule (``SPLITK_WIDE_MIN_PROGRAMS`` = 256 programs a row tile, 64-column
+    tiles): 6144 x 1024 has 96 tiles -> 3 splits; 4096 x 1024 64 tiles -> 4; K = 512 caps at 2
+    chunks of 256; a table entry wins."""
+    monkeypatch.setattr(sk, "SPLITK_CONFIGS", {})
+    monkeypatch.setattr(sk, "SPLITK_SPLITS", {})
+    assert sk.SPLITK_WIDE_MIN_PROGRAMS == 256
+    assert splitk_splits(6144, 1024, 256) == 3
+    assert splitk_splits(4096, 1024, 256) == 4
+    assert splitk_splits(6144, 512, 256) == 2
+    assert splitk_splits(16384, 1024, 256) == 1
+    monkeypatch.setattr(sk, "SPLITK_SPLITS", {(6144, 1024): 2})
+    assert splitk_splits(6144, 1024, 256) == 2
+
+
+def test_gate_up_split_is_off_by_default_and_cpu_takes_the_product(monkeypatch):
+    """``SPLITK_GATE_UP_ENABLED`` is off (not measured end to end); off CUDA, or with a bias,
+    ``gate_up_partials`` declines and ``gate_up_silu`` is ``silu_and_mul(F.linear(...))``."""
+    from pagedkv.kernels.activation import silu_and_mul
+    from pagedkv.models.layers import gate_up_silu
+
+    assert sk.SPLITK_GATE_UP_ENABLED is False
+    monkeypatch.setattr(sk, "SPLITK_GATE_UP_ENABLED", True)
+    x, w = torch.randn(5, 64), torch.randn(48, 64)
+    assert sk.gate_up_partials(x, w) is None
+    torch.testing.assert_close(gate_up_silu(x, w),
+                               silu_and_mul(torch.nn.functional.linear(x, w)))
+    b = torch.randn(48)
+    torch.testing.assert_close(gate_up_silu(x, w, b),
+                               silu_and_mul(torch.nn.functional.linear(x, w, b)))
+
+
+def test_gate_up_pieces_compose_interpreted():
+    """What ``gate_up_silu`` runs on CUDA, interpreted: the split-K partials of ``x @ w^T``
+    through the activation's partials kernel equal the activation of the float32 product."""
+    from pagedkv.kernels.activation import silu_and_mul_partials, silu_and_mul_ref
+
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(6, 96, generator=g), torch.randn(40, 96, generator=g) * 0.2
+    parts = splitk_linear(x, w, 3, CFG)
+    got = silu_and_mul_partials(parts, torch.float32)
+    torch.testing.assert_close(got, silu_and_mul_ref(x @ w.T), atol=1e-5, rtol=1e-5)
+
+
 def test_linear_partials_off_cuda_is_linear():
     """Off CUDA (and for prefill-sized batches) the plain product in the input's dtype."""
     x = torch.randn(5, 64, dtype=torch.float16)
@@ -164,3 +208,39 @@ def test_gpu_residual_in_compiled_region_and_graph(monkeypatch):
         graph.replay()
         torch.testing.assert_close(y, cf(h, x), atol=0, rtol=0)
 
+
+@pytest.mark.gpu
+def test_gpu_gate_up_silu_in_compiled_region_and_graph(monkeypatch):
+    """With the gate/up split on: ``gate_up_silu`` (split-K partials of 6144 x 1024, summed by
+    the activation kernel) compiled with dynamic rows against the float64 expression, cuBLAS
+    past ``SPLITK_MAX_ROWS``; then one CUDA-graph replay with new inputs."""
+    from pagedkv.models.layers import gate_up_silu
+
+    monkeypatch.setattr(sk, "SPLITK_GATE_UP_ENABLED", True)
+    torch.manual_seed(0)
+    w = torch.randn(6144, 1024, device="cuda", dtype=torch.bfloat16) * 0.03
+
+    def expect(x):
+        g, u = (x.double() @ w.double().T).chunk(2, dim=-1)
+        return g * torch.sigmoid(g) * u
+
+    cf = torch.compile(gate_up_silu)
+    for m in (3, 64, 128, 300):
+        x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+        torch._dynamo.mark_dynamic(x, 0)
+        if m <= sk.SPLITK_MAX_ROWS:
+            assert sk.gate_up_partials(x, w) is not None
+        for y in (cf(x, w), gate_up_silu(x, w)):
+            assert y.dtype == torch.bfloat16 and y.shape == (m, 3072)
+            ref = expect(x)
+            assert float((y.double() - ref).norm() / ref.norm()) < 1e-2
+    x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
+    out = cf(x, w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cf(x, w)
+    x.copy_(torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16))
+    graph.replay()
+    ref = expect(x)
+    assert float((out.double() - ref).norm() / ref.norm()) < 1e-2
