@@ -11,7 +11,7 @@
 # the decode reduce's heads per program (mixed lengths, W1 4 vs 1 twice), with PREFILL_AB=1
 # (OLD_TREE=DIR) the prefill kernel's sweeps and W3 / W2 against an older tree's, with DECODE_AB=1
 # the decode kernel against the older tree's, with FLAGS_AB=1 (AB_FLAGS, AB_ENV, AB_WORKLOADS, AB_PAIRS) bench_w1.py's defaults against extra flags,
-# with HOST_W3=1 W3's host phases and a profiler window of its prefill-like steps, with CUDNN_AB=1 the cuDNN fresh-prefill path's GPU tests, bench and W2 A/B, with CUDNN_PROF=1 its layer and W2-step profiles, with W3_DIAG=1 W3's compiles and host phases in a first run (and the first user generate's step times), with ARGMAX=1 the greedy argmax bench and tests, with HOSTCPU=1 the host's CPU quota, throttling and per-core speed, with DECODE_POLICY=1 the decode launch policies (flat split, longest-first one range) on mixed lengths and in W1 A/B rounds, with SPLITK_GATE_UP=1 the split-K gate/up projection (kernel sweep, GPU tests, W1 A/B). Logs/JSON under $OUT. SKIP_* skip single steps, ONLY=1 all the default ones;
+# with HOST_W3=1 W3's host phases and a profiler window of its prefill-like steps, with CUDNN_AB=1 the cuDNN fresh-prefill path's GPU tests, bench and W2 A/B, with CUDNN_PROF=1 its layer and W2-step profiles, with W3_DIAG=1 W3's compiles and host phases in a first run (and the first user generate's step times), with ARGMAX=1 the greedy argmax bench and tests, with HOSTCPU=1 the host's CPU quota, throttling and per-core speed, with DECODE_POLICY=1 the decode launch policies (flat split, longest-first one range) on mixed lengths and in W1 A/B rounds, with SPLITK_GATE_UP=1 the split-K gate/up projection (kernel sweep, GPU tests, W1 A/B), with FLAT_FLOOR=1 the flat split's batch floor on small batches. Logs/JSON under $OUT. SKIP_* skip single steps, ONLY=1 all the default ones;
 # more than ~550 s of steps needs two calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -92,6 +92,12 @@ if [ -n "${DECODE_POLICY:-}" ]; then  # the decode launch policies (fifteenth se
     done
   done
   (cd "$OUT" && tar czf policy_runs.tgz policy_w*.json policy_w*.log && rm -f policy_w*.json policy_w*.log)
+fi
+if [ -n "${FLAT_FLOOR:-}" ]; then  # the flat split's batch floor (DecodeConfig.flat_min_programs_per_sm, sixteenth session): the default against the per-request launch at equal lengths L512 / L8192 and mixed lengths, B1-B32 (the default should equal per_request at B <= 16)
+  for r in "512 512 1,8,16,17,32" "8192 8192 1,8,16,17" "100 2048 8,16,17,32,64"; do
+    set -- $r
+    TAIL=6 run flat_floor_$1_$2 60 python3 bench/bench_decode_mixed.py --lo $1 --hi $2 --batches $3 --splits "" --min-split-tokens "" --variants per_request --out "$OUT/flat_floor_$1_$2.json"
+  done
 fi
 if [ -n "${SPLITK_GATE_UP:-}" ]; then  # the gate/up projection as split-K partials summed by the activation (sixteenth session, opt-in): the kernel sweep (its table), the GPU tests, then W1 (GATE_UP_WORKLOADS) off / on / on with the sweep's table, GATE_UP_ROUNDS rounds; tok/s in gate_up.txt
   TAIL=12 run gate_up_sweep 200 python3 bench/bench_splitk_gemm_gpu.py --shapes gate_up --ms 8,64,128,256 --trials 2 --table-ms 64,128 --table-out "$OUT/gate_up_table.json" --out "$OUT/gate_up_sweep.json"
