@@ -353,10 +353,13 @@ def main(argv=None) -> int:
         "requested_output_tokens": wl.requested_output_tokens}}
     rows: list[tuple[str, str]] = []
 
+    t_start = time.perf_counter()
     llm, label = build_pagedkv(args)
+    # the engine's start-up: weights, KV pool, compiled regions, warm-up, CUDA-graph capture
+    record["startup_s"] = time.perf_counter() - t_start
     print(f"{wl.name}: {wl.num_requests} requests, {wl.prompt_tokens:,} prompt tokens, "
           f"{wl.requested_output_tokens:,} output tokens; pagedkv model {label}; "
-          f"{llm.kv_cache_sizing.describe()}", flush=True)
+          f"{llm.kv_cache_sizing.describe()}; start-up {record['startup_s']:.1f} s", flush=True)
     if args.repeat < 1:
         raise SystemExit("--repeat must be >= 1")
     if args.step_times:
