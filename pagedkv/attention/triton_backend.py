@@ -262,7 +262,8 @@ class TritonAttentionBackend(AttentionBackend):
     @property
     def wants_decode_order(self) -> bool:
         """The decode launches take the step's longest-first order (``DecodeConfig.use_order``
-        of the configured launch; off by default)."""
+        of the configured launch; on by default: the preparer then stages it each step, which an
+        FP8 cache's launch, FP8_DECODE_CONFIG, does not read)."""
         return (self.decode_config or DecodeConfig()).use_order
 
     def _decode_cfg(self, device: torch.device) -> DecodeConfig:
