@@ -11,7 +11,7 @@
 # the decode reduce's heads per program (mixed lengths, W1 4 vs 1 twice), with PREFILL_AB=1
 # (OLD_TREE=DIR) the prefill kernel's sweeps and W3 / W2 against an older tree's, with DECODE_AB=1
 # the decode kernel against the older tree's, with FLAGS_AB=1 (AB_FLAGS, AB_ENV, AB_WORKLOADS, AB_PAIRS) bench_w1.py's defaults against extra flags,
-# with HOST_W3=1 W3's host phases and a profiler window of its prefill-like steps, with CUDNN_AB=1 the cuDNN fresh-prefill path's GPU tests, bench and W2 A/B, with CUDNN_PROF=1 its layer and W2-step profiles, with W3_DIAG=1 W3's compiles and host phases in a first run (and the first user generate's step times), with ARGMAX=1 the greedy argmax bench and tests, with HOSTCPU=1 the host's CPU quota, throttling and per-core speed, with DECODE_POLICY=1 the decode launch policies (flat split, longest-first one range) on mixed lengths and in W1 A/B rounds, with SPLITK_GATE_UP=1 the split-K gate/up projection (kernel sweep, GPU tests, W1 A/B), with FLAT_FLOOR=1 the flat split's batch floor on small batches. Logs/JSON under $OUT. SKIP_* skip single steps, ONLY=1 all the default ones;
+# with HOST_W3=1 W3's host phases and a profiler window of its prefill-like steps, with CUDNN_AB=1 the cuDNN fresh-prefill path's GPU tests, bench and W2 A/B, with CUDNN_PROF=1 its layer and W2-step profiles, with W3_DIAG=1 W3's compiles and host phases in a first run (and the first user generate's step times), with ARGMAX=1 the greedy argmax bench and tests, with HOSTCPU=1 the host's CPU quota, throttling and per-core speed, with DECODE_POLICY=1 the decode launch policies (flat split, longest-first one range) on mixed lengths and in W1 A/B rounds, with SPLITK_GATE_UP=1 the split-K gate/up projection (kernel sweep, GPU tests, W1 A/B), with FLAT_FLOOR=1 the flat split's batch floor on small batches.  With STARTUP=1 LLM() start-up time, default decode graphs against --no-lpt-one-range. Logs/JSON under $OUT. SKIP_* skip single steps, ONLY=1 all the default ones;
 # more than ~550 s of steps needs two calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -106,11 +106,20 @@ if [ -n "${SPLITK_GATE_UP:-}" ]; then  # the gate/up projection as split-K parti
     for i in $(seq 1 ${GATE_UP_ROUNDS:-2}); do
       for f in "--no-splitk-gate-up" "--splitk-gate-up" "--splitk-gate-up --splitk-table $OUT/gate_up_table.json"; do
         timeout 70 python3 bench/bench_w1.py --workload $w $f --json "$OUT/gu.json" > "$OUT/gu.log" 2>&1
-        echo "$w round $i [$f]: $(python3 -c "import json; print(round(json.load(open('$OUT/gu.json'))['pagedkv']['output_tokens_per_s']))" 2>/dev/null || tail -2 $OUT/gu.log)" | tee -a "$OUT/gate_up.txt"
+        echo "$w round $i [$f]: $(python3 -c "import json; r=json.load(open('$OUT/gu.json')); print(round(r['pagedkv']['output_tokens_per_s']), 'startup_s', round(r.get('startup_s', r['pagedkv'].get('startup_s', -1)), 1))" 2>/dev/null || tail -2 $OUT/gu.log)" | tee -a "$OUT/gate_up.txt"
       done
     done
   done
   rm -f "$OUT/gu.json" "$OUT/gu.log"
+fi
+if [ -n "${STARTUP:-}" ]; then  # LLM() start-up (CUDA-graph capture) with the default decode graphs against the former ones (--no-lpt-one-range), STARTUP_ROUNDS rounds; tok/s and startup_s in startup.txt
+  for i in $(seq 1 ${STARTUP_ROUNDS:-2}); do
+    for f in "" "--no-lpt-one-range"; do
+      timeout 70 python3 bench/bench_w1.py --workload w1 $f --json "$OUT/su.json" > "$OUT/su.log" 2>&1
+      echo "w1 round $i [$f]: $(python3 -c "import json; r=json.load(open('$OUT/su.json')); print(round(r['pagedkv']['output_tokens_per_s']), 'startup_s', round(r.get('startup_s', r['pagedkv'].get('startup_s', -1)), 1))" 2>/dev/null || tail -2 $OUT/su.log)" | tee -a "$OUT/startup.txt"
+    done
+  done
+  rm -f "$OUT/su.json" "$OUT/su.log"
 fi
 if [ -n "${HOST_W3:-}" ]; then  # host milliseconds per engine phase of W3's steps, and a profiler window over its prefill-like steps (host ops by own CPU time)
   TAIL=60 run prof_w3_host 240 python3 bench/profile_w1_gpu.py --workload w3 --phases --windows ${HOST_W3_WINDOWS:-1:5} --no-trace-files --out "$OUT/prof_w3_host"
