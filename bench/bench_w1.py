@@ -129,6 +129,25 @@ def configure_splitk(args) -> None:
         print(f"split-K launches from {args.splitk_table}: {table}", flush=True)
 
 
+def configure_lm_head_argmax(args) -> None:
+    """``--[no-]lm-head-argmax`` / ``--lm-head-argmax-table``: the fused LM head + greedy argmax
+    on or off, and the launch configs a sweep chose (``bench_lm_head_argmax_gpu.py
+    --table-out``: bucket of rows -> config)."""
+    import json
+
+    from pagedkv.kernels import lm_head_argmax as lha
+
+    if args.lm_head_argmax is not None:
+        lha.LM_HEAD_ARGMAX_ENABLED = args.lm_head_argmax
+    if args.lm_head_argmax_table:
+        with open(args.lm_head_argmax_table) as f:
+            table = json.load(f)
+        for bucket, e in table.items():
+            lha.CONFIGS[int(bucket)] = lha.LMHeadArgmaxConfig(*e["config"])
+        print(f"LM head + argmax launches from {args.lm_head_argmax_table}: "
+              f"{ {b: e['config'] for b, e in table.items()} }", flush=True)
+
+
 def hf_config_from_shape(name: str):
     """transformers' config of a named shape whose family has its own config class (Gemma 3,
     DeepSeek-V3, MoE: the shape dict is that class's ``to_dict``); None for the dense Llama-like
@@ -326,6 +345,13 @@ def main(argv=None) -> int:
     p.add_argument("--splitk-table", default=None,
                    help="JSON of per-shape split-K launches (bench_splitk_gemm_gpu.py "
                         "--table-out) installed before the engine starts")
+    p.add_argument("--lm-head-argmax", action=argparse.BooleanOptionalAction, default=None,
+                   help="greedy steps through the fused LM head + argmax kernel "
+                        "(pagedkv.kernels.lm_head_argmax.LM_HEAD_ARGMAX_ENABLED) or the GEMM "
+                        "then the argmax (A/B runs)")
+    p.add_argument("--lm-head-argmax-table", default=None,
+                   help="JSON of the fused kernel's launch configs by rows "
+                        "(bench_lm_head_argmax_gpu.py --table-out) installed before the start")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks (worker processes); with --shape each rank draws its own random "
                         "shard (pagedkv.distributed.shard.random_shard)")
@@ -347,6 +373,7 @@ def main(argv=None) -> int:
         args.max_model_len = WORKLOAD_MAX_MODEL_LEN[args.workload]
 
     configure_splitk(args)
+    configure_lm_head_argmax(args)
     wl = workload(args.workload, args.num_requests, args.scale)
     record: dict = {"environment": environment(), "args": vars(args), "workload": {
         "name": wl.name, "requests": wl.num_requests, "prompt_tokens": wl.prompt_tokens,

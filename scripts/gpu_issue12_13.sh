@@ -11,7 +11,7 @@
 # the decode reduce's heads per program (mixed lengths, W1 4 vs 1 twice), with PREFILL_AB=1
 # (OLD_TREE=DIR) the prefill kernel's sweeps and W3 / W2 against an older tree's, with DECODE_AB=1
 # the decode kernel against the older tree's, with FLAGS_AB=1 (AB_FLAGS, AB_ENV, AB_WORKLOADS, AB_PAIRS) bench_w1.py's defaults against extra flags,
-# with HOST_W3=1 W3's host phases and a profiler window of its prefill-like steps, with CUDNN_AB=1 the cuDNN fresh-prefill path's GPU tests, bench and W2 A/B, with CUDNN_PROF=1 its layer and W2-step profiles, with W3_DIAG=1 W3's compiles and host phases in a first run (and the first user generate's step times), with ARGMAX=1 the greedy argmax bench and tests, with HOSTCPU=1 the host's CPU quota, throttling and per-core speed, with DECODE_POLICY=1 the decode launch policies (flat split, longest-first one range) on mixed lengths and in W1 A/B rounds, with SPLITK_GATE_UP=1 the split-K gate/up projection (kernel sweep, GPU tests, W1 A/B), with FLAT_FLOOR=1 the flat split's batch floor on small batches.  With STARTUP=1 LLM() start-up time, default decode graphs against --no-lpt-one-range. Logs/JSON under $OUT. SKIP_* skip single steps, ONLY=1 all the default ones;
+# with HOST_W3=1 W3's host phases and a profiler window of its prefill-like steps, with CUDNN_AB=1 the cuDNN fresh-prefill path's GPU tests, bench and W2 A/B, with CUDNN_PROF=1 its layer and W2-step profiles, with W3_DIAG=1 W3's compiles and host phases in a first run (and the first user generate's step times), with ARGMAX=1 the greedy argmax bench and tests, with HOSTCPU=1 the host's CPU quota, throttling and per-core speed, with DECODE_POLICY=1 the decode launch policies (flat split, longest-first one range) on mixed lengths and in W1 A/B rounds, with SPLITK_GATE_UP=1 the split-K gate/up projection (kernel sweep, GPU tests, W1 A/B), with FLAT_FLOOR=1 the flat split's batch floor on small batches.  With LM_HEAD=1 the fused LM head + argmax (sweep, tests, W1/W3 A/B). With STARTUP=1 LLM() start-up time, default decode graphs against --no-lpt-one-range. Logs/JSON under $OUT. SKIP_* skip single steps, ONLY=1 all the default ones;
 # more than ~550 s of steps needs two calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -111,6 +111,19 @@ if [ -n "${SPLITK_GATE_UP:-}" ]; then  # the gate/up projection as split-K parti
     done
   done
   rm -f "$OUT/gu.json" "$OUT/gu.log"
+fi
+if [ -n "${LM_HEAD:-}" ]; then  # the fused LM head + greedy argmax (seventeenth session): kernel sweep and table, its GPU tests, then W1 / W3 (LM_HEAD_WORKLOADS) off / on with the sweep's table, LM_HEAD_ROUNDS rounds; tok/s in lm_head.txt
+  TAIL=16 run lm_head_sweep 200 python3 bench/bench_lm_head_argmax_gpu.py --sweep --table-out "$OUT/lm_head_table.json" --out "$OUT/lm_head_sweep.json"
+  TAIL=4 run lm_head_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_kernel_lm_head_argmax.py tests/engine/test_engine_gpu.py -k "lm_head"
+  for w in ${LM_HEAD_WORKLOADS:-w1 w3}; do
+    for i in $(seq 1 ${LM_HEAD_ROUNDS:-2}); do
+      for f in "--no-lm-head-argmax" "--lm-head-argmax --lm-head-argmax-table $OUT/lm_head_table.json"; do
+        timeout 80 python3 bench/bench_w1.py --workload $w $f --json "$OUT/lh.json" > "$OUT/lh.log" 2>&1
+        echo "$w round $i [$f]: $(python3 -c "import json; r=json.load(open('$OUT/lh.json')); print(round(r['pagedkv']['output_tokens_per_s']), 'startup_s', round(r.get('startup_s', -1), 1))" 2>/dev/null || tail -2 $OUT/lh.log)" | tee -a "$OUT/lm_head.txt"
+      done
+    done
+  done
+  rm -f "$OUT/lh.json" "$OUT/lh.log"
 fi
 if [ -n "${STARTUP:-}" ]; then  # LLM() start-up (CUDA-graph capture) with the default decode graphs against the former ones (--no-lpt-one-range), STARTUP_ROUNDS rounds; tok/s and startup_s in startup.txt
   for i in $(seq 1 ${STARTUP_ROUNDS:-2}); do

@@ -34,6 +34,8 @@ from pagedkv.attention.backend import (
 from pagedkv.attention.kv_cache import allocate_kv_caches, allocate_layer_caches
 from pagedkv.attention.torch_ref import TorchRefBackend
 from pagedkv.errors import ConfigError, InvalidRequestError
+from pagedkv.kernels import lm_head_argmax as _lha
+from pagedkv.kernels.argmax import argmax_rows
 from pagedkv.kernels.splitk_gemm import linear_partials
 from pagedkv.models.config import ModelArchConfig
 from pagedkv.models.layers import GatedMLP, Linear, QKVProjection, RMSNorm, gate_up_silu, rms_norm
@@ -577,6 +579,25 @@ class DecoderForCausalLM(nn.Module):
         if self.tp is not None:  # a shard's vocabulary columns, gathered from every rank
             logits = self.tp.gather_vocab(logits, self.config.vocab_size)
         return logits.to(torch.float32) if widen else logits
+
+    def greedy_tokens(self, hidden: torch.Tensor,
+                      indices: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
+        """The greedy tokens (int64 ``[len(indices)]``) of the rows ``indices`` of ``hidden``
+        (all rows when ``None``): the argmax of the model-dtype logits. Where the logits are
+        this class's plain LM-head product (a subclass that transforms them, e.g. a soft cap,
+        overrides ``compute_logits``; no tensor-parallel shards) and the fused kernel applies
+        (``pagedkv.kernels.lm_head_argmax.fused_applies``), one pass that never writes the
+        logits; otherwise ``compute_logits`` then ``argmax_rows``."""
+        w = self.lm_head_weight
+        if (self.tp is None and type(self).compute_logits is DecoderForCausalLM.compute_logits
+                and _lha.fused_applies(hidden, w)):
+            if indices is not None:
+                if not isinstance(indices, torch.Tensor):
+                    indices = torch.tensor(list(indices), dtype=torch.int64)
+                hidden = hidden.index_select(0, indices.to(device=hidden.device,
+                                                           dtype=torch.int64))
+            return _lha.lm_head_argmax(hidden, w)
+        return argmax_rows(self.compute_logits(hidden, indices, widen=False))
 
     # ---- KV cache helpers
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:

@@ -22,13 +22,14 @@ from the cubin. :func:`report` returns, for one launch configuration:
 Presets for this project's attention kernels on Qwen3-0.6B's attention (bf16, 16 query / 8 K/V
 heads, head_dim 128, block 16): :func:`prefill_report` (``PrefillConfig``; causal prefill or
 the cascade prefix's non-causal launch with log-sum-exps) and :func:`decode_report`
-(``DecodeConfig``); :func:`argmax_report` (the greedy argmax's kernels). The kernel modules must be imported without ``TRITON_INTERPRET`` (the
+(``DecodeConfig``); :func:`argmax_report` (the greedy argmax's kernels), :func:`lm_head_argmax_report` (the fused LM head + argmax). The kernel modules must be imported without ``TRITON_INTERPRET`` (the
 interpreter replaces the kernels with Python functions): the command line clears it and runs
 itself in a fresh process when it is set::
 
     python -m pagedkv.tools.sm90_report prefill 64,64,4,3,1 [--prefix] [--sass] [--json]
     python -m pagedkv.tools.sm90_report decode 32,4,5
     python -m pagedkv.tools.sm90_report argmax
+    python -m pagedkv.tools.sm90_report lm-head-argmax 128,128,64,8,3
 
 The numbers are the compiler's, not the device's: what runs faster is measured on the GPU.
 """
@@ -225,6 +226,18 @@ def argmax_report(sass: bool = False) -> dict:
     return rep
 
 
+def lm_head_argmax_report(config, sass: bool = False) -> dict:
+    """The fused LM head + argmax kernel (``pagedkv.kernels.lm_head_argmax``) on bf16 inputs
+    under ``config`` (an ``LMHeadArgmaxConfig``)."""
+    from pagedkv.kernels.lm_head_argmax import _lm_head_argmax_kernel
+
+    const = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                 EVEN_K=True, ROUND=1, DOT_PREC="tf32", RANGE_LOOP=True)
+    ptrs = dict(h_ptr="*bf16", w_ptr="*bf16", key_ptr="*i32", idx_ptr="*i32")
+    return report(_lm_head_argmax_kernel, const, ptrs, set(), set(ptrs) | {"h_s0", "w_s0", "K"},
+                  config.num_warps, config.num_stages, sass)
+
+
 def _ints(text: str, n: int, what: str) -> list[int]:
     vals = [int(v) for v in text.split(",")]
     if len(vals) != n:
@@ -234,9 +247,11 @@ def _ints(text: str, n: int, what: str) -> list[int]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("kernel", choices=["prefill", "decode", "decode-flat", "argmax"])
+    p.add_argument("kernel", choices=["prefill", "decode", "decode-flat", "argmax",
+                                          "lm-head-argmax"])
     p.add_argument("config", nargs="?", default=None,
-                   help="prefill: BM,BN,WARPS,STAGES,PACK; decode: TILE,WARPS,STAGES "
+                   help="prefill: BM,BN,WARPS,STAGES,PACK; decode: TILE,WARPS,STAGES; "
+                        "lm-head-argmax: BM,BN,BK,WARPS,STAGES "
                         "(default: the CUDA defaults)")
     p.add_argument("--prefix", action="store_true",
                    help="prefill: the cascade prefix's non-causal launch")
@@ -253,6 +268,15 @@ def main(argv=None) -> int:
                                *(argv if argv is not None else sys.argv[1:])], env=env).returncode
     if args.kernel == "argmax":
         rep = argmax_report(sass=args.sass)
+    elif args.kernel == "lm-head-argmax":
+        from pagedkv.kernels.lm_head_argmax import LMHeadArgmaxConfig, config_for
+
+        cfg = config_for(256)
+        if args.config:
+            bm, bn, bk, w, st = _ints(args.config, 5, "lm-head-argmax config")
+            cfg = LMHeadArgmaxConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w,
+                                     num_stages=st)
+        rep = lm_head_argmax_report(cfg, sass=args.sass)
     elif args.kernel == "prefill":
         from pagedkv.attention.triton_prefill import PrefillConfig
 

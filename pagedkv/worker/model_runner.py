@@ -311,6 +311,7 @@ class ModelRunner:
         # events, and the async placeholders (``pagedkv.worker.async_output``)
         self.outputs = AsyncOutputs(self.input_batch, self.requests, self.device,
                                     sc.max_num_seqs, self._to_device)
+        self._greedy_tokens_fn = getattr(model, "greedy_tokens", None)
         try:
             self._logits_widen_kw = "widen" in inspect.signature(model.compute_logits).parameters
         except (TypeError, ValueError):
@@ -525,8 +526,7 @@ class ModelRunner:
         if self.sampling.plain_greedy(self._out_ids, self.requests, self._batch_version):
             # Every row greedy and no logprobs: one argmax over the model-dtype logits (the
             # float32 widening is exact and order-preserving, so the argmax is the same).
-            logits = self._compute_logits(hidden, logits_indices, widen=False)
-            sampled, logprobs, want = argmax_rows(logits[:m]), None, None
+            sampled, logprobs, want = self._greedy_tokens(hidden, logits_indices)[:m], None, None
         else:
             logits = self._compute_logits(hidden, logits_indices, widen=True)[:m]
             key = tuple(out_ids) if rows is None else tuple(sampled_req_ids)
@@ -571,7 +571,7 @@ class ModelRunner:
                              dtype=self.model.dtype, device=self.device)
         for size in self.cuda_graphs.sizes:
             with torch.inference_mode():
-                argmax_rows(self._compute_logits(hidden[:size], None, widen=False))
+                self._greedy_tokens(hidden[:size], None)
                 self._compute_logits(hidden[:size], None, widen=True)
         torch.cuda.synchronize(self.device)
 
@@ -582,6 +582,14 @@ class ModelRunner:
         if self.device.type != "cuda":
             return t.to(self.device)
         return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _greedy_tokens(self, hidden: torch.Tensor, indices) -> torch.Tensor:
+        """The all-greedy step's tokens: the model's ``greedy_tokens`` where it has one (the
+        fused LM head + argmax where that applies), else the argmax of its model-dtype
+        logits."""
+        if self._greedy_tokens_fn is not None:
+            return self._greedy_tokens_fn(hidden, indices)
+        return argmax_rows(self._compute_logits(hidden, indices, widen=False))
 
     def _compute_logits(self, hidden: torch.Tensor, indices, widen: bool) -> torch.Tensor:
         if not widen and self._logits_widen_kw:

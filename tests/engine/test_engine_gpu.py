@@ -151,6 +151,32 @@ def test_flat_split_engine_matches_transformers(tiny_dir):
             assert o.outputs[0].token_ids == _hf_greedy(hf, o.prompt_token_ids, 12)
 
 
+def test_fused_lm_head_argmax_engine_matches_transformers(tiny_dir, monkeypatch):
+    """The fused LM head + greedy argmax (``pagedkv.kernels.lm_head_argmax``) through the
+    engine: decode graphs and chunked prefill steps sample with it; tokens equal transformers'."""
+    import pagedkv.kernels.lm_head_argmax as lha
+
+    path = tiny_dir("qwen3")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    rows = []
+    kernel = lha.lm_head_argmax
+
+    def counted(h, w, config=None):
+        rows.append(h.shape[0])
+        return kernel(h, w, config)
+
+    monkeypatch.setattr(lha, "LM_HEAD_ARGMAX_ENABLED", True)
+    monkeypatch.setattr(lha, "lm_head_argmax", counted)
+    llm = _gpu_llm(path, max_num_batched_tokens=32)
+    assert llm.runner.cuda_graphs is not None
+    rows.clear()  # the warm-up's calls
+    outs = llm.generate(TEXTS, _greedy(12), use_tqdm=False)
+    assert len(rows) >= 12
+    with torch.no_grad():
+        for o in outs:
+            assert o.outputs[0].token_ids == _hf_greedy(hf, o.prompt_token_ids, 12)
+
+
 def test_kv_pool_sized_from_profiled_memory(tiny_dir):
     llm = LLM(tiny_dir("qwen3"), dtype="float32", device="cuda", max_model_len=256,
               gpu_memory_utilization=0.3, max_num_seqs=32, max_num_batched_tokens=1024)

@@ -77,3 +77,38 @@ def test_forward_input_checks():
         m(ids, pos, caches[:1], meta)
     with pytest.raises(InvalidRequestError, match="flat"):
         m(ids[None], pos[None], caches, meta)
+
+
+def test_greedy_tokens_fused_and_plain(monkeypatch):
+    """``greedy_tokens``: the argmax of ``compute_logits`` (CPU: the plain path); with the fused
+    LM head + argmax made to apply, the kernel (interpreted) gives the same tokens for the
+    selected rows; a subclass that transforms its logits never takes the fused kernel."""
+    import pagedkv.kernels.lm_head_argmax as lha
+
+    m = _tiny_model()
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(6, 32, generator=g)
+    idx = torch.tensor([4, 0, 2])
+    want = m.compute_logits(hidden, idx).argmax(-1)
+    assert m.greedy_tokens(hidden, idx).tolist() == want.tolist()
+    assert m.greedy_tokens(hidden).tolist() == m.compute_logits(hidden).argmax(-1).tolist()
+    calls = []
+    kernel = lha.lm_head_argmax
+
+    def fused(h, w, config=None):
+        calls.append(h.shape[0])
+        return kernel(h, w, config)
+
+    monkeypatch.setattr(lha, "fused_applies", lambda h, w: True)
+    monkeypatch.setattr(lha, "lm_head_argmax", fused)
+    assert m.greedy_tokens(hidden, idx).tolist() == want.tolist()
+    assert m.greedy_tokens(hidden, [4, 0, 2]).tolist() == want.tolist()
+    assert calls == [3, 3]
+
+    class Scaled(DecoderForCausalLM):
+        def compute_logits(self, hidden, indices=None, *, widen=True):
+            return -super().compute_logits(hidden, indices, widen=widen)
+
+    s = Scaled(m.config).init_random_weights(seed=3)
+    assert s.greedy_tokens(hidden, idx).tolist() == s.compute_logits(hidden, idx).argmax(-1).tolist()
+    assert calls == [3, 3]
