@@ -75,12 +75,17 @@ INTERPRET_CONFIG = LMHeadArgmaxConfig(block_m=16, block_n=32, block_k=16, num_wa
                                       num_stages=1, programs_per_sm=2.0)
 
 # Launch configs by row count: the entry of the smallest key >= M (the largest key above it).
-# Guesses until the H200 sweep (``bench/bench_lm_head_argmax_gpu.py``) replaces them.
+# The H200 sweep's best (``bench/bench_lm_head_argmax_gpu.py --sweep``, seventeenth session,
+# 151,936 x 1,024 bf16, us, fused / unfused): M 1 77.9 / 78.3, 8 78.3 / 83.5, 16 78.7 / 85.1
+# (16 x 128 x 64, 4 warps, 4 stages); 32 80.0 / 89.4, 64 80.9 / 96.8 (64 x 128 x 64): 91-93% of
+# the weight bytes' time. Past 64 rows the product is compute-bound and loses to cuBLAS
+# (128 x 256 x 64, 8 warps: 96 107.2 / 105.6, 128 110.4 / 110.8, 160 170.1 / 119.7, 256 180.6 /
+# 170.3), so the engine stops at ``FUSED_MAX_ROWS``.
 CONFIGS: dict[int, LMHeadArgmaxConfig] = {
-    16: LMHeadArgmaxConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=4),
+    16: LMHeadArgmaxConfig(block_m=16, block_n=128, block_k=64, num_warps=4, num_stages=4),
     64: LMHeadArgmaxConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4),
-    128: LMHeadArgmaxConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
-    256: LMHeadArgmaxConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
+    256: LMHeadArgmaxConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3,
+                            programs_per_sm=1.0),
 }
 
 
@@ -241,16 +246,21 @@ def lm_head_argmax(hidden: torch.Tensor, weight: torch.Tensor,
 
 
 # The engine's greedy steps take the fused kernel (``DecoderForCausalLM.greedy_tokens``) where
-# this is on. Off until measured on the H200 (``bench/bench_lm_head_argmax_gpu.py``,
-# ``bench_w1.py --lm-head-argmax``).
-LM_HEAD_ARGMAX_ENABLED = False
+# this is on and the step samples at most ``FUSED_MAX_ROWS`` rows (above, cuBLAS then the argmax
+# kernels are faster: ``CONFIGS``). W1 with the fused kernel at every row count (the sweep's
+# table, seventeenth session): 26,237 / 26,716 against 26,333 / 26,545 off (within noise: W1's
+# steps have over 64 rows but in its tail).
+LM_HEAD_ARGMAX_ENABLED = True
+FUSED_MAX_ROWS = 64
 
 
 def fused_applies(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True where the engine takes :func:`lm_head_argmax` (``LM_HEAD_ARGMAX_ENABLED``, CUDA
-    tensors of one dtype the kernel takes, 2-D, last dimension contiguous); the caller
+    """True where the engine takes :func:`lm_head_argmax` (``LM_HEAD_ARGMAX_ENABLED``, at most
+    ``FUSED_MAX_ROWS`` rows, CUDA tensors of one dtype the kernel takes, 2-D, last dimension
+    contiguous); the caller
     otherwise takes the product and :func:`pagedkv.kernels.argmax.argmax_rows`."""
     return (LM_HEAD_ARGMAX_ENABLED and hidden.is_cuda and hidden.dim() == 2
+            and hidden.shape[0] <= FUSED_MAX_ROWS
             and weight.dim() == 2 and hidden.dtype in DTYPES and weight.dtype == hidden.dtype
             and hidden.shape[1] == weight.shape[1] and 0 < weight.shape[0] < 2 ** 31
             and (hidden.shape[1] <= 1 or (hidden.stride(1) == 1 and weight.stride(1) == 1)))
@@ -264,5 +274,5 @@ def lm_head_argmax_ref(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tens
     return logits.argmax(dim=-1)
 
 
-__all__ = ["CONFIGS", "INTERPRET_CONFIG", "LM_HEAD_ARGMAX_ENABLED", "LMHeadArgmaxConfig",
+__all__ = ["CONFIGS", "FUSED_MAX_ROWS", "INTERPRET_CONFIG", "LM_HEAD_ARGMAX_ENABLED", "LMHeadArgmaxConfig",
            "chunking", "config_for", "fused_applies", "lm_head_argmax", "lm_head_argmax_ref"]

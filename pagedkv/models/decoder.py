@@ -589,14 +589,15 @@ class DecoderForCausalLM(nn.Module):
         (``pagedkv.kernels.lm_head_argmax.fused_applies``), one pass that never writes the
         logits; otherwise ``compute_logits`` then ``argmax_rows``."""
         w = self.lm_head_weight
-        if (self.tp is None and type(self).compute_logits is DecoderForCausalLM.compute_logits
-                and _lha.fused_applies(hidden, w)):
+        if self.tp is None and type(self).compute_logits is DecoderForCausalLM.compute_logits:
             if indices is not None:
                 if not isinstance(indices, torch.Tensor):
                     indices = torch.tensor(list(indices), dtype=torch.int64)
                 hidden = hidden.index_select(0, indices.to(device=hidden.device,
                                                            dtype=torch.int64))
-            return _lha.lm_head_argmax(hidden, w)
+            if _lha.fused_applies(hidden, w):
+                return _lha.lm_head_argmax(hidden, w)
+            return argmax_rows(self.compute_logits(hidden, None, widen=False))
         return argmax_rows(self.compute_logits(hidden, indices, widen=False))
 
     # ---- KV cache helpers

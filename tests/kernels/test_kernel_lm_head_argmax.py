@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import pagedkv.kernels.lm_head_argmax as lha
 from pagedkv.errors import ConfigError
 from pagedkv.kernels.lm_head_argmax import (
     INTERPRET_CONFIG, LMHeadArgmaxConfig, chunking, config_for, lm_head_argmax,
@@ -40,9 +41,9 @@ def test_by_hand_ties_signed_zeros_and_a_nan_row():
 
 
 def test_config_for_and_chunking_by_hand():
-    assert config_for(1) is config_for(16)
+    assert config_for(1) is config_for(16) and config_for(16).block_m == 16
     assert config_for(17).block_m == 64 and config_for(64).block_m == 64
-    assert config_for(1000) is config_for(256)
+    assert config_for(65) is config_for(256) and config_for(1000) is config_for(256)
     cfg = LMHeadArgmaxConfig(block_m=64, block_n=128, programs_per_sm=2.0)
     # 151,936 columns = 1,187 tiles of 128; 264 programs wanted at one row tile:
     # cdiv(1187, 264) = 5 tiles a chunk -> 238 chunks
@@ -155,6 +156,7 @@ def test_model_shape_on_gpu(rows):
     assert torch.all(picked >= top2[:, 0] - ulp)
     clear = (top2[:, 0] - top2[:, 1]) > ulp
     assert got[clear].tolist() == lm_head_argmax_ref(h, w)[clear].tolist()
+    assert lha.fused_applies(h, w) == (rows <= lha.FUSED_MAX_ROWS)
     unfused = torch.nn.functional.linear(h, w).argmax(-1)
     assert (got == unfused).float().mean().item() >= 0.98
     # strided rows and a vocabulary slice: same answer as contiguous copies
@@ -162,3 +164,31 @@ def test_model_shape_on_gpu(rows):
     view = hb[:, :1024]
     assert lm_head_argmax(view, w[:150000]).tolist() == lm_head_argmax(
         view.contiguous(), w[:150000].contiguous()).tolist()
+
+
+@pytest.mark.skipif(not __import__("triton").__version__.startswith("3.6."),
+                    reason="compiled with the Triton version the H200 runs (3.6)")
+@pytest.mark.parametrize("bucket", sorted(lha.CONFIGS))
+def test_configs_compile_for_sm90_pipelined_without_spills(bucket):
+    """Every launch config of ``CONFIGS`` compiles for the H200 (sm_90, on the CPU: a fresh
+    process without TRITON_INTERPRET) into one software-pipelined loop (its copies kept in
+    flight: an async wait with num > 0) that spills nothing. With the inner dimension not
+    specialized the loads were 2-byte and unpipelined; with a loop over column tiles around
+    the K loop the pipeline drained at every tile (two loops)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    c = lha.CONFIGS[bucket]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    cfg = f"{c.block_m},{c.block_n},{c.block_k},{c.num_warps},{c.num_stages}"
+    res = subprocess.run([sys.executable, "-m", "pagedkv.tools.sm90_report", "lm-head-argmax",
+                          cfg, "--json", "--sass"], capture_output=True, text=True, env=env,
+                         timeout=600, cwd=root)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rep = json.loads(res.stdout.strip().splitlines()[-1])
+    assert rep["loops"] == 1 and rep["local"] == 0 and rep["waits"][0] > 0, rep
+    assert "LDG.E.U16" not in rep["sass_loads"], rep["sass_loads"]
