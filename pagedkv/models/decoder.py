@@ -584,12 +584,15 @@ class DecoderForCausalLM(nn.Module):
                       indices: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
         """The greedy tokens (int64 ``[len(indices)]``) of the rows ``indices`` of ``hidden``
         (all rows when ``None``): the argmax of the model-dtype logits. Where the logits are
-        this class's plain LM-head product (a subclass that transforms them, e.g. a soft cap,
-        overrides ``compute_logits``; no tensor-parallel shards) and the fused kernel applies
+        this class's plain LM-head product (not a subclass's ``compute_logits`` that transforms
+        them, e.g. a soft cap, nor one set on the instance; no tensor-parallel shards) and the fused kernel applies
         (``pagedkv.kernels.lm_head_argmax.fused_applies``), one pass that never writes the
         logits; otherwise ``compute_logits`` then ``argmax_rows``."""
         w = self.lm_head_weight
-        if self.tp is None and type(self).compute_logits is DecoderForCausalLM.compute_logits:
+        # this class's own projection: not a subclass's override, nor a function set on the
+        # instance (a hook that records or transforms the logits must see every step's)
+        plain = getattr(self.compute_logits, "__func__", None) is DecoderForCausalLM.compute_logits
+        if self.tp is None and plain:
             if indices is not None:
                 if not isinstance(indices, torch.Tensor):
                     indices = torch.tensor(list(indices), dtype=torch.int64)

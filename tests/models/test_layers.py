@@ -112,3 +112,15 @@ def test_greedy_tokens_fused_and_plain(monkeypatch):
     s = Scaled(m.config).init_random_weights(seed=3)
     assert s.greedy_tokens(hidden, idx).tolist() == s.compute_logits(hidden, idx).argmax(-1).tolist()
     assert calls == [3, 3]
+    # a hook set on the instance (tests record the logits so) sees the greedy steps' logits
+    seen = []
+    inner = m.compute_logits
+
+    def hook(h, indices=None, **kw):
+        out = inner(h, indices, **kw)
+        seen.append(out)
+        return out
+
+    m.compute_logits = hook
+    assert m.greedy_tokens(hidden, idx).tolist() == want.tolist()
+    assert calls == [3, 3] and len(seen) == 1
