@@ -149,7 +149,10 @@ class DecodeConfig:
     heads on an H200): small batches keep the per-request split, whose short ranges the
     flat shares (>= ``flat_min_split_tokens``) cannot match. H200, equal lengths, default
     flat / per-request, us: B1/L512 18.6 / 7.4, B1/L2048 18.8 / 11.1, B1/L8192 23.9 / 18.3,
-    B8/L8192 73.5 / 79.9 (the one small batch the flat split won).
+    B8/L8192 73.5 / 79.9 (the one small batch the flat split won). With the floor (seventeenth
+    session, default / per-request): B1-B16 within 0.5 us at L512 and L8192 and on lengths
+    U[100, 2048]; B17 143.7 / 149.4 at L8192, 27.4 / 28.2 mixed, 22.6 / 18.5 at L512 (short
+    equal lengths: the one loss), B32 26.6 / 28.1 at L512, 50.3 / 51.9 mixed.
 
     H200, mixed lengths U[100, 2048] (``bench/bench_decode_mixed.py --variants flat,flat_p4``,
     us; per-request launch / 5 an SM capped at 96 registers / 4 an SM uncapped, the default):

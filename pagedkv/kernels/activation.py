@@ -36,6 +36,13 @@ from pagedkv.kernels._common import use_triton
 _BLOCK = 1024
 
 
+@triton.jit
+def silu_mul(gate, up):
+    """``silu(gate) * up`` of float32 values: the activation's one formula (this module's
+    kernel; the split-K GEMM's gated prologue, ``pagedkv.kernels.splitk_gemm``)."""
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _silu_and_mul_kernel(x_ptr, x_s0, x_split, out_ptr, o_s0, num_rows, inter,
                          BLOCK: tl.constexpr, SPLITS: tl.constexpr):
@@ -48,7 +55,7 @@ def _silu_and_mul_kernel(x_ptr, x_s0, x_split, out_ptr, o_s0, num_rows, inter,
         base = x_ptr + s * x_split + row * x_s0
         gate += tl.load(base + cols, mask=ok, other=0.0).to(tl.float32)
         up += tl.load(base + inter + cols, mask=ok, other=0.0).to(tl.float32)
-    out = gate / (1.0 + tl.exp(-gate)) * up
+    out = silu_mul(gate, up)
     tl.store(out_ptr + row * o_s0 + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
 
 

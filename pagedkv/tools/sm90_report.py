@@ -30,6 +30,7 @@ itself in a fresh process when it is set::
     python -m pagedkv.tools.sm90_report decode 32,4,5
     python -m pagedkv.tools.sm90_report argmax
     python -m pagedkv.tools.sm90_report lm-head-argmax 128,128,64,8,3
+    python -m pagedkv.tools.sm90_report splitk [--gated]
 
 The numbers are the compiler's, not the device's: what runs faster is measured on the GPU.
 """
@@ -238,6 +239,20 @@ def lm_head_argmax_report(config, sass: bool = False) -> dict:
                   config.num_warps, config.num_stages, sass)
 
 
+def splitk_report(config, gated: bool = False, sass: bool = False) -> dict:
+    """The split-K GEMM kernel (``pagedkv.kernels.splitk_gemm``) on bf16 operands under
+    ``config`` (a ``SplitKConfig``); ``gated``: the launch whose operand loads compute the
+    MLP's activation (``splitk_linear(..., gated=True)``)."""
+    from pagedkv.kernels.splitk_gemm import _splitk_gemm_kernel
+
+    const = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                 DOT_PREC="tf32", RANGE_LOOP=True, GATED=gated)
+    ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*fp32")
+    return report(_splitk_gemm_kernel, const, ptrs, set(),
+                  set(ptrs) | {"x_s0", "w_s0", "o_split", "o_s0", "N", "K", "k_per_split"},
+                  config.num_warps, config.num_stages, sass)
+
+
 def _ints(text: str, n: int, what: str) -> list[int]:
     vals = [int(v) for v in text.split(",")]
     if len(vals) != n:
@@ -248,10 +263,10 @@ def _ints(text: str, n: int, what: str) -> list[int]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("kernel", choices=["prefill", "decode", "decode-flat", "argmax",
-                                          "lm-head-argmax"])
+                                          "lm-head-argmax", "splitk"])
     p.add_argument("config", nargs="?", default=None,
                    help="prefill: BM,BN,WARPS,STAGES,PACK; decode: TILE,WARPS,STAGES; "
-                        "lm-head-argmax: BM,BN,BK,WARPS,STAGES "
+                        "lm-head-argmax, splitk: BM,BN,BK,WARPS,STAGES "
                         "(default: the CUDA defaults)")
     p.add_argument("--prefix", action="store_true",
                    help="prefill: the cascade prefix's non-causal launch")
@@ -260,6 +275,8 @@ def main(argv=None) -> int:
                    help="the programmatic-dependent-launch variant (pagedkv.kernels.pdl)")
     p.add_argument("--maxnreg", type=int, default=None,
                    help="decode-flat: the register cap (0: none; default DecodeConfig's)")
+    p.add_argument("--gated", action="store_true",
+                   help="splitk: the launch with the MLP's activation in its operand loads")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):  # the kernels must compile: a fresh process
@@ -277,6 +294,13 @@ def main(argv=None) -> int:
             cfg = LMHeadArgmaxConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w,
                                      num_stages=st)
         rep = lm_head_argmax_report(cfg, sass=args.sass)
+    elif args.kernel == "splitk":
+        from pagedkv.kernels.splitk_gemm import SplitKConfig
+
+        cfg = SplitKConfig()
+        if args.config:
+            cfg = SplitKConfig(*_ints(args.config, 5, "splitk config"))
+        rep = splitk_report(cfg, gated=args.gated, sass=args.sass)
     elif args.kernel == "prefill":
         from pagedkv.attention.triton_prefill import PrefillConfig
 
