@@ -118,7 +118,7 @@ def configure_splitk(args) -> None:
         sk.SPLITK_ENABLED = args.splitk
     if args.splitk_gate_up is not None:
         sk.SPLITK_GATE_UP_ENABLED = args.splitk_gate_up
-    if args.splitk_gated_down is not None:
+    if getattr(args, "splitk_gated_down", None) is not None:
         sk.SPLITK_GATED_DOWN_ENABLED = args.splitk_gated_down
     if args.splitk_table:
         with open(args.splitk_table) as f:
