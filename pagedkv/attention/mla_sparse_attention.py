@@ -50,7 +50,8 @@ from pagedkv.attention.triton_decode import (
     choose_split,
 )
 from pagedkv.errors import ConfigError
-from pagedkv.kernels._common import INDEX_DTYPES, cdiv, check_same_device, check_tensor, next_pow2, use_triton
+from pagedkv.kernels._common import (INDEX_DTYPES, cdiv, check_launch_config, check_same_device,
+                                     check_tensor, next_pow2, use_triton)
 
 
 @dataclass(frozen=True)
@@ -68,12 +69,7 @@ class SparseMLAConfig:
     split: DecodeConfig = field(default_factory=DecodeConfig)
 
     def __post_init__(self):
-        for name in ("block_h", "tile_k"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 16 or v & (v - 1):
-                raise ConfigError(f"SparseMLAConfig.{name} must be a power of two >= 16, got {v!r}")
-        if self.num_warps < 1 or self.num_stages < 1:
-            raise ConfigError("SparseMLAConfig: num_warps and num_stages must be positive")
+        check_launch_config(self, ("block_h", "tile_k"))
 
 
 INTERPRET_SPARSE_MLA_CONFIG = SparseMLAConfig(

@@ -71,7 +71,8 @@ from pagedkv.attention.triton_decode import (
     choose_split,
 )
 from pagedkv.errors import ConfigError
-from pagedkv.kernels._common import cdiv, check_same_device, check_tensor, next_pow2, use_triton
+from pagedkv.kernels._common import (cdiv, check_launch_config, check_same_device, check_tensor,
+                                     next_pow2, use_triton)
 
 MAX_GRID_REQS = 65535  # requests ride the grid's second axis (CUDA's limit there)
 
@@ -112,14 +113,9 @@ class MLADecodeConfig:
     maxnreg: int | None = None
 
     def __post_init__(self):
-        for name in ("block_h", "tile_n"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 16 or v & (v - 1):
-                raise ConfigError(f"MLADecodeConfig.{name} must be a power of two >= 16, got {v!r}")
+        check_launch_config(self, ("block_h", "tile_n"))
         if self.v_chunks not in (1, 2) or isinstance(self.v_chunks, bool):
             raise ConfigError(f"MLADecodeConfig.v_chunks must be 1 or 2, got {self.v_chunks!r}")
-        if self.num_warps < 1 or self.num_stages < 1:
-            raise ConfigError("MLADecodeConfig: num_warps and num_stages must be positive")
         if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
             raise ConfigError(f"MLADecodeConfig.maxnreg must be None or in [24, 255], got "
                               f"{self.maxnreg!r}")

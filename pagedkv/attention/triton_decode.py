@@ -73,7 +73,7 @@ from pagedkv.attention._triton_common import (
 )
 from pagedkv.attention.torch_ref import paged_attention_ref
 from pagedkv.errors import ConfigError
-from pagedkv.kernels._common import cdiv, next_pow2, use_triton
+from pagedkv.kernels._common import cdiv, check_launch_config, next_pow2, use_triton
 from pagedkv.kernels.fp8_kv import check_kv_scale, is_fp8_kv
 from pagedkv.kernels.pdl import pdl_launch_args, pdl_prologue
 
@@ -224,8 +224,7 @@ class DecodeConfig:
     lpt_load_fraction: float = 0.75
 
     def __post_init__(self):
-        if self.tile_n < 16 or self.tile_n & (self.tile_n - 1):
-            raise ConfigError(f"DecodeConfig.tile_n must be a power of two >= 16, got {self.tile_n}")
+        check_launch_config(self, ("tile_n",), warps=False)
         if not 1 <= self.max_splits <= MAX_SPLITS:
             raise ConfigError(f"DecodeConfig: need 1 <= max_splits <= {MAX_SPLITS}")
         mins = (self.small_min_split_tokens, self.mid_min_split_tokens, self.large_min_split_tokens)

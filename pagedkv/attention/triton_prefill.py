@@ -65,7 +65,7 @@ from pagedkv.attention.triton_decode import (
     check_sinks,
 )
 from pagedkv.errors import ConfigError
-from pagedkv.kernels._common import check_tensor, next_pow2, use_triton
+from pagedkv.kernels._common import check_launch_config, check_tensor, next_pow2, use_triton
 from pagedkv.kernels.fp8_kv import check_kv_scale, dequantize_ref, is_fp8_kv
 from pagedkv.kernels.pdl import pdl_launch_args, pdl_prologue
 
@@ -99,12 +99,7 @@ class PrefillConfig:
     pack_heads: int = 1
 
     def __post_init__(self):
-        for name in ("block_m", "block_n"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ConfigError(f"PrefillConfig.{name} must be a power of two >= 16, got {v}")
-        if self.num_warps < 1 or self.num_stages < 1:
-            raise ConfigError("PrefillConfig: num_warps and num_stages must be positive")
+        check_launch_config(self, ("block_m", "block_n"))
         p = self.pack_heads
         if isinstance(p, bool) or not isinstance(p, int) or p < 1 or p & (p - 1):
             raise ConfigError(f"PrefillConfig.pack_heads must be a power of two >= 1, got {p!r}")

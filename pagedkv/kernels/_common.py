@@ -73,6 +73,19 @@ def check_tensor(
     )
 
 
+def check_launch_config(config, tiles: tuple[str, ...], warps: bool = True) -> None:
+    """The checks the kernels' launch-config dataclasses share (their ``__post_init__``): each
+    attribute named in ``tiles`` a power of two >= 16 (a Triton block dimension); with
+    ``warps``, positive ``num_warps`` and ``num_stages``."""
+    cls = type(config).__name__
+    for name in tiles:
+        v = getattr(config, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 16 or v & (v - 1):
+            raise ConfigError(f"{cls}.{name} must be a power of two >= 16, got {v!r}")
+    if warps and (config.num_warps < 1 or config.num_stages < 1):
+        raise ConfigError(f"{cls}: num_warps and num_stages must be positive")
+
+
 def check_int(fn: str, name: str, value, *, lo: int | None = None, hi: int | None = None) -> int:
     """Validate a host integer argument; returns it as a Python int."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):

@@ -40,7 +40,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from pagedkv.errors import ConfigError
-from pagedkv.kernels._common import cdiv, next_pow2, use_triton
+from pagedkv.kernels._common import cdiv, check_launch_config, next_pow2, use_triton
 from pagedkv.kernels.argmax import _INT32_MIN, _argmax_reduce_kernel, _keys
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -62,13 +62,9 @@ class LMHeadArgmaxConfig:
     programs_per_sm: float = 2.0
 
     def __post_init__(self):
-        for name in ("block_m", "block_n", "block_k"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ConfigError(f"LMHeadArgmaxConfig.{name} must be a power of two >= 16, got {v}")
-        if self.num_warps < 1 or self.num_stages < 1 or not self.programs_per_sm > 0:
-            raise ConfigError("LMHeadArgmaxConfig: num_warps, num_stages and programs_per_sm "
-                              "must be positive")
+        check_launch_config(self, ("block_m", "block_n", "block_k"))
+        if not self.programs_per_sm > 0:
+            raise ConfigError("LMHeadArgmaxConfig: programs_per_sm must be positive")
 
 
 INTERPRET_CONFIG = LMHeadArgmaxConfig(block_m=16, block_n=32, block_k=16, num_warps=1,

@@ -36,7 +36,7 @@ from torch.library import triton_op, wrap_triton
 from triton.runtime.interpreter import InterpretedFunction
 
 from pagedkv.errors import ConfigError
-from pagedkv.kernels._common import cdiv, use_triton
+from pagedkv.kernels._common import cdiv, check_launch_config, use_triton
 from pagedkv.kernels.activation import silu_and_mul_partials_ref, silu_mul
 
 GEMM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -56,12 +56,7 @@ class SplitKConfig:
     num_stages: int = 5
 
     def __post_init__(self):
-        for name in ("block_m", "block_n", "block_k"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ConfigError(f"SplitKConfig.{name} must be a power of two >= 16, got {v}")
-        if self.num_warps < 1 or self.num_stages < 1:
-            raise ConfigError("SplitKConfig: num_warps and num_stages must be positive")
+        check_launch_config(self, ("block_m", "block_n", "block_k"))
 
 
 INTERPRET_CONFIG = SplitKConfig(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1)
