@@ -22,9 +22,11 @@
    projects its padded rows; gathered rows repeat the last one), so the LM-head GEMM only sees
    shapes warmed at capture; the extra rows are dropped before sampling;
 5. sampling: when every request of the batch is greedy without logprobs, min_tokens or
-   penalties (cached per batch composition), one argmax over the model-dtype logits
-   (``pagedkv.kernels.argmax.argmax_rows``: two Triton launches on CUDA; no
-   float32 copy, no metadata); otherwise the :class:`~pagedkv.sampling.sampler.Sampler` with
+   penalties (cached per batch composition), the model's ``greedy_tokens``: the argmax of the
+   model-dtype logits (``pagedkv.kernels.argmax.argmax_rows``: two Triton launches on CUDA; no
+   float32 copy, no metadata), or for a plain LM head and at most 64 sampled rows on CUDA the
+   LM head and the argmax in one pass that never writes the logits
+   (``pagedkv.kernels.lm_head_argmax``); otherwise the :class:`~pagedkv.sampling.sampler.Sampler` with
    the batch's :class:`~pagedkv.worker.sampling_state.SamplingState` (metadata, min_tokens
    bans and penalty counts, rebuilt only when the set of sampled rows changes; seeded requests
    keep their own generator in their :class:`CachedRequestState` for their whole life,
