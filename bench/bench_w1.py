@@ -118,8 +118,6 @@ def configure_splitk(args) -> None:
         sk.SPLITK_ENABLED = args.splitk
     if args.splitk_gate_up is not None:
         sk.SPLITK_GATE_UP_ENABLED = args.splitk_gate_up
-    if getattr(args, "splitk_gated_down", None) is not None:
-        sk.SPLITK_GATED_DOWN_ENABLED = args.splitk_gated_down
     if args.splitk_table:
         with open(args.splitk_table) as f:
             table = json.load(f)
@@ -344,9 +342,6 @@ def main(argv=None) -> int:
     p.add_argument("--splitk-gate-up", action=argparse.BooleanOptionalAction, default=None,
                    help="the decode-step gate/up projection as split-K partials summed by the "
                         "activation kernel (splitk_gemm.SPLITK_GATE_UP_ENABLED; off by default)")
-    p.add_argument("--splitk-gated-down", action=argparse.BooleanOptionalAction, default=None,
-                   help="the MLP's activation inside the down projection's split-K launch "
-                        "(splitk_gemm.SPLITK_GATED_DOWN_ENABLED; off by default)")
     p.add_argument("--splitk-table", default=None,
                    help="JSON of per-shape split-K launches (bench_splitk_gemm_gpu.py "
                         "--table-out) installed before the engine starts")

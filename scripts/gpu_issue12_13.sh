@@ -11,7 +11,7 @@
 # the decode reduce's heads per program (mixed lengths, W1 4 vs 1 twice), with PREFILL_AB=1
 # (OLD_TREE=DIR) the prefill kernel's sweeps and W3 / W2 against an older tree's, with DECODE_AB=1
 # the decode kernel against the older tree's, with FLAGS_AB=1 (AB_FLAGS, AB_ENV, AB_WORKLOADS, AB_PAIRS) bench_w1.py's defaults against extra flags,
-# with HOST_W3=1 W3's host phases and a profiler window of its prefill-like steps, with CUDNN_AB=1 the cuDNN fresh-prefill path's GPU tests, bench and W2 A/B, with CUDNN_PROF=1 its layer and W2-step profiles, with W3_DIAG=1 W3's compiles and host phases in a first run (and the first user generate's step times), with ARGMAX=1 the greedy argmax bench and tests, with HOSTCPU=1 the host's CPU quota, throttling and per-core speed, with DECODE_POLICY=1 the decode launch policies (flat split, longest-first one range) on mixed lengths and in W1 A/B rounds, with SPLITK_GATE_UP=1 the split-K gate/up projection (kernel sweep, GPU tests, W1 A/B), with FLAT_FLOOR=1 the flat split's batch floor on small batches.  With SPLITK_ROWS=1 split-K o / down at 128-256 rows. With READ_FLOOR=1 the read floor of the decode anchors' bytes. With GATED_DOWN=1 the activation inside the down projection's split-K launch (kernel timing, tests, W1 A/B). With LM_HEAD=1 the fused LM head + argmax (sweep, tests, W1/W3 A/B). With STARTUP=1 LLM() start-up time, default decode graphs against --no-lpt-one-range. Logs/JSON under $OUT. SKIP_* skip single steps, ONLY=1 all the default ones;
+# with HOST_W3=1 W3's host phases and a profiler window of its prefill-like steps, with CUDNN_AB=1 the cuDNN fresh-prefill path's GPU tests, bench and W2 A/B, with CUDNN_PROF=1 its layer and W2-step profiles, with W3_DIAG=1 W3's compiles and host phases in a first run (and the first user generate's step times), with ARGMAX=1 the greedy argmax bench and tests, with HOSTCPU=1 the host's CPU quota, throttling and per-core speed, with DECODE_POLICY=1 the decode launch policies (flat split, longest-first one range) on mixed lengths and in W1 A/B rounds, with SPLITK_GATE_UP=1 the split-K gate/up projection (kernel sweep, GPU tests, W1 A/B), with FLAT_FLOOR=1 the flat split's batch floor on small batches.  With SPLITK_ROWS=1 split-K o / down at 128-256 rows. With READ_FLOOR=1 the read floor of the decode anchors' bytes. With LM_HEAD=1 the fused LM head + argmax (sweep, tests, W1/W3 A/B). With STARTUP=1 LLM() start-up time, default decode graphs against --no-lpt-one-range. Logs/JSON under $OUT. SKIP_* skip single steps, ONLY=1 all the default ones;
 # more than ~550 s of steps needs two calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -124,17 +124,6 @@ if [ -n "${LM_HEAD:-}" ]; then  # the fused LM head + greedy argmax (seventeenth
     done
   done
   rm -f "$OUT/lh.json" "$OUT/lh.log"
-fi
-if [ -n "${GATED_DOWN:-}" ]; then  # the MLP's activation inside the down projection's split-K launch (seventeenth session, opt-in): kernel timing, its GPU tests, W1 off / on (GATED_DOWN_ROUNDS rounds); tok/s in gated_down.txt
-  TAIL=8 run gated_down_bench 120 python3 bench/bench_gated_down_gpu.py --out "$OUT/gated_down.json"
-  TAIL=3 run gated_down_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_kernel_splitk_gemm.py -k gated
-  for i in $(seq 1 ${GATED_DOWN_ROUNDS:-2}); do
-    for f in "--no-splitk-gated-down" "--splitk-gated-down"; do
-      timeout 80 python3 bench/bench_w1.py --workload w1 $f --json "$OUT/gd.json" > "$OUT/gd.log" 2>&1
-      echo "w1 round $i [$f]: $(python3 -c "import json; r=json.load(open('$OUT/gd.json')); print(round(r['pagedkv']['output_tokens_per_s']))" 2>/dev/null || tail -2 $OUT/gd.log)" | tee -a "$OUT/gated_down.txt"
-    done
-  done
-  rm -f "$OUT/gd.json" "$OUT/gd.log"
 fi
 if [ -n "${SPLITK_ROWS:-}" ]; then  # split-K o / down past SPLITK_MAX_ROWS (128): does it still beat cuBLAS at 144-224 rows (W1's first ~40% of decode steps)?
   TAIL=14 run splitk_rows 200 python3 bench/bench_splitk_gemm_gpu.py --shapes o,down --ms 128,144,160,192,224,256 --trials 2 --out "$OUT/splitk_rows.json"

@@ -38,8 +38,7 @@ _BLOCK = 1024
 
 @triton.jit
 def silu_mul(gate, up):
-    """``silu(gate) * up`` of float32 values: the activation's one formula (this module's
-    kernel; the split-K GEMM's gated prologue, ``pagedkv.kernels.splitk_gemm``)."""
+    """``silu(gate) * up`` of float32 values: the activation's one formula."""
     return gate / (1.0 + tl.exp(-gate)) * up
 
 

@@ -37,7 +37,6 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from pagedkv.errors import ConfigError
 from pagedkv.kernels._common import cdiv, check_launch_config, use_triton
-from pagedkv.kernels.activation import silu_and_mul_partials_ref, silu_mul
 
 GEMM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -62,24 +61,12 @@ class SplitKConfig:
 INTERPRET_CONFIG = SplitKConfig(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1)
 
 
-@triton.jit
-def _a_tile(x_rows, kk, a_mask, K, GATED: tl.constexpr):
-    """The ``[BLOCK_M, BLOCK_K]`` tile of the product's left operand at inner indices ``kk``:
-    ``x``'s, or with ``GATED`` ``silu(gate) * up`` of ``x = [gate | up]`` (up ``K`` columns
-    after gate), in float32 and rounded to ``x``'s dtype as the activation kernel stores it."""
-    if GATED:
-        gate = tl.load(x_rows + kk[None, :], mask=a_mask, other=0.0)
-        up = tl.load(x_rows + K + kk[None, :], mask=a_mask, other=0.0)
-        return silu_mul(gate.to(tl.float32), up.to(tl.float32)).to(gate.dtype)
-    return tl.load(x_rows + kk[None, :], mask=a_mask, other=0.0)
-
-
 @triton.jit(do_not_specialize=["M"])
 def _splitk_gemm_kernel(
     x_ptr, x_s0, w_ptr, w_s0, out_ptr, o_split, o_s0,
     M, N, K, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PREC: tl.constexpr, RANGE_LOOP: tl.constexpr, GATED: tl.constexpr = False,
+    DOT_PREC: tl.constexpr, RANGE_LOOP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -98,7 +85,7 @@ def _splitk_gemm_kernel(
         for k in range(k0, k1, BLOCK_K):
             kk = k + rk
             k_ok = kk < k1
-            a = _a_tile(x_rows, kk, m_ok[:, None] & k_ok[None, :], K, GATED)
+            a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
     else:  # the interpreter cannot iterate range() over runtime scalars
@@ -106,7 +93,7 @@ def _splitk_gemm_kernel(
         while k < k1:
             kk = k + rk
             k_ok = kk < k1
-            a = _a_tile(x_rows, kk, m_ok[:, None] & k_ok[None, :], K, GATED)
+            a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
             k += BLOCK_K
@@ -114,13 +101,11 @@ def _splitk_gemm_kernel(
     tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _check(fn: str, x: torch.Tensor, w: torch.Tensor, splits: int,
-           gated: bool = False) -> tuple[int, int, int]:
+def _check(fn: str, x: torch.Tensor, w: torch.Tensor, splits: int) -> tuple[int, int, int]:
     if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
         raise ConfigError(f"{fn}: x and w must be tensors")
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != (2 if gated else 1) * w.shape[1]:
-        want = "x [M, 2K] ([gate | up])" if gated else "x [M, K]"
-        raise ConfigError(f"{fn}: need {want} and w [N, K], got {tuple(x.shape)} and "
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ConfigError(f"{fn}: need x [M, K] and w [N, K], got {tuple(x.shape)} and "
                           f"{tuple(w.shape)}")
     if x.dtype not in GEMM_DTYPES or w.dtype != x.dtype:
         raise ConfigError(f"{fn}: x and w must share one of bf16/fp16/fp32, got {x.dtype} and "
@@ -144,14 +129,10 @@ def split_chunk(K: int, splits: int, block_k: int) -> int:
 
 
 def splitk_linear_ref(x: torch.Tensor, w: torch.Tensor, splits: int,
-                      config: SplitKConfig | None = None, gated: bool = False) -> torch.Tensor:
+                      config: SplitKConfig | None = None) -> torch.Tensor:
     """Plain torch twin: float32 products over the same inner-dimension chunks as the kernel
-    (``config``'s ``block_k`` rounds the chunk; default the device's config); ``gated``: the
-    left operand is ``silu(gate) * up`` of ``x = [gate | up]`` in float32, rounded to ``x``'s
-    dtype (the activation kernel's values)."""
-    M, N, K = _check("splitk_linear_ref", x, w, splits, gated)
-    if gated:
-        x = silu_and_mul_partials_ref(x.float().unsqueeze(0), x.dtype)
+    (``config``'s ``block_k`` rounds the chunk; default the device's config)."""
+    M, N, K = _check("splitk_linear_ref", x, w, splits)
     cfg = config or default_splitk_config(x.device)
     chunk = split_chunk(K, splits, cfg.block_k)
     out = torch.zeros(splits, M, N, dtype=torch.float32, device=x.device)
@@ -167,8 +148,7 @@ def default_splitk_config(device: torch.device) -> SplitKConfig:
     return SplitKConfig() if device.type == "cuda" else INTERPRET_CONFIG
 
 
-def _launch(launcher, x, w, out, splits: int, cfg: SplitKConfig, range_loop: bool,
-            gated: bool = False) -> None:
+def _launch(launcher, x, w, out, splits: int, cfg: SplitKConfig, range_loop: bool) -> None:
     M = x.shape[0]
     N, K = w.shape
     chunk = split_chunk(K, splits, cfg.block_k)
@@ -178,25 +158,23 @@ def _launch(launcher, x, w, out, splits: int, cfg: SplitKConfig, range_loop: boo
         M, N, K, chunk,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", RANGE_LOOP=range_loop,
-        GATED=gated, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def splitk_linear(x: torch.Tensor, w: torch.Tensor, splits: int,
                   config: SplitKConfig | None = None,
-                  out: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """The ``splits`` float32 partial products ``[S, M, N]`` of ``x @ w^T`` (module docstring)
     with the Triton kernel (CUDA tensors, or any tensor under the Triton interpreter);
-    otherwise the torch twin. ``out``: a float32 ``[S, M, N]`` buffer to write. ``gated``:
-    ``x = [gate | up]`` (``[M, 2K]``) and the product is ``(silu(gate) * up) @ w^T``, the
-    activation computed as each tile is loaded (no activation launch, no activation tensor)."""
-    M, N, K = _check("splitk_linear", x, w, splits, gated)
+    otherwise the torch twin. ``out``: a float32 ``[S, M, N]`` buffer to write."""
+    M, N, K = _check("splitk_linear", x, w, splits)
     cfg = config or default_splitk_config(x.device)
     if out is not None and (out.shape != (splits, M, N) or out.dtype != torch.float32
                             or out.device != x.device or (N > 1 and out.stride(2) != 1)):
         raise ConfigError(f"splitk_linear: out must be float32 [{splits}, {M}, {N}] on "
                           f"{x.device}, contiguous in its last dimension")
     if not use_triton(_splitk_gemm_kernel, x):
-        res = splitk_linear_ref(x, w, splits, cfg, gated)
+        res = splitk_linear_ref(x, w, splits, cfg)
         return res if out is None else out.copy_(res)
     if out is None:
         out = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
@@ -204,7 +182,7 @@ def splitk_linear(x: torch.Tensor, w: torch.Tensor, splits: int,
         if K == 0:
             return out.zero_()
         _launch(_splitk_gemm_kernel, x, w, out, splits, cfg,
-                range_loop=not isinstance(_splitk_gemm_kernel, InterpretedFunction), gated=gated)
+                range_loop=not isinstance(_splitk_gemm_kernel, InterpretedFunction))
     return out
 
 
@@ -213,25 +191,14 @@ def splitk_linear_op(x: torch.Tensor, w: torch.Tensor, splits: int) -> torch.Ten
     """``splitk_linear`` as a custom op ``torch.compile`` can trace (one launch inside a compiled
     graph, launch parameters from ``N``, ``K`` and ``splits`` only); the torch twin on a
     non-CUDA tensor."""
-    return _op(x, w, splits, False)
-
-
-@triton_op("pagedkv::splitk_linear_gated", mutates_args={})
-def splitk_linear_gated_op(x: torch.Tensor, w: torch.Tensor, splits: int) -> torch.Tensor:
-    """``splitk_linear(..., gated=True)`` as a custom op (as :func:`splitk_linear_op`)."""
-    return _op(x, w, splits, True)
-
-
-def _op(x: torch.Tensor, w: torch.Tensor, splits: int, gated: bool) -> torch.Tensor:
     if x.device.type != "cuda":
-        return splitk_linear_ref(x, w, splits, gated=gated)
-    M, N, K = _check("splitk_linear", x, w, splits, gated)
+        return splitk_linear_ref(x, w, splits)
+    M, N, K = _check("splitk_linear", x, w, splits)
     cfg = splitk_config_for(N, K)
     out = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
     if K == 0:
         return out.zero_()
-    _launch(wrap_triton(_splitk_gemm_kernel), x, w, out, splits, cfg, range_loop=True,
-            gated=gated)
+    _launch(wrap_triton(_splitk_gemm_kernel), x, w, out, splits, cfg, range_loop=True)
     return out
 
 
@@ -334,34 +301,7 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None 
     return torch.nn.functional.linear(x, w, bias)
 
 
-# The down projection with the activation in its operand loads (``gated_linear_partials``:
-# ``splitk_linear(gate_up, w, gated=True)``): the MLP's activation launch and its [M, I]
-# tensor go away where the down projection takes the split-K kernel (the activation's values
-# are the same, rounded as its kernel stores them, so the partials equal the two-launch
-# path's bit for bit). Off by default: not measured on the GPU yet (``bench_w1.py
-# --splitk-gated-down``).
-SPLITK_GATED_DOWN_ENABLED = False
-
-
-def gated_down_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """True where the MLP's down projection ``w`` of a decode-sized input ``x`` takes the
-    gated split-K launch (``SPLITK_GATED_DOWN_ENABLED`` and the split-K rule of
-    ``linear_partials``)."""
-    return (SPLITK_GATED_DOWN_ENABLED and _split_rows(x)
-            and splitk_splits(w.shape[0], w.shape[1]) > 1)
-
-
-def gated_linear_partials(gate_up: torch.Tensor, w: torch.Tensor,
-                          bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``(silu(gate) * up) @ w^T (+ bias)`` for ``gate_up = [gate | up]``, as
-    ``linear_partials`` returns it (the float32 sum of the split-K partials), the activation
-    computed in the GEMM's operand loads. The caller checks :func:`gated_down_applies`."""
-    splits = splitk_splits(w.shape[0], w.shape[1])
-    return _sum_partials(splitk_linear_gated_op(gate_up, w, splits), splits, bias)
-
-
 __all__ = ["INTERPRET_CONFIG", "SPLITK_CONFIGS", "SPLITK_SPLITS", "SplitKConfig",
-           "default_splitk_config", "gate_up_partials", "gated_down_applies",
-           "gated_linear_partials", "linear_partials", "split_chunk", "splitk_config_for",
-           "splitk_linear", "splitk_linear_gated_op", "splitk_linear_op", "splitk_linear_ref",
+           "default_splitk_config", "gate_up_partials", "linear_partials", "split_chunk",
+           "splitk_config_for", "splitk_linear", "splitk_linear_op", "splitk_linear_ref",
            "splitk_splits"]

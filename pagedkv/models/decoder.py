@@ -36,7 +36,7 @@ from pagedkv.attention.torch_ref import TorchRefBackend
 from pagedkv.errors import ConfigError, InvalidRequestError
 from pagedkv.kernels import lm_head_argmax as _lha
 from pagedkv.kernels.argmax import argmax_rows
-from pagedkv.kernels.splitk_gemm import gated_down_applies, gated_linear_partials, linear_partials
+from pagedkv.kernels.splitk_gemm import linear_partials
 from pagedkv.models.config import ModelArchConfig
 from pagedkv.models.layers import GatedMLP, Linear, QKVProjection, RMSNorm, gate_up_silu, rms_norm
 from pagedkv.models.rotary import RotaryEmbedding, apply_rotary, tokens_seq_lens
@@ -166,11 +166,6 @@ def post_attention(
     hidden = residual_add(hidden, _row_linear(attn_out.reshape(hidden.shape[0], -1), o_weight,
                                               o_bias, reduce))
     x = rms_norm(hidden, ln_weight, eps)
-    if reduce is None and gated_down_applies(x, down_weight):
-        # the activation inside the down projection's operand loads (opt-in,
-        # ``splitk_gemm.SPLITK_GATED_DOWN_ENABLED``)
-        return hidden, gated_linear_partials(F.linear(x, gate_up_weight, gate_up_bias),
-                                             down_weight, down_bias)
     return hidden, _row_linear(gate_up_silu(x, gate_up_weight, gate_up_bias),
                                down_weight, down_bias, reduce)
 

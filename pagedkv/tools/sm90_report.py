@@ -30,7 +30,7 @@ itself in a fresh process when it is set::
     python -m pagedkv.tools.sm90_report decode 32,4,5
     python -m pagedkv.tools.sm90_report argmax
     python -m pagedkv.tools.sm90_report lm-head-argmax 128,128,64,8,3
-    python -m pagedkv.tools.sm90_report splitk [--gated]
+    python -m pagedkv.tools.sm90_report splitk
 
 The numbers are the compiler's, not the device's: what runs faster is measured on the GPU.
 """
@@ -239,14 +239,13 @@ def lm_head_argmax_report(config, sass: bool = False) -> dict:
                   config.num_warps, config.num_stages, sass)
 
 
-def splitk_report(config, gated: bool = False, sass: bool = False) -> dict:
+def splitk_report(config, sass: bool = False) -> dict:
     """The split-K GEMM kernel (``pagedkv.kernels.splitk_gemm``) on bf16 operands under
-    ``config`` (a ``SplitKConfig``); ``gated``: the launch whose operand loads compute the
-    MLP's activation (``splitk_linear(..., gated=True)``)."""
+    ``config`` (a ``SplitKConfig``)."""
     from pagedkv.kernels.splitk_gemm import _splitk_gemm_kernel
 
     const = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                 DOT_PREC="tf32", RANGE_LOOP=True, GATED=gated)
+                 DOT_PREC="tf32", RANGE_LOOP=True)
     ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*fp32")
     return report(_splitk_gemm_kernel, const, ptrs, set(),
                   set(ptrs) | {"x_s0", "w_s0", "o_split", "o_s0", "N", "K", "k_per_split"},
@@ -275,8 +274,6 @@ def main(argv=None) -> int:
                    help="the programmatic-dependent-launch variant (pagedkv.kernels.pdl)")
     p.add_argument("--maxnreg", type=int, default=None,
                    help="decode-flat: the register cap (0: none; default DecodeConfig's)")
-    p.add_argument("--gated", action="store_true",
-                   help="splitk: the launch with the MLP's activation in its operand loads")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):  # the kernels must compile: a fresh process
@@ -300,7 +297,7 @@ def main(argv=None) -> int:
         cfg = SplitKConfig()
         if args.config:
             cfg = SplitKConfig(*_ints(args.config, 5, "splitk config"))
-        rep = splitk_report(cfg, gated=args.gated, sass=args.sass)
+        rep = splitk_report(cfg, sass=args.sass)
     elif args.kernel == "prefill":
         from pagedkv.attention.triton_prefill import PrefillConfig
 
