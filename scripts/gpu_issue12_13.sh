@@ -21,16 +21,21 @@ cat COMMIT 2>/dev/null | tee "$OUT/env.txt"
 run() { local name=$1 t=$2; shift 2; echo "== $name"; timeout $t "$@" 2>&1 | grep -v -i warn | tee "$OUT/$name.log" | tail -${TAIL:-14}; }
 if [ -n "${PDL_AB:-}" ]; then  # programmatic dependent launch: the decode kernels off / on (bench_pdl_gpu.py), its GPU test, then W1 with PAGEDKV_PDL 0 / 1 (PDL_AB_WORKLOADS), alternating
   python3 -c "import torch, torch._inductor.config as c; print('torch', torch.__version__, 'inductor enable_pdl', getattr(c.triton, 'enable_pdl', 'absent'))" | tee "$OUT/pdl_env.txt"
-  for tr in ${PDL_TRIGGERS:-early}; do
+  [ -z "${SKIP_PDL_BENCH:-}" ] && for tr in ${PDL_TRIGGERS:-early}; do
     TAIL=14 run pdl_bench_$tr 200 python3 bench/bench_pdl_gpu.py --trigger $tr --out "$OUT/pdl_$tr.json"
   done
   [ -z "${SKIP_PDL_TESTS:-}" ] && TAIL=4 run pdl_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_pdl.py tests/attention/test_triton_decode.py tests/attention/test_cascade_kernels.py
-  for w in ${PDL_AB_WORKLOADS:-w1}; do
-    TAIL=3 run ${w}_pdl0 150 env PAGEDKV_PDL=0 python3 bench/bench_w1.py --workload $w --json "$OUT/${w}_pdl0.json"
-    for tr in ${PDL_TRIGGERS:-early}; do
-      TAIL=3 run ${w}_pdl1_$tr 150 env PAGEDKV_PDL=1 PAGEDKV_PDL_TRIGGER=$tr python3 bench/bench_w1.py --workload $w --json "$OUT/${w}_pdl1_$tr.json"
+  for i in $(seq 1 ${PDL_ROUNDS:-1}); do  # alternating processes, PDL_ROUNDS rounds; tok/s and start-up in pdl.txt
+    for w in ${PDL_AB_WORKLOADS:-w1}; do
+      for v in 0 ${PDL_TRIGGERS:-early}; do
+        if [ "$v" = 0 ]; then e="PAGEDKV_PDL=0"; else e="PAGEDKV_PDL=1 PAGEDKV_PDL_TRIGGER=$v"; fi
+        timeout ${PDL_T:-150} env $e python3 bench/bench_w1.py --workload $w --json "$OUT/pdl_ab.json" > "$OUT/pdl_ab.log" 2>&1
+        echo "$w round $i [$e]: $(python3 -c "import json; r=json.load(open('$OUT/pdl_ab.json')); print(round(r['pagedkv']['output_tokens_per_s']), 'startup_s', round(r.get('startup_s', -1), 1))" 2>/dev/null || tail -2 $OUT/pdl_ab.log)" | tee -a "$OUT/pdl.txt"
+        rm -f "$OUT/pdl_ab.json"
+      done
     done
   done
+  rm -f "$OUT/pdl_ab.log"
 fi
 if [ -n "${W3_STEPS_AB:-}" ]; then  # W3 with per-step wall times (bench_w1.py --step-times, two timed runs), this tree and OLD_TREE's
   TAIL=8 run w3_steps_new 200 python3 bench/bench_w1.py --workload w3 --step-times --repeat 2 --json "$OUT/w3_steps_new.json"
