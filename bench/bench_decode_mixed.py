@@ -89,6 +89,10 @@ VARIANTS = {
     "lptor": _per_request(use_order=True, lpt_one_range=True),
     "lptor100": _per_request(use_order=True, lpt_one_range=True, lpt_load_fraction=1.0),
     "lptor_flat": _per_request(use_order=True, lpt_one_range=True, flat_split=True),
+    # the split kernel merging its own ranges (no reduce launch): the per-request launch, and
+    # the default config with it (whose launches below the flat split's floor it changes)
+    "fused": _per_request(fused_reduce=True),
+    "default_fused": DecodeConfig(fused_reduce=True),
 }
 
 
@@ -115,6 +119,9 @@ class MixedSetup:
         self.qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
         self.seq = self.lens.cuda()
         self.order = torch.from_numpy(longest_first_order(self.lens.numpy())).cuda()
+        # one workspace for every call, as the engine's layers of a step share their plan's
+        # (partials; the fused reduce's counters, which every launch leaves at zero)
+        self.ws: dict = {}
 
     def call(self, i, **kw):
         # as a decode graph launches: no max length, the one-range value from the host lengths
@@ -124,6 +131,7 @@ class MixedSetup:
                                                 num_sms(torch.device("cuda")), cfg))
         if cfg.use_order:
             kw.setdefault("order", self.order)
+        kw.setdefault("workspace", self.ws)
         return lambda: paged_decode_attention(self.qs[i], self.cache, self.tables[i], self.qsl,
                                               self.seq, self.batch, SCALE, self.outs[i], **kw)
 

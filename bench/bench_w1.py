@@ -76,7 +76,7 @@ def build_pagedkv(args) -> tuple[LLM, str]:
     )
     if args.no_cascade or args.prefill_config or args.reduce_heads or args.fresh_prefill \
             or args.decode_order is not None or args.flat_split is not None \
-            or args.lpt_one_range is not None:
+            or args.lpt_one_range is not None or args.fused_reduce is not None:
         # the Triton backend with cascade (shared-prefix) attention off, or with other
         # prefill launches (which the cascade prefix launch then takes as well), or another
         # reduce width of the decode kernel
@@ -91,14 +91,16 @@ def build_pagedkv(args) -> tuple[LLM, str]:
                                pack_heads=pack)
         dc = None
         if args.reduce_heads or args.decode_order is not None or args.flat_split is not None \
-                or args.lpt_one_range is not None:
+                or args.lpt_one_range is not None or args.fused_reduce is not None:
             order = DecodeConfig.use_order if args.decode_order is None else args.decode_order
             lpt = (DecodeConfig.lpt_one_range and order) if args.lpt_one_range is None \
                 else args.lpt_one_range
             dc = DecodeConfig(reduce_heads=args.reduce_heads or DecodeConfig.reduce_heads,
                               use_order=order or lpt, lpt_one_range=lpt,
                               flat_split=DecodeConfig.flat_split if args.flat_split is None
-                              else args.flat_split)
+                              else args.flat_split,
+                              fused_reduce=DecodeConfig.fused_reduce
+                              if args.fused_reduce is None else args.fused_reduce)
         kw["attention_backend"] = TritonAttentionBackend(
             prefill_config=pc, decode_config=dc, fresh_prefill=args.fresh_prefill or "auto",
             cascade=None if args.no_cascade else CascadeConfig())
@@ -336,6 +338,9 @@ def main(argv=None) -> int:
                    help="decode launches of one range per request, longest first, where the "
                         "lengths allow it (DecodeConfig.lpt_one_range; implies --decode-order; "
                         "default: the DecodeConfig default, on)")
+    p.add_argument("--fused-reduce", action=argparse.BooleanOptionalAction, default=None,
+                   help="the per-request decode split kernel merges its own ranges, no reduce "
+                        "launch (DecodeConfig.fused_reduce; default: the DecodeConfig default)")
     p.add_argument("--splitk", action=argparse.BooleanOptionalAction, default=None,
                    help="the decode-step o / down projections through the split-K kernel "
                         "(pagedkv.kernels.splitk_gemm; on by default) or cuBLAS (A/B runs)")

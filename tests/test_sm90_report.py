@@ -72,6 +72,32 @@ def test_flat_decode_kernel_fits_the_wave_it_launches():
     assert capped["regs"] <= 96 and capped["programs_per_sm"] == 5, capped
 
 
+@pytest.mark.skipif(not triton.__version__.startswith("3.6."),
+                    reason="the numbers checked are Triton 3.6's compiler's")
+def test_fused_reduce_decode_kernel_keeps_the_split_kernels_footprint():
+    """The split kernel that merges its own ranges (``DecodeConfig.fused_reduce``) compiles
+    for sm_90 with the plain one's registers, shared memory and programs an SM, unspilled,
+    its tile loop still pipelined; its counter is one global atomic with an acquire (the L1
+    invalidated: CCTL) and the merge's partial loads bypass the L1 (``.STRONG.GPU``)."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TRITON_INTERPRET", None)
+    got = []
+    for extra in ([], ["--fused-reduce"]):
+        res = subprocess.run([sys.executable, "-m", "pagedkv.tools.sm90_report", "decode",
+                              *extra, "--json", "--sass"],
+                             capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+        assert res.returncode == 0, res.stderr[-3000:]
+        got.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    plain, fused = got
+    for key in ("regs", "shared", "programs_per_sm", "local", "loops", "waits"):
+        assert fused[key] == plain[key], (key, plain, fused)
+    assert fused["local"] == 0 and fused["loops"] == 1
+    ops = fused["sass_ops"]
+    assert ops.get("ATOMG", 0) == 1 and ops.get("CCTL", 0) >= 1, ops
+    assert "ATOMG" not in plain["sass_ops"]
+    assert any("STRONG.GPU" in k for k in fused["sass_loads"]), fused["sass_loads"]
+
+
 def test_report_refuses_an_interpreted_kernel():
     """This test session interprets kernels (conftest): compiling one is a clear error."""
     from pagedkv.attention.triton_decode import _decode_kernel

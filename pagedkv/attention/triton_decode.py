@@ -192,6 +192,13 @@ class DecodeConfig:
     us), 4 heads against 1: B64 94.7 / 96.1, B128 155.4 / 160.5, B200 229.0 / 234.1, B256
     290.4 / 298.6; W1 25,072 against 24,014 output tok/s (one lease, one run each).
 
+    ``fused_reduce`` (off by default, not yet measured on the GPU): the per-request split
+    launch merges its own ranges, without the reduce launch: each range that stores partials
+    counts itself in a per-(request, KV head) counter and the last to arrive merges them
+    (:func:`_merge_if_last`; the counters live in the workspace and are left at zero). It
+    removes one launch a layer where the per-request split runs (batches below the flat
+    split's floor; B1/L8192's 18.7 us against its bytes' 7.9); the flat split keeps its reduce.
+
     Tried and not kept: the block-table entries of the next tile loaded one iteration ahead
     (as the prefill kernel does) pipelines the K/V copies 4 tiles ahead at 5 stages but takes
     70 KB of shared memory (3 programs an SM): B64/L2048 one range 174.9 us against 129.5, W2
@@ -222,6 +229,7 @@ class DecodeConfig:
     flat_min_programs_per_sm: float = 1.0
     lpt_one_range: bool = True
     lpt_load_fraction: float = 0.75
+    fused_reduce: bool = False
 
     def __post_init__(self):
         check_launch_config(self, ("tile_n",), warps=False)
@@ -582,6 +590,34 @@ def _merge_partials(m_run, l_run, acc, m, l, a, ok):
 
 
 @triton.jit
+def _merge_ranges(m, l, a, base, c, h_ok, d, d_ok, num_splits, used, m_ptr, l_ptr, acc_ptr,
+                  BLOCK_H: tl.constexpr, D_PAD: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+                  CACHE: tl.constexpr):
+    """The merged ``(m, l, acc)`` of the first ``used`` split ranges of heads with partial rows
+    ``base [BLOCK_H]`` (ranges ``base + s``); ``m, l, a``: the first ``SPLIT_CHUNK`` ranges,
+    already loaded (``c = arange(SPLIT_CHUNK)``). Ranges ``[sp, sp + SPLIT_CHUNK)`` per
+    iteration (one variant for every split count), merged online in base 2; a masked head's
+    row is all -inf and never stored. ``CACHE``: the later chunks' load cache modifier."""
+    m_run = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_run = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D_PAD], tl.float32)
+    sp = tl.full([], 0, tl.int32)
+    while sp < used:
+        if sp > 0:  # ranges past the first chunk (more than SPLIT_CHUNK splits)
+            idx = base[:, None] + (sp + c)[None, :]
+            in_buf = h_ok[:, None] & ((sp + c) < num_splits)[None, :]
+            m = tl.load(m_ptr + idx, mask=in_buf, other=float("-inf"), cache_modifier=CACHE)
+            l = tl.load(l_ptr + idx, mask=in_buf, other=0.0, cache_modifier=CACHE)
+            a = tl.load(acc_ptr + idx[:, :, None] * D_PAD + d[None, None, :],
+                        mask=in_buf[:, :, None] & d_ok[None, None, :], other=0.0,
+                        cache_modifier=CACHE)
+        m_run, l_run, acc = _merge_partials(m_run, l_run, acc, m, l, a,
+                                            ((sp + c) < used)[None, :])
+        sp += SPLIT_CHUNK
+    return m_run, l_run, acc
+
+
+@triton.jit
 def _store_merged(m_run, l_run, acc, out_ptr, o_s0, o_s1, q_row, hh, h_ok, d, d_ok, sinks_ptr,
                   lse_ptr, lse_s0, HAS_SINKS: tl.constexpr, WRITE_LSE: tl.constexpr):
     """A reduce's normalized output rows (heads ``hh``) and log-sum-exps."""
@@ -591,6 +627,44 @@ def _store_merged(m_run, l_run, acc, out_ptr, o_s0, o_s1, q_row, hh, h_ok, d, d_
              mask=h_ok[:, None] & d_ok[None, :])
     if WRITE_LSE:
         tl.store(lse_ptr + q_row.to(tl.int64) * lse_s0 + hh, _lse(m_run, l_run), mask=h_ok)
+
+
+@triton.jit
+def _merge_if_last(r, kvh, s, n_tiles, per, num_splits, q_row, cnt_ptr, out_ptr, o_s0, o_s1,
+                   m_ptr, l_ptr, acc_ptr, sinks_ptr, lse_ptr, lse_s0, NUM_HEADS: tl.constexpr,
+                   GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   D_PAD: tl.constexpr, SPLIT_CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr,
+                   WRITE_LSE: tl.constexpr):
+    """The split kernel's own reduce (``DecodeConfig.fused_reduce``): after a range stored its
+    partials, it counts itself in the counter of (request ``r``, KV head ``kvh``); the range
+    that arrives last merges every range's partials of the KV head's query heads (as the
+    reduce kernel does, :func:`_merge_ranges`), writes the output rows and sets the counter
+    back to 0 for the next launch. The barrier puts every thread's partial stores before the
+    counter's release; the acquire and the L2-only loads (``.cg``) see the other ranges'."""
+    tl.debug_barrier()
+    cnt = cnt_ptr + r.to(tl.int64) * (NUM_HEADS // GROUP) + kvh
+    used = tl.cdiv(n_tiles, per)
+    done = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+    if done == used - 1:
+        tl.store(cnt, 0)
+        hh = kvh * GROUP + tl.arange(0, GROUP_P2)
+        h_ok = tl.arange(0, GROUP_P2) < GROUP
+        d = tl.arange(0, D_PAD)
+        d_ok = d < HEAD_DIM
+        c = tl.arange(0, SPLIT_CHUNK)
+        base = (r.to(tl.int64) * NUM_HEADS + hh) * num_splits
+        idx = base[:, None] + c[None, :]
+        in_buf = h_ok[:, None] & (c < num_splits)[None, :]
+        m = tl.load(m_ptr + idx, mask=in_buf, other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(l_ptr + idx, mask=in_buf, other=0.0, cache_modifier=".cg")
+        a = tl.load(acc_ptr + idx[:, :, None] * D_PAD + d[None, None, :],
+                    mask=in_buf[:, :, None] & d_ok[None, None, :], other=0.0,
+                    cache_modifier=".cg")
+        m_run, l_run, acc = _merge_ranges(m, l, a, base, c, h_ok, d, d_ok, num_splits, used,
+                                          m_ptr, l_ptr, acc_ptr, GROUP_P2, D_PAD, SPLIT_CHUNK,
+                                          ".cg")
+        _store_merged(m_run, l_run, acc, out_ptr, o_s0, o_s1, q_row, hh, h_ok, d, d_ok,
+                      sinks_ptr, lse_ptr, lse_s0, HAS_SINKS, WRITE_LSE)
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_splits", "min_split_tiles", "zero_rows",
@@ -624,6 +698,10 @@ def _decode_kernel(
     PDL: tl.constexpr = 0,
     order_ptr=None,
     ORDERED: tl.constexpr = False,
+    cnt_ptr=None,
+    FUSED_REDUCE: tl.constexpr = False,
+    GROUP_P2: tl.constexpr = 1,
+    SPLIT_CHUNK: tl.constexpr = 8,
 ):
     pdl_prologue(PDL)
     if ORDERED:  # grid (splits, KV heads, requests): a request's programs dispatch together,
@@ -662,6 +740,11 @@ def _decode_kernel(
     _decode_write(acc, l_i, m_i, per >= n_tiles, (r.to(tl.int64) * NUM_HEADS + head) * num_splits + s,
                   out_ptr, o_s0, o_s1, q_row, head, g, d, gd_mask, m_ptr, l_ptr, acc_ptr,
                   sinks_ptr, lse_ptr, lse_s0, GROUP, D_PAD, HAS_SINKS, WRITE_LSE)
+    if FUSED_REDUCE:
+        if per < n_tiles:  # a partial: the request's last range to finish merges them all
+            _merge_if_last(r, kvh, s, n_tiles, per, num_splits, q_row, cnt_ptr, out_ptr, o_s0,
+                           o_s1, m_ptr, l_ptr, acc_ptr, sinks_ptr, lse_ptr, lse_s0, NUM_HEADS,
+                           GROUP, GROUP_P2, HEAD_DIM, D_PAD, SPLIT_CHUNK, HAS_SINKS, WRITE_LSE)
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_splits", "min_split_tiles", "window"])
@@ -713,24 +796,9 @@ def _decode_reduce_kernel(
                                         min_split_tiles, TILE_N)
     if per >= n_tiles:
         return  # written directly by the split kernel
-    used = tl.cdiv(n_tiles, per)
-    # ranges [sp, sp + SPLIT_CHUNK) per iteration (one variant for every split count), merged
-    # online in base 2; a masked head's row is all -inf and never stored
-    m_run = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_run = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D_PAD], tl.float32)
-    sp = tl.full([], 0, tl.int32)
-    while sp < used:
-        if sp > 0:  # ranges past the first chunk (more than SPLIT_CHUNK splits)
-            idx = base[:, None] + (sp + c)[None, :]
-            in_buf = h_ok[:, None] & ((sp + c) < num_splits)[None, :]
-            m = tl.load(m_ptr + idx, mask=in_buf, other=float("-inf"))
-            l = tl.load(l_ptr + idx, mask=in_buf, other=0.0)
-            a = tl.load(acc_ptr + idx[:, :, None] * D_PAD + d[None, None, :],
-                        mask=in_buf[:, :, None] & d_ok[None, None, :], other=0.0)
-        m_run, l_run, acc = _merge_partials(m_run, l_run, acc, m, l, a,
-                                            ((sp + c) < used)[None, :])
-        sp += SPLIT_CHUNK
+    m_run, l_run, acc = _merge_ranges(m, l, a, base, c, h_ok, d, d_ok, num_splits,
+                                      tl.cdiv(n_tiles, per), m_ptr, l_ptr, acc_ptr, BLOCK_H,
+                                      D_PAD, SPLIT_CHUNK, "")
     _store_merged(m_run, l_run, acc, out_ptr, o_s0, o_s1, q_row, hh, h_ok, d, d_ok, sinks_ptr,
                   lse_ptr, lse_s0, HAS_SINKS, WRITE_LSE)
 
@@ -1030,17 +1098,20 @@ def paged_decode_attention(
     ordered = order is not None and cfg.use_order and num_reqs <= MAX_GRID_Z
     grid = (num_splits, shape.num_kv_heads, num_reqs) if ordered \
         else (num_reqs, shape.num_kv_heads, num_splits)
+    fused = cfg.fused_reduce and num_splits > 1
     _decode_kernel[grid](
         qsl_ptr=query_start_loc, seq_ptr=seq_lens, num_reqs=num_reqs, num_splits=num_splits,
         min_split_tiles=min_split_tiles, zero_rows=int(bool(zero_padded_rows)), window=window,
         m_ptr=m_buf, l_ptr=l_buf, acc_ptr=acc_buf,
         RANGE_LOOP=not interpreted(_decode_kernel),
         order_ptr=order if ordered else None, ORDERED=ordered,
+        cnt_ptr=_counters(workspace, num_reqs * shape.num_kv_heads, q.device) if fused else None,
+        FUSED_REDUCE=fused, GROUP_P2=next_pow2(shape.group),
         **_attend_args(q, kv_cache, block_table, out, shape, cfg, scale, softcap, sinks, lse,
                        k_scale, v_scale, fp8, d_pad),
         **pdl_launch_args(_decode_kernel, q.device),
     )
-    if num_splits > 1:
+    if num_splits > 1 and not fused:
         block_h = min(cfg.reduce_heads, next_pow2(shape.num_heads))
         _decode_reduce_kernel[(num_reqs, cdiv(shape.num_heads, block_h))](
             query_start_loc, seq_lens, num_reqs, num_splits, min_split_tiles, window,
@@ -1068,6 +1139,19 @@ def _partials(workspace, key: str, rows: int, d_pad: int, device: torch.device):
         if workspace is not None:
             workspace[key] = bufs
     return bufs
+
+
+def _counters(workspace, rows: int, device: torch.device) -> torch.Tensor:
+    """The fused reduce's arrival counters (int32 ``[rows]``, one per request and KV head):
+    zeros when made, and every launch leaves them at zero (the last range of each request and
+    KV head resets its own), so ``workspace["decode_counters"]`` serves every later launch,
+    CUDA-graph replays included."""
+    cnt = None if workspace is None else workspace.get("decode_counters")
+    if cnt is None or cnt.shape[0] < rows or cnt.device != device:
+        cnt = torch.zeros(rows, dtype=torch.int32, device=device)
+        if workspace is not None:
+            workspace["decode_counters"] = cnt
+    return cnt
 
 
 def _attend_args(q, kv_cache, block_table, out, shape, cfg: DecodeConfig, scale, softcap, sinks,

@@ -185,10 +185,12 @@ def prefill_report(config, causal: bool = True, sass: bool = False, off32: bool 
                   config.num_warps, config.num_stages, sass)
 
 
-def decode_report(config, sass: bool = False, pdl: bool = False, flat: bool = False) -> dict:
+def decode_report(config, sass: bool = False, pdl: bool = False, flat: bool = False,
+                  fused_reduce: bool = False) -> dict:
     """``_decode_kernel`` under ``config`` (a ``DecodeConfig``'s tile, warps and stages);
     ``pdl``: the variant launched with programmatic dependent launch; ``flat``: the flat
-    split's ``_decode_flat_kernel`` (``DecodeConfig.flat_split``) instead."""
+    split's ``_decode_flat_kernel`` (``DecodeConfig.flat_split``) instead; ``fused_reduce``:
+    the split kernel that merges its own ranges (``DecodeConfig.fused_reduce``)."""
     from pagedkv.attention.triton_decode import _decode_flat_kernel, _decode_kernel
 
     group = HEADS // KV_HEADS
@@ -206,6 +208,8 @@ def decode_report(config, sass: bool = False, pdl: bool = False, flat: bool = Fa
         kernel = _decode_kernel
         const["ORDERED"] = False  # the default launch (DecodeConfig.use_order off)
         ptrs["order_ptr"] = "*i32"
+        const.update(FUSED_REDUCE=fused_reduce, GROUP_P2=group, SPLIT_CHUNK=8)
+        ptrs["cnt_ptr"] = "*i32"
     aligned = set(ptrs) | {"q_s0", "q_s1", "c_sb", "c_st", "c_sh", "o_s0", "o_s1", "bt_s0",
                            "lse_s0"}
     return report(kernel, const, ptrs, {"scale_log2", "v_scale"}, aligned,
@@ -272,6 +276,8 @@ def main(argv=None) -> int:
     p.add_argument("--sass", action="store_true", help="also the static SASS opcode counts")
     p.add_argument("--pdl", action="store_true",
                    help="the programmatic-dependent-launch variant (pagedkv.kernels.pdl)")
+    p.add_argument("--fused-reduce", action="store_true",
+                   help="decode: the split kernel that merges its own ranges")
     p.add_argument("--maxnreg", type=int, default=None,
                    help="decode-flat: the register cap (0: none; default DecodeConfig's)")
     p.add_argument("--json", action="store_true")
@@ -317,7 +323,8 @@ def main(argv=None) -> int:
         if args.maxnreg is not None:
             cfg = DecodeConfig(tile_n=cfg.tile_n, num_warps=cfg.num_warps,
                                num_stages=cfg.num_stages, flat_max_registers=args.maxnreg or None)
-        rep = decode_report(cfg, sass=args.sass, pdl=args.pdl, flat=args.kernel == "decode-flat")
+        rep = decode_report(cfg, sass=args.sass, pdl=args.pdl, flat=args.kernel == "decode-flat",
+                            fused_reduce=args.fused_reduce)
     if args.json:
         print(json.dumps(rep))
     else:

@@ -420,6 +420,61 @@ def test_decode_reduce_heads_config():
             DecodeConfig(reduce_heads=bad)
 
 
+# ---- the fused reduce: the split kernel's last range merges (DecodeConfig.fused_reduce)
+
+
+@pytest.mark.parametrize("heads", [(6, 3), (4, 1), (3, 3)])
+@pytest.mark.parametrize("num_splits,ordered_launch", [(5, False), (20, True), (3, True)])
+def test_decode_fused_reduce_equals_the_reduce_launch(kernel_device, heads, num_splits,
+                                                      ordered_launch):
+    """With ``fused_reduce`` the split kernel's last range of each (request, KV head) merges
+    the ranges itself: bit for bit the split + reduce launches' output and log-sum-exps (the
+    same merge), with sinks, GQA groups of 2 / 4 / 1, more ranges than one merge chunk (20),
+    the longest-first grid, a prefill row and CUDA-graph padding (``zero_padded_rows``); rows
+    of other requests untouched; the counters left at zero, so a second launch on the same workspace
+    (its partials now stale) gives the same output."""
+    reqs = [(90, 1), (3, 1), (41, 5), (200, 1), (16, 1)]
+    case = make_case(reqs, block_size=4, num_heads=heads[0], num_kv_heads=heads[1],
+                     device=kernel_device, write_new=True, pad_tokens=2, padded_reqs=1,
+                     seed=heads[0] * 10 + num_splits)
+    m = case["meta"]
+    gen = torch.Generator().manual_seed(num_splits)
+    sinks = torch.randn(heads[0], generator=gen).to(kernel_device)
+    order = torch.from_numpy(longest_first_order(m.seq_lens_cpu[:m.num_reqs].numpy()))
+    rows = case["q"].shape[0]
+    results = []
+    for fused in (False, True, True):
+        cfg = DecodeConfig(tile_n=16, num_warps=1, num_stages=1, min_split_tokens=16,
+                           use_order=ordered_launch, lpt_one_range=False, flat_split=False,
+                           fused_reduce=fused)
+        ws = results[-1][2] if fused and len(results) == 2 else {}
+        lse = torch.full((rows, heads[0]), float("nan"), device=kernel_device)
+        out = poisoned_out(case)
+        paged_decode_attention(case["q"], case["cache"], m.block_table_tensor,
+                               m.query_start_loc, m.seq_lens, m.num_reqs, case["scale"], out,
+                               num_splits=num_splits, config=cfg, sinks=sinks, lse=lse,
+                               workspace=ws, zero_padded_rows=True,
+                               order=order.to(kernel_device) if ordered_launch else None)
+        assert ("decode_counters" in ws) == fused
+        if fused:
+            assert int(ws["decode_counters"].abs().sum()) == 0
+        results.append((out.cpu(), lse.cpu(), ws))
+    (plain, plain_lse, _), (got, got_lse, _), (again, again_lse, _) = results
+    for o, l in ((got, got_lse), (again, again_lse)):
+        assert torch.equal(o.nan_to_num(7.0), plain.nan_to_num(7.0))
+        assert torch.equal(l.nan_to_num(7.0), plain_lse.nan_to_num(7.0))
+    want = paged_decode_attention_ref(case["q"], case["cache"], m.block_table_tensor,
+                                      m.query_start_loc, m.seq_lens, m.num_reqs, case["scale"],
+                                      poisoned_out(case), sinks=sinks)
+    dec = rows_of(case, lambda ql: ql == 1)
+    torch.testing.assert_close(got[dec], want.cpu()[dec], atol=1e-5, rtol=1e-5)
+    assert torch.isnan(got[rows_of(case, lambda ql: ql > 1)]).all()
+
+
+def test_decode_fused_reduce_is_off_by_default():
+    assert DecodeConfig().fused_reduce is False
+
+
 # ---- native GPU
 
 
@@ -506,3 +561,44 @@ def test_decode_gpu_split_merge_repeatable():
         check(case, outs[0])
         for o in outs[1:]:
             assert torch.equal(o, outs[0])
+
+
+@pytest.mark.gpu
+def test_decode_gpu_fused_reduce():
+    """The fused reduce under real concurrency (bf16, 16 / 8 heads): B1/L8192 and 64 mixed
+    lengths, default and forced splits (8, 20): close to the split + reduce launches and to
+    the reference, 50 launches on one workspace equal to the first bit for bit (the counters
+    reset every launch), then CUDA-graph replays with new lengths."""
+    fused = dataclasses.replace(DecodeConfig(), fused_reduce=True, flat_split=False)
+    torch.manual_seed(5)
+    for ctx in ([8192], [int(x) for x in torch.randint(1, 4000, (64,))]):
+        case = make_case([(c, 1) for c in ctx], block_size=16, num_heads=16, num_kv_heads=8,
+                         head_dim=128, dtype=torch.bfloat16, device="cuda", write_new=True,
+                         seed=len(ctx))
+        for splits in (None, 8, 20):
+            ws: dict = {}
+            first = run_decode(case, num_splits=splits, config=fused, workspace=ws)
+            check(case, first)
+            plain = run_decode(case, num_splits=splits,
+                               config=dataclasses.replace(fused, fused_reduce=False))
+            torch.testing.assert_close(first, plain, atol=2e-3, rtol=2e-3)
+            for _ in range(50):
+                assert torch.equal(run_decode(case, num_splits=splits, config=fused,
+                                              workspace=ws), first)
+            if splits is None or splits > 1:
+                assert int(ws["decode_counters"].abs().sum()) == 0
+    m = case["meta"]
+    out = torch.zeros_like(case["q"])
+
+    def call():
+        paged_decode_attention(case["q"], case["cache"], m.block_table_tensor,
+                               m.query_start_loc, m.seq_lens, m.num_reqs, case["scale"], out,
+                               num_splits=8, config=fused)
+
+    graph = capture_graph(call)
+    for lens in ([int(x) for x in torch.randint(1, 4000, (64,))], [3999] * 64):
+        set_lengths(case, lens)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(case, out)
