@@ -596,7 +596,8 @@ def test_decode_gpu_fused_reduce():
                                num_splits=8, config=fused)
 
     graph = capture_graph(call)
-    for lens in ([int(x) for x in torch.randint(1, 4000, (64,))], [3999] * 64):
+    hi = int(m.seq_lens_cpu[:m.num_reqs].max())  # what the block table holds
+    for lens in ([int(x) for x in torch.randint(1, hi + 1, (64,))], [hi] * 64):
         set_lengths(case, lens)
         out.fill_(float("nan"))
         graph.replay()
