@@ -89,8 +89,8 @@ VARIANTS = {
     "lptor": _per_request(use_order=True, lpt_one_range=True),
     "lptor100": _per_request(use_order=True, lpt_one_range=True, lpt_load_fraction=1.0),
     "lptor_flat": _per_request(use_order=True, lpt_one_range=True, flat_split=True),
-    # the split kernel merging its own ranges (no reduce launch): the per-request launch, and
-    # the default config with it (whose launches below the flat split's floor it changes)
+    # the split kernels merging their own ranges (no reduce launch): the per-request launch,
+    # and the default config with it (per-request below the flat split's floor, flat above)
     "fused": _per_request(fused_reduce=True),
     "default_fused": DecodeConfig(fused_reduce=True),
 }

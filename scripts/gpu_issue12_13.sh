@@ -11,7 +11,7 @@
 # the decode reduce's heads per program (mixed lengths, W1 4 vs 1 twice), with PREFILL_AB=1
 # (OLD_TREE=DIR) the prefill kernel's sweeps and W3 / W2 against an older tree's, with DECODE_AB=1
 # the decode kernel against the older tree's, with FLAGS_AB=1 (AB_FLAGS, AB_ENV, AB_WORKLOADS, AB_PAIRS) bench_w1.py's defaults against extra flags,
-# with HOST_W3=1 W3's host phases and a profiler window of its prefill-like steps, with CUDNN_AB=1 the cuDNN fresh-prefill path's GPU tests, bench and W2 A/B, with CUDNN_PROF=1 its layer and W2-step profiles, with W3_DIAG=1 W3's compiles and host phases in a first run (and the first user generate's step times), with ARGMAX=1 the greedy argmax bench and tests, with HOSTCPU=1 the host's CPU quota, throttling and per-core speed, with DECODE_POLICY=1 the decode launch policies (flat split, longest-first one range) on mixed lengths and in W1 A/B rounds, with SPLITK_GATE_UP=1 the split-K gate/up projection (kernel sweep, GPU tests, W1 A/B), with FLAT_FLOOR=1 the flat split's batch floor on small batches.  With SPLITK_ROWS=1 split-K o / down at 128-256 rows. With FUSED_REDUCE=1 the decode split kernel merging its own ranges (tests, B1-B16 kernel times, W1 A/B). With READ_FLOOR=1 the read floor of the decode anchors' bytes. With LM_HEAD=1 the fused LM head + argmax (sweep, tests, W1/W3 A/B). With STARTUP=1 LLM() start-up time, default decode graphs against --no-lpt-one-range. Logs/JSON under $OUT. SKIP_* skip single steps, ONLY=1 all the default ones;
+# with HOST_W3=1 W3's host phases and a profiler window of its prefill-like steps, with CUDNN_AB=1 the cuDNN fresh-prefill path's GPU tests, bench and W2 A/B, with CUDNN_PROF=1 its layer and W2-step profiles, with W3_DIAG=1 W3's compiles and host phases in a first run (and the first user generate's step times), with ARGMAX=1 the greedy argmax bench and tests, with HOSTCPU=1 the host's CPU quota, throttling and per-core speed, with DECODE_POLICY=1 the decode launch policies (flat split, longest-first one range) on mixed lengths and in W1 A/B rounds, with SPLITK_GATE_UP=1 the split-K gate/up projection (kernel sweep, GPU tests, W1 A/B), with FLAT_FLOOR=1 the flat split's batch floor on small batches.  With SPLITK_ROWS=1 split-K o / down at 128-256 rows. With FUSED_REDUCE=1 the decode split kernel merging its own ranges (tests, B1-B256 kernel times, W1 A/B). With READ_FLOOR=1 the read floor of the decode anchors' bytes. With LM_HEAD=1 the fused LM head + argmax (sweep, tests, W1/W3 A/B). With STARTUP=1 LLM() start-up time, default decode graphs against --no-lpt-one-range. Logs/JSON under $OUT. SKIP_* skip single steps, ONLY=1 all the default ones;
 # more than ~550 s of steps needs two calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -136,11 +136,11 @@ fi
 if [ -n "${READ_FLOOR:-}" ]; then  # the read floor of the decode anchors' K/V bytes (torch.sum / amax of the same bytes, one graph node's cost): what "<= 12 us at B1/L8192" is against
   TAIL=8 run read_floor 90 python3 bench/bench_read_floor_gpu.py --out "$OUT/read_floor.json"
 fi
-if [ -n "${FUSED_REDUCE:-}" ]; then  # the split kernel merging its own ranges (DecodeConfig.fused_reduce, eighteenth session, opt-in): its GPU tests, B1-B16 at L512 / L8192 / U[100, 2048] against the per-request and default launches, W1 off / on (FUSED_REDUCE_ROUNDS rounds, fused_reduce.txt)
-  TAIL=3 run fused_reduce_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/attention/test_triton_decode.py -k fused
+if [ -n "${FUSED_REDUCE:-}" ]; then  # the split kernel merging its own ranges (DecodeConfig.fused_reduce, eighteenth session, opt-in): its GPU tests (per-request and flat), B1-B256 at L512 / L8192 / U[100, 2048] against the per-request and default launches, W1 off / on (FUSED_REDUCE_ROUNDS rounds, fused_reduce.txt)
+  TAIL=3 run fused_reduce_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/attention/test_triton_decode.py tests/attention/test_decode_flat_split.py tests/test_sm90_report.py -k fused
   for L in 512 8192 mixed; do
-    if [ $L = mixed ]; then lh="--lo 100 --hi 2048"; else lh="--lo $L --hi $L"; fi
-    TAIL=5 run fused_reduce_$L 120 python3 bench/bench_decode_mixed.py --batches 1,4,8,16 $lh --splits "" --min-split-tokens "" --variants per_request,fused,default_fused --out "$OUT/fused_reduce_$L.json"
+    if [ $L = mixed ]; then lh="--lo 100 --hi 2048 --batches 1,8,16,32,64,128,153,256"; else lh="--lo $L --hi $L --batches 1,4,8,16,32"; fi
+    TAIL=9 run fused_reduce_$L 150 python3 bench/bench_decode_mixed.py $lh --splits "" --min-split-tokens "" --variants per_request,fused,default_fused --out "$OUT/fused_reduce_$L.json"
   done
   for i in $(seq 1 ${FUSED_REDUCE_ROUNDS:-1}); do
     for f in "--no-fused-reduce" "--fused-reduce"; do

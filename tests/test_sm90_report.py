@@ -74,7 +74,7 @@ def test_flat_decode_kernel_fits_the_wave_it_launches():
 
 @pytest.mark.skipif(not triton.__version__.startswith("3.6."),
                     reason="the numbers checked are Triton 3.6's compiler's")
-def test_fused_reduce_decode_kernel_keeps_the_split_kernels_footprint():
+def test_fused_reduce_decode_kernels_keep_their_footprint():
     """The split kernel that merges its own ranges (``DecodeConfig.fused_reduce``) compiles
     for sm_90 with the plain one's registers, shared memory and programs an SM, unspilled,
     its tile loop still pipelined; its counter is one global atomic with an acquire (the L1
@@ -96,6 +96,16 @@ def test_fused_reduce_decode_kernel_keeps_the_split_kernels_footprint():
     assert ops.get("ATOMG", 0) == 1 and ops.get("CCTL", 0) >= 1, ops
     assert "ATOMG" not in plain["sass_ops"]
     assert any("STRONG.GPU" in k for k in fused["sass_loads"]), fused["sass_loads"]
+    # the flat split's kernel with it: capped (DecodeConfig.flat_registers) to the 4 programs
+    # an SM its one wave launches, unspilled, still one pipelined loop
+    res = subprocess.run([sys.executable, "-m", "pagedkv.tools.sm90_report", "decode-flat",
+                          "--fused-reduce", "--json", "--sass"],
+                         capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    flat = json.loads(res.stdout.strip().splitlines()[-1])
+    assert flat["regs"] <= 128 and flat["programs_per_sm"] >= 4, flat
+    assert flat["local"] == 0 and flat["loops"] == 1 and max(flat["waits"]) == 3, flat
+    assert flat["sass_ops"].get("ATOMG", 0) == 1, flat["sass_ops"]
 
 
 def test_report_refuses_an_interpreted_kernel():

@@ -55,6 +55,7 @@ capture turns into fixed graph-pool memory). No host syncs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -196,8 +197,9 @@ class DecodeConfig:
     launch merges its own ranges, without the reduce launch: each range that stores partials
     counts itself in a per-(request, KV head) counter and the last to arrive merges them
     (:func:`_merge_if_last`; the counters live in the workspace and are left at zero). It
-    removes one launch a layer where the per-request split runs (batches below the flat
-    split's floor; B1/L8192's 18.7 us against its bytes' 7.9); the flat split keeps its reduce.
+    removes one launch a layer: the per-request split's reduce (batches below the flat split's
+    floor; B1/L8192 18.4 -> 17.7 us on the H200) and the flat split's (the program that
+    stores a request's last piece merges it; padded rows are zeroed by the flat kernel).
 
     Tried and not kept: the block-table entries of the next tile loaded one iteration ahead
     (as the prefill kernel does) pipelines the K/V copies 4 tiles ahead at 5 stages but takes
@@ -260,6 +262,17 @@ class DecodeConfig:
                 or not 0.0 < self.balanced_fraction <= 1.0:
             raise ConfigError("DecodeConfig: need 0 <= balanced_min_programs_per_sm <= "
                               "wave_programs_per_sm and 0 < balanced_fraction <= 1")
+
+    def flat_registers(self) -> int | None:
+        """The flat kernel's register cap (``maxnreg``): ``flat_max_registers`` when set; with
+        ``fused_reduce`` (whose merge raises the kernel to 162 registers, 3 programs an SM on
+        sm_90) the most that still fits ``flat_programs_per_sm`` programs of ``num_warps`` warps
+        in the 65,536 registers of an SM (128 at the defaults: unspilled, 4 an SM); else
+        none."""
+        if self.flat_max_registers is not None or not self.fused_reduce:
+            return self.flat_max_registers
+        per_thread = 65536 // (math.ceil(self.flat_programs_per_sm) * self.num_warps * 32)
+        return max(24, min(255, per_thread // 8 * 8))
 
 
 # The interpreter runs the GPU's default policies (longest-first order and one range, the flat
@@ -638,15 +651,10 @@ def _merge_if_last(r, kvh, s, n_tiles, per, num_splits, q_row, cnt_ptr, out_ptr,
     """The split kernel's own reduce (``DecodeConfig.fused_reduce``): after a range stored its
     partials, it counts itself in the counter of (request ``r``, KV head ``kvh``); the range
     that arrives last merges every range's partials of the KV head's query heads (as the
-    reduce kernel does, :func:`_merge_ranges`), writes the output rows and sets the counter
-    back to 0 for the next launch. The barrier puts every thread's partial stores before the
-    counter's release; the acquire and the L2-only loads (``.cg``) see the other ranges'."""
-    tl.debug_barrier()
-    cnt = cnt_ptr + r.to(tl.int64) * (NUM_HEADS // GROUP) + kvh
+    reduce kernel does, :func:`_merge_ranges`) and writes the output rows (:func:`_arrive`:
+    the counter, left at 0; the L2-only loads, ``.cg``, see the other ranges' partials).""" 
     used = tl.cdiv(n_tiles, per)
-    done = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-    if done == used - 1:
-        tl.store(cnt, 0)
+    if _arrive(cnt_ptr + r.to(tl.int64) * (NUM_HEADS // GROUP) + kvh, used):
         hh = kvh * GROUP + tl.arange(0, GROUP_P2)
         h_ok = tl.arange(0, GROUP_P2) < GROUP
         d = tl.arange(0, D_PAD)
@@ -847,7 +855,46 @@ def _flat_share(total, num_programs, min_tiles):
     return tl.maximum(tl.cdiv(total, num_programs), min_tiles)
 
 
-@triton.jit(do_not_specialize=["num_reqs", "min_tiles", "window"])
+@triton.jit
+def _merge_pieces(row0, count, hh, h_ok, d, d_ok, m_ptr, l_ptr, acc_ptr,
+                  NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, D_PAD: tl.constexpr,
+                  SPLIT_CHUNK: tl.constexpr, CACHE: tl.constexpr):
+    """The merged ``(m, l, acc)`` of a request's ``count`` flat-split pieces, at partial rows
+    ``row0 .. row0 + count - 1`` (``p + r`` for programs ``p_lo ..``) of heads ``hh``,
+    ``SPLIT_CHUNK`` pieces an iteration. ``CACHE``: the loads' cache modifier."""
+    c = tl.arange(0, SPLIT_CHUNK)
+    m_run = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_run = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D_PAD], tl.float32)
+    sp = tl.zeros([], tl.int32)
+    while sp < count:
+        ok = ((sp + c) < count)[None, :]
+        idx = (row0 + sp + c).to(tl.int64)[None, :] * NUM_HEADS + hh[:, None]
+        live = h_ok[:, None] & ok
+        m = tl.load(m_ptr + idx, mask=live, other=float("-inf"), cache_modifier=CACHE)
+        l = tl.load(l_ptr + idx, mask=live, other=0.0, cache_modifier=CACHE)
+        a = tl.load(acc_ptr + idx[:, :, None] * D_PAD + d[None, None, :],
+                    mask=live[:, :, None] & d_ok[None, None, :], other=0.0,
+                    cache_modifier=CACHE)
+        m_run, l_run, acc = _merge_partials(m_run, l_run, acc, m, l, a, ok)
+        sp += SPLIT_CHUNK
+    return m_run, l_run, acc
+
+
+@triton.jit
+def _arrive(cnt, expected):
+    """Counts one arrival at counter ``cnt`` (after a barrier: every thread's partial stores
+    come first; acquire-release at GPU scope); True for the ``expected``-th, which sets the
+    counter back to 0 for the next launch."""
+    tl.debug_barrier()
+    done = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+    last = done == expected - 1
+    if last:
+        tl.store(cnt, 0)
+    return last
+
+
+@triton.jit(do_not_specialize=["num_reqs", "min_tiles", "window", "zero_rows"])
 def _decode_flat_kernel(
     q_ptr, q_s0, q_s1,
     k_ptr, v_ptr, c_sb, c_st, c_sh,
@@ -876,15 +923,37 @@ def _decode_flat_kernel(
     KV_FP8: tl.constexpr = False,
     Q_FP16: tl.constexpr = False,
     PDL: tl.constexpr = 0,
+    cnt_ptr=None,
+    zero_rows=0,
+    FUSED_REDUCE: tl.constexpr = False,
+    GROUP_P2: tl.constexpr = 1,
+    SPLIT_CHUNK: tl.constexpr = 8,
 ):
     """The flat split, grid ``(P, Hkv)``: the decode requests' tiles laid end to end, program
     ``(p, h)`` takes flat tiles ``[p W, (p + 1) W)`` of KV head ``h`` (``W``:
     :func:`_flat_share`), request by request. A request it holds whole is written directly;
     each piece of a longer one goes to partial row ``p + r`` (unique: consecutive pieces
-    advance ``p`` or ``r``) for ``_decode_flat_reduce_kernel``."""
+    advance ``p`` or ``r``) for ``_decode_flat_reduce_kernel``. With ``FUSED_REDUCE`` the
+    program that stores a request's last piece merges its pieces itself (:func:`_arrive`;
+    no reduce launch), and with ``zero_rows`` the programs zero the padded requests' rows
+    (as the reduce kernel does otherwise)."""
     pdl_prologue(PDL)
     p = tl.program_id(0)
     kvh = tl.program_id(1)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D_PAD)
+    head = kvh * GROUP + g
+    gd_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    if FUSED_REDUCE:
+        if zero_rows != 0:  # a padded request (no query rows) zeroes row r no request owns
+            n_rows = tl.load(qsl_ptr + num_reqs)
+            rp = p
+            while rp < num_reqs:
+                if (tl.load(qsl_ptr + rp + 1) == tl.load(qsl_ptr + rp)) & (rp >= n_rows):
+                    tl.store(out_ptr + rp.to(tl.int64) * o_s0 + head[:, None] * o_s1
+                             + d[None, :], tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+                             .to(out_ptr.dtype.element_ty), mask=gd_mask)
+                rp += tl.num_programs(0)
     total, _n, _t, _l = _flat_scan(qsl_ptr, seq_ptr, num_reqs, window, -1, 0, TILE_N, REQ_CHUNK)
     share = _flat_share(total, tl.num_programs(0), min_tiles)
     a = p * share
@@ -892,10 +961,6 @@ def _decode_flat_kernel(
         return
     b = tl.minimum(a + share, total)
     _t2, r, cu, _l2 = _flat_scan(qsl_ptr, seq_ptr, num_reqs, window, a, 0, TILE_N, REQ_CHUNK)
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, D_PAD)
-    head = kvh * GROUP + g
-    gd_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
     head_off = kvh.to(tl.int64) * c_sh
     while cu < b:  # request r's tiles are flat tiles [cu, cu + nt)
         nt = _decode_tiles(qsl_ptr, seq_ptr, r, num_reqs, window, TILE_N)
@@ -914,6 +979,19 @@ def _decode_flat_kernel(
                           (p + r).to(tl.int64) * NUM_HEADS + head, out_ptr, o_s0, o_s1, q_row,
                           head, g, d, gd_mask, m_ptr, l_ptr, acc_ptr, sinks_ptr, lse_ptr, lse_s0,
                           GROUP, D_PAD, HAS_SINKS, WRITE_LSE)
+            if FUSED_REDUCE:
+                if (s0 > 0) | (s1 < nt):  # a piece: the last to arrive merges the request
+                    p_lo = cu // share
+                    count = (cu + nt - 1) // share - p_lo + 1
+                    if _arrive(cnt_ptr + r.to(tl.int64) * (NUM_HEADS // GROUP) + kvh, count):
+                        hh = kvh * GROUP + tl.arange(0, GROUP_P2)
+                        h_ok = tl.arange(0, GROUP_P2) < GROUP
+                        d_ok = d < HEAD_DIM
+                        m_mg, l_mg, acc_mg = _merge_pieces(
+                            p_lo + r, count, hh, h_ok, d, d_ok, m_ptr, l_ptr, acc_ptr,
+                            NUM_HEADS, GROUP_P2, D_PAD, SPLIT_CHUNK, ".cg")
+                        _store_merged(m_mg, l_mg, acc_mg, out_ptr, o_s0, o_s1, q_row, hh, h_ok,
+                                      d, d_ok, sinks_ptr, lse_ptr, lse_s0, HAS_SINKS, WRITE_LSE)
         cu += nt
         r += 1
 
@@ -964,21 +1042,8 @@ def _decode_flat_reduce_kernel(
     count = (cu + nt - 1) // share - p_lo + 1
     if (nt == 0) | (count <= 1):
         return  # written directly by the flat kernel
-    c = tl.arange(0, SPLIT_CHUNK)
-    m_run = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_run = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D_PAD], tl.float32)
-    sp = tl.zeros([], tl.int32)
-    while sp < count:
-        ok = ((sp + c) < count)[None, :]
-        idx = (p_lo + r + sp + c).to(tl.int64)[None, :] * NUM_HEADS + hh[:, None]
-        live = h_ok[:, None] & ok
-        m = tl.load(m_ptr + idx, mask=live, other=float("-inf"))
-        l = tl.load(l_ptr + idx, mask=live, other=0.0)
-        a = tl.load(acc_ptr + idx[:, :, None] * D_PAD + d[None, None, :],
-                    mask=live[:, :, None] & d_ok[None, None, :], other=0.0)
-        m_run, l_run, acc = _merge_partials(m_run, l_run, acc, m, l, a, ok)
-        sp += SPLIT_CHUNK
+    m_run, l_run, acc = _merge_pieces(p_lo + r, count, hh, h_ok, d, d_ok, m_ptr, l_ptr,
+                                      acc_ptr, NUM_HEADS, BLOCK_H, D_PAD, SPLIT_CHUNK, "")
     _store_merged(m_run, l_run, acc, out_ptr, o_s0, o_s1, q_row, hh, h_ok, d, d_ok, sinks_ptr,
                   lse_ptr, lse_s0, HAS_SINKS, WRITE_LSE)
 
@@ -1191,15 +1256,21 @@ def _flat_decode(q, kv_cache, block_table, query_start_loc, seq_lens, num_reqs, 
                                       d_pad, q.device)
     interp = interpreted(_decode_flat_kernel)
     req_chunk = 16 if interp else 256
+    fused = cfg.fused_reduce
     _decode_flat_kernel[(progs, shape.num_kv_heads)](
         qsl_ptr=query_start_loc, seq_ptr=seq_lens, num_reqs=num_reqs, min_tiles=min_tiles,
         window=window, m_ptr=m_buf, l_ptr=l_buf, acc_ptr=acc_buf,
         RANGE_LOOP=not interp, REQ_CHUNK=req_chunk,
+        cnt_ptr=_counters(workspace, num_reqs * shape.num_kv_heads, q.device) if fused else None,
+        zero_rows=int(bool(zero_padded_rows)), FUSED_REDUCE=fused,
+        GROUP_P2=next_pow2(shape.group),
         **_attend_args(q, kv_cache, block_table, out, shape, cfg, scale, softcap, sinks, lse,
                        k_scale, v_scale, fp8, d_pad),
-        **({} if interp or cfg.flat_max_registers is None else {"maxnreg": cfg.flat_max_registers}),
+        **({} if interp or cfg.flat_registers() is None else {"maxnreg": cfg.flat_registers()}),
         **pdl_launch_args(_decode_flat_kernel, q.device),
     )
+    if fused:
+        return out
     block_h = min(cfg.reduce_heads, next_pow2(shape.num_heads))
     _decode_flat_reduce_kernel[(num_reqs, cdiv(shape.num_heads, block_h))](
         query_start_loc, seq_lens, num_reqs, progs, min_tiles, int(bool(zero_padded_rows)),

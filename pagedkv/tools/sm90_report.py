@@ -201,6 +201,8 @@ def decode_report(config, sass: bool = False, pdl: bool = False, flat: bool = Fa
     ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", bt_ptr="*i32", qsl_ptr="*i32",
                 seq_ptr="*i32", out_ptr="*bf16", m_ptr="*fp32", l_ptr="*fp32",
                 acc_ptr="*fp32", sinks_ptr="*bf16", lse_ptr="*fp32")
+    const.update(FUSED_REDUCE=fused_reduce, GROUP_P2=group, SPLIT_CHUNK=8)
+    ptrs["cnt_ptr"] = "*i32"
     if flat:
         kernel = _decode_flat_kernel
         const["REQ_CHUNK"] = 256
@@ -208,13 +210,11 @@ def decode_report(config, sass: bool = False, pdl: bool = False, flat: bool = Fa
         kernel = _decode_kernel
         const["ORDERED"] = False  # the default launch (DecodeConfig.use_order off)
         ptrs["order_ptr"] = "*i32"
-        const.update(FUSED_REDUCE=fused_reduce, GROUP_P2=group, SPLIT_CHUNK=8)
-        ptrs["cnt_ptr"] = "*i32"
     aligned = set(ptrs) | {"q_s0", "q_s1", "c_sb", "c_st", "c_sh", "o_s0", "o_s1", "bt_s0",
                            "lse_s0"}
     return report(kernel, const, ptrs, {"scale_log2", "v_scale"}, aligned,
                   config.num_warps, config.num_stages, sass,
-                  maxnreg=config.flat_max_registers if flat else None)
+                  maxnreg=config.flat_registers() if flat else None)
 
 
 def argmax_report(sass: bool = False) -> dict:
@@ -277,7 +277,7 @@ def main(argv=None) -> int:
     p.add_argument("--pdl", action="store_true",
                    help="the programmatic-dependent-launch variant (pagedkv.kernels.pdl)")
     p.add_argument("--fused-reduce", action="store_true",
-                   help="decode: the split kernel that merges its own ranges")
+                   help="decode, decode-flat: the split kernel that merges its own ranges")
     p.add_argument("--maxnreg", type=int, default=None,
                    help="decode-flat: the register cap (0: none; default DecodeConfig's)")
     p.add_argument("--json", action="store_true")
@@ -323,6 +323,10 @@ def main(argv=None) -> int:
         if args.maxnreg is not None:
             cfg = DecodeConfig(tile_n=cfg.tile_n, num_warps=cfg.num_warps,
                                num_stages=cfg.num_stages, flat_max_registers=args.maxnreg or None)
+        if args.fused_reduce:
+            import dataclasses
+
+            cfg = dataclasses.replace(cfg, fused_reduce=True)
         rep = decode_report(cfg, sass=args.sass, pdl=args.pdl, flat=args.kernel == "decode-flat",
                             fused_reduce=args.fused_reduce)
     if args.json:

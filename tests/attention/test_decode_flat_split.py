@@ -266,6 +266,99 @@ def test_flat_property_random_batches(kernel_device, lens, programs, min_tokens,
     check(case, run_flat(case, cfg, workspace=poisoned_workspace(case, programs)))
 
 
+# ---- the fused reduce (DecodeConfig.fused_reduce): the last piece's program merges
+
+
+def run_both(case, programs, heads_kv, **kw):
+    """The flat launch with the reduce kernel and with the fused reduce (twice on one
+    workspace, its partials stale the second time): outputs and log-sum-exps, and the
+    fused workspace."""
+    m = case["meta"]
+    heads = case["q"].shape[1]
+    got = []
+    ws_fused: dict = {}
+    for fused in (False, True, True):
+        cfg = flat_cfg(programs, heads_kv, fused_reduce=fused)
+        lse = torch.full((case["q"].shape[0], heads), float("nan"), device=case["q"].device)
+        ws = ws_fused if fused else poisoned_workspace(case, programs)
+        out = run_flat(case, cfg, workspace=ws, lse=lse, **kw)
+        if fused:
+            assert int(ws["decode_counters"].abs().sum()) == 0  # left at zero
+        got.append((out.cpu(), lse.cpu()))
+    return got, ws_fused, m
+
+
+@pytest.mark.parametrize("block_size,heads,programs", [(4, (4, 2), 3), (3, (6, 3), 7),
+                                                       (1, (2, 2), 5), (16, (4, 1), 40)])
+def test_flat_fused_reduce_equals_the_reduce_launch(kernel_device, block_size, heads, programs):
+    """Bit for bit the flat split + reduce launches (outputs, log-sum-exps, sinks; requests
+    cut in several pieces and held whole; a prefill row left alone), a second launch on the
+    same workspace the same; the counters left at zero."""
+    case = make_case(REQS, block_size=block_size, num_heads=heads[0], num_kv_heads=heads[1],
+                     device=kernel_device, write_new=True, seed=block_size * 7 + programs)
+    sinks = torch.randn(heads[0], generator=torch.Generator().manual_seed(2)).to(kernel_device)
+    got, _, _ = run_both(case, programs, heads[1], sinks=sinks)
+    (plain, plain_lse), *fused = got
+    for out, lse in fused:
+        assert torch.equal(out.nan_to_num(7.0), plain.nan_to_num(7.0))
+        assert torch.equal(lse.nan_to_num(7.0), plain_lse.nan_to_num(7.0))
+    m = case["meta"]
+    want = paged_decode_attention_ref(case["q"], case["cache"], m.block_table_tensor,
+                                      m.query_start_loc, m.seq_lens, m.num_reqs, case["scale"],
+                                      poisoned_out(case), sinks=sinks)
+    dec = rows_of(case, lambda ql: ql == 1)
+    torch.testing.assert_close(fused[0][0][dec], want.cpu()[dec], atol=1e-4, rtol=1e-4)
+    assert_rows_untouched(fused[0][0], rows_of(case, lambda ql: ql != 1))
+
+
+def test_flat_fused_reduce_zero_padded_rows(kernel_device):
+    """Without the reduce launch the flat kernel zeroes the padded requests' rows past the
+    last request's row (programs stride over the requests); rows past num_reqs untouched."""
+    case = make_case([(9, 1), (20, 1), (3, 1)], block_size=4, device=kernel_device,
+                     write_new=True, pad_tokens=3, padded_reqs=3, seed=8)
+    m = case["meta"]
+    out = poisoned_out(case)
+    extra = torch.full((2,) + tuple(out.shape[1:]), float("nan"), dtype=out.dtype,
+                       device=out.device)
+    out = torch.cat([out, extra])
+    q = torch.cat([case["q"], torch.zeros_like(extra)])
+    ws: dict = {}
+    paged_decode_attention(q, case["cache"], m.block_table_tensor, m.query_start_loc,
+                           m.seq_lens, m.num_reqs, case["scale"], out, zero_padded_rows=True,
+                           config=flat_cfg(2, 2, fused_reduce=True), workspace=ws)
+    check(case, out[: case["q"].shape[0]])
+    assert (out[3:6].cpu() == 0).all()
+    assert torch.isnan(out[6:].cpu()).all()
+    assert "decode_flat_partials" in ws and int(ws["decode_counters"].abs().sum()) == 0
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lens=st.lists(st.tuples(st.integers(0, 90), st.sampled_from([1, 1, 1, 2])), min_size=1,
+                     max_size=9),
+       programs=st.integers(1, 9), block_size=st.sampled_from([1, 3, 16]),
+       seed=st.integers(0, 1000))
+def test_flat_fused_reduce_property(kernel_device, lens, programs, block_size, seed):
+    """Any batch and program count: the fused reduce equals the reduce launch bit for bit."""
+    case = make_case(lens, block_size=block_size, num_heads=2, num_kv_heads=1,
+                     device=kernel_device, write_new=True, seed=seed)
+    got, _, _ = run_both(case, programs, 1)
+    (plain, plain_lse), *fused = got
+    for out, lse in fused:
+        assert torch.equal(out.nan_to_num(7.0), plain.nan_to_num(7.0))
+        assert torch.equal(lse.nan_to_num(7.0), plain_lse.nan_to_num(7.0))
+
+
+def test_flat_fused_reduce_register_cap():
+    """The fused flat kernel's register cap fits ``flat_programs_per_sm`` programs an SM
+    (its merge would otherwise take it to 3 an SM on sm_90); an explicit cap wins; none
+    without the fused reduce."""
+    assert DecodeConfig().flat_registers() is None
+    assert DecodeConfig(fused_reduce=True).flat_registers() == 128
+    assert DecodeConfig(fused_reduce=True, flat_programs_per_sm=5.0).flat_registers() == 96
+    assert DecodeConfig(fused_reduce=True, flat_max_registers=112).flat_registers() == 112
+    assert DecodeConfig(flat_max_registers=96).flat_registers() == 96
+
+
 # ---- native GPU
 
 
@@ -312,3 +405,40 @@ def test_flat_gpu_cuda_graph_replay_matches_per_request_launch():
         check(case, out)
         plain = run_flat(case, default_decode_config(torch.device("cuda")))
         torch.testing.assert_close(out.float(), plain.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_flat_gpu_fused_reduce():
+    """The fused reduce on the H200 (bf16, 16 / 8 heads, 150 mixed lengths and B1/L8192):
+    close to the reduce launch and the reference, 30 launches on one workspace bitwise equal
+    to the first (the counters reset every launch), then a CUDA-graph replay with new
+    lengths."""
+    fused = dataclasses.replace(gpu_flat(), fused_reduce=True)
+    torch.manual_seed(4)
+    for ctx in ([int(x) for x in torch.randint(1, 3000, (150,))], [8191]):
+        case = make_case([(c, 1) for c in ctx], block_size=16, num_heads=16, num_kv_heads=8,
+                         head_dim=128, dtype=torch.bfloat16, device="cuda", write_new=True,
+                         seed=len(ctx))
+        ws: dict = {}
+        first = run_flat(case, fused, workspace=ws)
+        check(case, first)
+        torch.testing.assert_close(first, run_flat(case, gpu_flat()), atol=2e-3, rtol=2e-3)
+        for _ in range(30):
+            assert torch.equal(run_flat(case, fused, workspace=ws), first)
+        assert int(ws["decode_counters"].abs().sum()) == 0
+    m = case["meta"]
+    out = torch.zeros_like(case["q"])
+    ws = {}
+
+    def call():
+        paged_decode_attention(case["q"], case["cache"], m.block_table_tensor,
+                               m.query_start_loc, m.seq_lens, m.num_reqs, case["scale"], out,
+                               config=fused, zero_padded_rows=True, workspace=ws)
+
+    graph = capture_graph(call)
+    for lens in ([5000], [17], [8192]):
+        set_lengths(case, lens)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(case, out)
