@@ -137,7 +137,7 @@ if [ -n "${READ_FLOOR:-}" ]; then  # the read floor of the decode anchors' K/V b
   TAIL=8 run read_floor 90 python3 bench/bench_read_floor_gpu.py --out "$OUT/read_floor.json"
 fi
 if [ -n "${FUSED_REDUCE:-}" ]; then  # the split kernel merging its own ranges (DecodeConfig.fused_reduce, eighteenth session, opt-in): its GPU tests (per-request and flat), B1-B256 at L512 / L8192 / U[100, 2048] against the per-request and default launches, W1 off / on (FUSED_REDUCE_ROUNDS rounds, fused_reduce.txt)
-  TAIL=3 run fused_reduce_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/attention/test_triton_decode.py tests/attention/test_decode_flat_split.py tests/test_sm90_report.py -k fused
+  TAIL=3 run fused_reduce_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/attention/test_triton_decode.py tests/attention/test_decode_flat_split.py tests/test_sm90_report.py tests/engine/test_engine_gpu.py -k fused_reduce
   for L in 512 8192 mixed; do
     if [ $L = mixed ]; then lh="--lo 100 --hi 2048 --batches 1,8,16,32,64,128,153,256"; else lh="--lo $L --hi $L --batches 1,4,8,16,32"; fi
     TAIL=9 run fused_reduce_$L 150 python3 bench/bench_decode_mixed.py $lh --splits "" --min-split-tokens "" --variants per_request,fused,default_fused --out "$OUT/fused_reduce_$L.json"

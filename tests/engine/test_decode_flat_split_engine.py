@@ -44,3 +44,26 @@ def test_engine_with_flat_split_equals_per_request_launch(tiny_dir, monkeypatch)
         assert pool_is_idle(llm)
         assert bool(launches) == (cfg is not per_request)
     assert outs[0] == outs[1]
+
+
+def test_engine_with_fused_reduce_equals_the_reduce_launches(tiny_dir):
+    """``DecodeConfig.fused_reduce`` through the engine (flat and per-request launches, no
+    reduce kernel): the same greedy tokens as with the reduce launches, the pool idle after."""
+    path = tiny_dir("qwen3")
+    flat = dataclasses.replace(INTERPRET_DECODE_CONFIG, flat_split=True,
+                               flat_programs_per_sm=6.5 / 132, flat_min_split_tokens=16)
+    per_request = dataclasses.replace(INTERPRET_DECODE_CONFIG, flat_split=False, use_order=False,
+                                      lpt_one_range=False)
+    prompts = [[3 + i] * n for i, n in enumerate((3, 40, 7, 22, 1, 15))]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for base in (flat, per_request):
+        outs = []
+        for fused in (False, True):
+            cfg = dataclasses.replace(base, fused_reduce=fused)
+            llm = make_llm(path, max_num_batched_tokens=32,
+                           attention_backend=TritonAttentionBackend(decode_config=cfg,
+                                                                    cascade=None))
+            outs.append([o.outputs[0].token_ids
+                         for o in llm.generate(prompts, params, use_tqdm=False)])
+            assert pool_is_idle(llm)
+        assert outs[0] == outs[1]

@@ -151,6 +151,29 @@ def test_flat_split_engine_matches_transformers(tiny_dir):
             assert o.outputs[0].token_ids == _hf_greedy(hf, o.prompt_token_ids, 12)
 
 
+def test_fused_reduce_engine_matches_transformers(tiny_dir):
+    """Decode without reduce launches (``DecodeConfig.fused_reduce``, flat split on every
+    split launch) through the engine with CUDA graphs and chunked prefill: greedy tokens
+    equal transformers'."""
+    import dataclasses
+
+    from pagedkv.attention.triton_backend import TritonAttentionBackend
+    from pagedkv.attention.triton_decode import default_decode_config
+
+    path = tiny_dir("qwen3")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    for flat in (True, False):
+        cfg = dataclasses.replace(default_decode_config(torch.device("cuda")), flat_split=flat,
+                                  flat_min_programs_per_sm=0.0, fused_reduce=True)
+        llm = _gpu_llm(path, max_num_batched_tokens=32,
+                       attention_backend=TritonAttentionBackend(decode_config=cfg))
+        assert llm.runner.cuda_graphs is not None
+        outs = llm.generate(TEXTS, _greedy(12), use_tqdm=False)
+        with torch.no_grad():
+            for o in outs:
+                assert o.outputs[0].token_ids == _hf_greedy(hf, o.prompt_token_ids, 12)
+
+
 def test_fused_lm_head_argmax_engine_matches_transformers(tiny_dir, monkeypatch):
     """The fused LM head + greedy argmax (``pagedkv.kernels.lm_head_argmax``) through the
     engine: decode graphs and chunked prefill steps sample with it; tokens equal transformers'."""
