@@ -119,13 +119,21 @@ def time_graph(calls, min_ms: float = 20.0, trials: int = 7) -> float:
     with torch.cuda.graph(graph):
         for fn in calls:
             fn()
+    us = replay_us(graph, min_ms, trials) / len(calls)
+    del graph
+    return us
+
+
+def replay_us(graph, min_ms: float = 20.0, trials: int = 7, max_reps: int = 200) -> float:
+    """Median over ``trials`` of a captured graph's replay time in us (each trial at least
+    ``min_ms`` of back-to-back replays, at most ``max_reps``)."""
     graph.replay()
     torch.cuda.synchronize()
     t = time.perf_counter()
     graph.replay()
     torch.cuda.synchronize()
     one = max(time.perf_counter() - t, 1e-6)
-    reps = max(3, min(200, int(min_ms / 1e3 / one)))
+    reps = max(3, min(max_reps, int(min_ms / 1e3 / one)))
     samples = []
     for _ in range(trials):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -134,8 +142,7 @@ def time_graph(calls, min_ms: float = 20.0, trials: int = 7) -> float:
             graph.replay()
         b.record()
         b.synchronize()
-        samples.append(a.elapsed_time(b) * 1e3 / reps / len(calls))
-    del graph
+        samples.append(a.elapsed_time(b) * 1e3 / reps)
     return statistics.median(samples)
 
 

@@ -26,14 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from bench_attention_gpu import replay_us  # noqa: E402
 
 from pagedkv.attention._triton_common import num_sms  # noqa: E402
 from pagedkv.attention.triton_backend import TritonAttentionBackend  # noqa: E402
@@ -88,26 +88,6 @@ def decode_layers(model, cache, half: Half, hidden, qkv, cos, sin, outs):
         if i < last:
             hidden, qkv = mid(hidden, out, *layer.post_args(), *layers[i + 1].pre_qkv_args())
     return hidden
-
-
-def time_replays(graph, min_ms=30.0, trials=7) -> float:
-    graph.replay()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    graph.replay()
-    torch.cuda.synchronize()
-    one = max(time.perf_counter() - t, 1e-6)
-    reps = max(3, min(100, int(min_ms / 1e3 / one)))
-    samples = []
-    for _ in range(trials):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            graph.replay()
-        b.record()
-        b.synchronize()
-        samples.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(samples)
 
 
 def main() -> None:
@@ -182,7 +162,7 @@ def main() -> None:
                 graph.replay()
                 torch.cuda.synchronize()
                 outs[name] = y.float().clone()
-                res[name + "_us"] = time_replays(graph)
+                res[name + "_us"] = replay_us(graph, min_ms=30.0, max_reps=100)
                 del graph
             res["two_equals_halves"] = bool(torch.equal(outs["two"], outs["halves"]))
             ref = outs["one"]

@@ -34,6 +34,14 @@ def _hf_greedy(hf, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
+def _assert_greedy_matches_hf(llm, hf, n: int = 12) -> None:
+    """``llm``'s greedy tokens for TEXTS (``n`` each) equal transformers' ``hf`` model's."""
+    outs = llm.generate(TEXTS, _greedy(n), use_tqdm=False)
+    with torch.no_grad():
+        for o in outs:
+            assert o.outputs[0].token_ids == _hf_greedy(hf, o.prompt_token_ids, n)
+
+
 def test_graph_sizes_and_padding_lookup(tiny_dir):
     llm = _gpu_llm(tiny_dir("qwen3"), max_num_seqs=30)
     g = llm.runner.cuda_graphs
@@ -124,10 +132,7 @@ def test_triton_engine_matches_transformers(tiny_dir, family):
     path = tiny_dir(family)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     llm = _gpu_llm(path, max_num_batched_tokens=32)  # chunked prefill mixed with decodes
-    outs = llm.generate(TEXTS, _greedy(12), use_tqdm=False)
-    with torch.no_grad():
-        for o in outs:
-            assert o.outputs[0].token_ids == _hf_greedy(hf, o.prompt_token_ids, 12)
+    _assert_greedy_matches_hf(llm, hf)
 
 
 def test_flat_split_engine_matches_transformers(tiny_dir):
@@ -145,10 +150,7 @@ def test_flat_split_engine_matches_transformers(tiny_dir):
     llm = _gpu_llm(path, max_num_batched_tokens=32,
                    attention_backend=TritonAttentionBackend(decode_config=cfg))
     assert llm.runner.cuda_graphs is not None
-    outs = llm.generate(TEXTS, _greedy(12), use_tqdm=False)
-    with torch.no_grad():
-        for o in outs:
-            assert o.outputs[0].token_ids == _hf_greedy(hf, o.prompt_token_ids, 12)
+    _assert_greedy_matches_hf(llm, hf)
 
 
 def test_fused_reduce_engine_matches_transformers(tiny_dir):
@@ -168,10 +170,7 @@ def test_fused_reduce_engine_matches_transformers(tiny_dir):
         llm = _gpu_llm(path, max_num_batched_tokens=32,
                        attention_backend=TritonAttentionBackend(decode_config=cfg))
         assert llm.runner.cuda_graphs is not None
-        outs = llm.generate(TEXTS, _greedy(12), use_tqdm=False)
-        with torch.no_grad():
-            for o in outs:
-                assert o.outputs[0].token_ids == _hf_greedy(hf, o.prompt_token_ids, 12)
+        _assert_greedy_matches_hf(llm, hf)
 
 
 def test_fused_lm_head_argmax_engine_matches_transformers(tiny_dir, monkeypatch):
