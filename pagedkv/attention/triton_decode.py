@@ -652,7 +652,7 @@ def _merge_if_last(r, kvh, s, n_tiles, per, num_splits, q_row, cnt_ptr, out_ptr,
     partials, it counts itself in the counter of (request ``r``, KV head ``kvh``); the range
     that arrives last merges every range's partials of the KV head's query heads (as the
     reduce kernel does, :func:`_merge_ranges`) and writes the output rows (:func:`_arrive`:
-    the counter, left at 0; the L2-only loads, ``.cg``, see the other ranges' partials).""" 
+    the counter, left at 0; the L2-only loads, ``.cg``, see the other ranges' partials)."""
     used = tl.cdiv(n_tiles, per)
     if _arrive(cnt_ptr + r.to(tl.int64) * (NUM_HEADS // GROUP) + kvh, used):
         hh = kvh * GROUP + tl.arange(0, GROUP_P2)
