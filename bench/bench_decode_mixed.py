@@ -43,8 +43,9 @@ COLD_BYTES = 512 << 20
 
 def _per_request(**kw) -> DecodeConfig:
     """The per-request split launch in request order (no flat split, no longest-first order or
-    one-range policy) with ``kw`` changed."""
-    return DecodeConfig(**{"use_order": False, "flat_split": False, "lpt_one_range": False, **kw})
+    one-range policy, a reduce launch after every split) with ``kw`` changed."""
+    return DecodeConfig(**{"use_order": False, "flat_split": False, "lpt_one_range": False,
+                           "fused_reduce_max_reqs": 0, **kw})
 
 
 VARIANTS = {
@@ -90,9 +91,12 @@ VARIANTS = {
     "lptor100": _per_request(use_order=True, lpt_one_range=True, lpt_load_fraction=1.0),
     "lptor_flat": _per_request(use_order=True, lpt_one_range=True, flat_split=True),
     # the split kernels merging their own ranges (no reduce launch): the per-request launch,
-    # and the default config with it (per-request below the flat split's floor, flat above)
+    # and the default config with it (per-request below the flat split's floor, flat above);
+    # the default config with a reduce launch after every split (the default fuses the
+    # per-request launches of <= 4 requests, DecodeConfig.fused_reduce_max_reqs)
     "fused": _per_request(fused_reduce=True),
     "default_fused": DecodeConfig(fused_reduce=True),
+    "default_unfused": DecodeConfig().unfused(),
 }
 
 

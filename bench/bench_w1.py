@@ -101,6 +101,8 @@ def build_pagedkv(args) -> tuple[LLM, str]:
                               else args.flat_split,
                               fused_reduce=DecodeConfig.fused_reduce
                               if args.fused_reduce is None else args.fused_reduce)
+            if args.fused_reduce is False:
+                dc = dc.unfused()
         kw["attention_backend"] = TritonAttentionBackend(
             prefill_config=pc, decode_config=dc, fresh_prefill=args.fresh_prefill or "auto",
             cascade=None if args.no_cascade else CascadeConfig())
@@ -339,8 +341,10 @@ def main(argv=None) -> int:
                         "lengths allow it (DecodeConfig.lpt_one_range; implies --decode-order; "
                         "default: the DecodeConfig default, on)")
     p.add_argument("--fused-reduce", action=argparse.BooleanOptionalAction, default=None,
-                   help="the per-request decode split kernel merges its own ranges, no reduce "
-                        "launch (DecodeConfig.fused_reduce; default: the DecodeConfig default)")
+                   help="every decode split launch merges its own ranges, no reduce launch "
+                        "(DecodeConfig.fused_reduce); --no-fused-reduce: none does (not even the "
+                        "<= 4-request launches the default fuses; default: the DecodeConfig "
+                        "default)")
     p.add_argument("--splitk", action=argparse.BooleanOptionalAction, default=None,
                    help="the decode-step o / down projections through the split-K kernel "
                         "(pagedkv.kernels.splitk_gemm; on by default) or cuBLAS (A/B runs)")

@@ -55,6 +55,7 @@ capture turns into fixed graph-pool memory). No host syncs.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -180,7 +181,8 @@ class DecodeConfig:
     B256 256.5 / 277.2 (1.58: 100%). The decision is a host one from the step's lengths
     (:func:`one_range_for`), a CUDA-graph variant like ``balanced``.
 
-    The defaults (sixteenth session): ``use_order``, ``flat_split`` and ``lpt_one_range`` on.
+    The defaults (sixteenth session): ``use_order``, ``flat_split`` and ``lpt_one_range`` on
+    (nineteenth: ``fused_reduce_max_reqs`` 4, below).
     W1 on the H200, two rounds in one lease, output tok/s: per-request launches in request
     order 25,501 / 25,531; flat split 26,277 / 26,229; longest-first one range 25,930 /
     26,200; both 26,373 / 26,395. FP8 caches keep the per-request launch
@@ -193,13 +195,19 @@ class DecodeConfig:
     us), 4 heads against 1: B64 94.7 / 96.1, B128 155.4 / 160.5, B200 229.0 / 234.1, B256
     290.4 / 298.6; W1 25,072 against 24,014 output tok/s (one lease, one run each).
 
-    ``fused_reduce`` (off by default, not yet measured on the GPU): the per-request split
-    launch merges its own ranges, without the reduce launch: each range that stores partials
-    counts itself in a per-(request, KV head) counter and the last to arrive merges them
-    (:func:`_merge_if_last`; the counters live in the workspace and are left at zero). It
-    removes one launch a layer: the per-request split's reduce (batches below the flat split's
-    floor; B1/L8192 18.4 -> 17.7 us on the H200) and the flat split's (the program that
-    stores a request's last piece merges it; padded rows are zeroed by the flat kernel).
+    ``fused_reduce``: every split launch merges its own ranges, without the reduce launch:
+    each range that stores partials counts itself in a per-(request, KV head) counter and the
+    last to arrive merges them (:func:`_merge_if_last`; the counters live in the workspace and
+    are left at zero). The per-request split then needs no reduce launch, and the flat split
+    neither (the program that stores a request's last piece merges it; padded rows are zeroed
+    by the flat kernel). ``fused_reduce_max_reqs``: per-request split launches of at most this
+    many requests merge their own ranges with ``fused_reduce`` off (the default: 4; FP8
+    caches 0, not measured). H200 (``bench/bench_decode_mixed.py``, 16/8 heads, graph
+    replays, us, reduce launch / fused, default policies otherwise): B1/L512 7.8 / 7.5,
+    B1/L8192 18.6 / 17.7 (twice), B4/L8192 48.3 / 47.4, B4/L512 10.3 / 10.4; from B8 it lost
+    or tied (B8/L512 14.3 / 15.2, mixed U[100, 2048] B16 23.4 / 23.6), and W1 with every launch
+    fused was within its spread (26,255 / 26,265 fused against 25,905 / 26,276, alternating
+    processes): hence the bound, not ``fused_reduce``, in the defaults.
 
     Tried and not kept: the block-table entries of the next tile loaded one iteration ahead
     (as the prefill kernel does) pipelines the K/V copies 4 tiles ahead at 5 stages but takes
@@ -232,6 +240,7 @@ class DecodeConfig:
     lpt_one_range: bool = True
     lpt_load_fraction: float = 0.75
     fused_reduce: bool = False
+    fused_reduce_max_reqs: int = 4
 
     def __post_init__(self):
         check_launch_config(self, ("tile_n",), warps=False)
@@ -255,6 +264,9 @@ class DecodeConfig:
                               "it needs use_order=True")
         if not self.lpt_load_fraction > 0:
             raise ConfigError("DecodeConfig.lpt_load_fraction must be > 0")
+        f = self.fused_reduce_max_reqs
+        if isinstance(f, bool) or not isinstance(f, int) or f < 0:
+            raise ConfigError(f"DecodeConfig.fused_reduce_max_reqs must be an int >= 0, got {f!r}")
         r = self.reduce_heads
         if isinstance(r, bool) or not isinstance(r, int) or r < 1 or r & (r - 1):
             raise ConfigError(f"DecodeConfig.reduce_heads must be a power of two >= 1, got {r!r}")
@@ -262,6 +274,15 @@ class DecodeConfig:
                 or not 0.0 < self.balanced_fraction <= 1.0:
             raise ConfigError("DecodeConfig: need 0 <= balanced_min_programs_per_sm <= "
                               "wave_programs_per_sm and 0 < balanced_fraction <= 1")
+
+    def fuses_reduce(self, num_reqs: int) -> bool:
+        """Whether a per-request split launch of ``num_reqs`` requests merges its own ranges
+        (``fused_reduce``, or at most ``fused_reduce_max_reqs`` requests)."""
+        return self.fused_reduce or num_reqs <= self.fused_reduce_max_reqs
+
+    def unfused(self) -> "DecodeConfig":
+        """This config with every split merged by a reduce launch."""
+        return dataclasses.replace(self, fused_reduce=False, fused_reduce_max_reqs=0)
 
     def flat_registers(self) -> int | None:
         """The flat kernel's register cap (``maxnreg``): ``flat_max_registers`` when set; with
@@ -288,9 +309,9 @@ INTERPRET_DECODE_CONFIG = DecodeConfig(tile_n=16, num_warps=1, num_stages=1, min
 # than the bf16 cache (19.5 / 77.9 / 129.9 / 497.4 / 528.5 / 1997.3); tile 128 x 4 warps x 2
 # stages was the best or within 6% of the best of 24 variants at every shape.
 # The launch policies measured with it are the per-request split and request order: the flat
-# split and the longest-first one range were measured on bf16 caches only.
+# split, the longest-first one range and the fused reduce were measured on bf16 caches only.
 FP8_DECODE_CONFIG = DecodeConfig(tile_n=128, num_warps=4, num_stages=2, use_order=False,
-                                 flat_split=False, lpt_one_range=False)
+                                 flat_split=False, lpt_one_range=False, fused_reduce_max_reqs=0)
 
 
 def default_decode_config(device: torch.device, kv_dtype: torch.dtype | None = None) -> DecodeConfig:
@@ -1163,7 +1184,7 @@ def paged_decode_attention(
     ordered = order is not None and cfg.use_order and num_reqs <= MAX_GRID_Z
     grid = (num_splits, shape.num_kv_heads, num_reqs) if ordered \
         else (num_reqs, shape.num_kv_heads, num_splits)
-    fused = cfg.fused_reduce and num_splits > 1
+    fused = num_splits > 1 and cfg.fuses_reduce(num_reqs)
     _decode_kernel[grid](
         qsl_ptr=query_start_loc, seq_ptr=seq_lens, num_reqs=num_reqs, num_splits=num_splits,
         min_split_tiles=min_split_tiles, zero_rows=int(bool(zero_padded_rows)), window=window,

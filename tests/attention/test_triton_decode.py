@@ -18,6 +18,8 @@ from test_triton_cases import (
 )
 
 from pagedkv.attention.triton_decode import (
+    FP8_DECODE_CONFIG,
+    INTERPRET_DECODE_CONFIG,
     DecodeConfig,
     default_decode_config,
     choose_num_splits,
@@ -447,6 +449,7 @@ def test_decode_fused_reduce_equals_the_reduce_launch(kernel_device, heads, num_
         cfg = DecodeConfig(tile_n=16, num_warps=1, num_stages=1, min_split_tokens=16,
                            use_order=ordered_launch, lpt_one_range=False, flat_split=False,
                            fused_reduce=fused)
+        cfg = cfg if fused else cfg.unfused()
         ws = results[-1][2] if fused and len(results) == 2 else {}
         lse = torch.full((rows, heads[0]), float("nan"), device=kernel_device)
         out = poisoned_out(case)
@@ -471,8 +474,39 @@ def test_decode_fused_reduce_equals_the_reduce_launch(kernel_device, heads, num_
     assert torch.isnan(got[rows_of(case, lambda ql: ql > 1)]).all()
 
 
-def test_decode_fused_reduce_is_off_by_default():
-    assert DecodeConfig().fused_reduce is False
+def test_decode_fused_reduce_defaults():
+    """By default only per-request split launches of at most 4 requests merge their own
+    ranges; FP8 caches' config fuses none; ``unfused`` turns both off."""
+    cfg = DecodeConfig()
+    assert cfg.fused_reduce is False and cfg.fused_reduce_max_reqs == 4
+    assert [cfg.fuses_reduce(n) for n in (1, 4, 5, 256)] == [True, True, False, False]
+    assert DecodeConfig(fused_reduce=True).fuses_reduce(256)
+    assert not any(FP8_DECODE_CONFIG.fuses_reduce(n) for n in (1, 4))
+    assert not any(cfg.unfused().fuses_reduce(n) for n in (1, 4))
+    assert INTERPRET_DECODE_CONFIG.fuses_reduce(4)  # the CPU runs the GPU's default path
+    for bad in (-1, 1.0, True, None):
+        with pytest.raises(ConfigError):
+            DecodeConfig(fused_reduce_max_reqs=bad)
+
+
+@pytest.mark.parametrize("num_reqs", [1, 2, 4, 5])
+def test_decode_small_batches_merge_their_own_ranges(kernel_device, num_reqs):
+    """The default config's per-request split launch of <= 4 requests runs no reduce launch
+    (its counters are made, and left at zero) and equals the reduce launch bit for bit; at 5
+    requests it keeps the reduce launch. Rows past the requests' stay untouched."""
+    reqs = [(90, 1), (37, 1), (200, 1), (5, 1), (64, 1)][:num_reqs]
+    case = make_case(reqs, block_size=4, num_heads=4, num_kv_heads=2, device=kernel_device,
+                     write_new=True, pad_tokens=1, seed=num_reqs)
+    cfg = dataclasses.replace(INTERPRET_DECODE_CONFIG, flat_split=False)
+    outs = []
+    for c in (cfg, cfg.unfused()):
+        ws: dict = {}
+        outs.append(run_decode(case, num_splits=6, config=c, workspace=ws))
+        assert ("decode_counters" in ws) == (c is cfg and num_reqs <= 4)
+        if "decode_counters" in ws:
+            assert int(ws["decode_counters"].abs().sum()) == 0
+    assert torch.equal(outs[0].nan_to_num(7.0), outs[1].nan_to_num(7.0))
+    check(case, outs[0])
 
 
 # ---- native GPU
@@ -580,7 +614,7 @@ def test_decode_gpu_fused_reduce():
             first = run_decode(case, num_splits=splits, config=fused, workspace=ws)
             check(case, first)
             plain = run_decode(case, num_splits=splits,
-                               config=dataclasses.replace(fused, fused_reduce=False))
+                               config=fused.unfused())
             torch.testing.assert_close(first, plain, atol=2e-3, rtol=2e-3)
             for _ in range(50):
                 assert torch.equal(run_decode(case, num_splits=splits, config=fused,
@@ -596,8 +630,8 @@ def test_decode_gpu_fused_reduce():
                                num_splits=8, config=fused)
 
     graph = capture_graph(call)
-    hi = int(m.seq_lens_cpu[:m.num_reqs].max())  # what the block table holds
-    for lens in ([int(x) for x in torch.randint(1, hi + 1, (64,))], [hi] * 64):
+    held = [int(x) for x in m.seq_lens_cpu[:m.num_reqs]]  # what each request's blocks hold
+    for lens in ([int(torch.randint(1, h + 1, ())) for h in held], [min(held)] * len(held), held):
         set_lengths(case, lens)
         out.fill_(float("nan"))
         graph.replay()

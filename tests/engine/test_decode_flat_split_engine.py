@@ -59,7 +59,7 @@ def test_engine_with_fused_reduce_equals_the_reduce_launches(tiny_dir):
     for base in (flat, per_request):
         outs = []
         for fused in (False, True):
-            cfg = dataclasses.replace(base, fused_reduce=fused)
+            cfg = dataclasses.replace(base, fused_reduce=True) if fused else base.unfused()
             llm = make_llm(path, max_num_batched_tokens=32,
                            attention_backend=TritonAttentionBackend(decode_config=cfg,
                                                                     cascade=None))
