@@ -11,7 +11,7 @@
 # the decode reduce's heads per program (mixed lengths, W1 4 vs 1 twice), with PREFILL_AB=1
 # (OLD_TREE=DIR) the prefill kernel's sweeps and W3 / W2 against an older tree's, with DECODE_AB=1
 # the decode kernel against the older tree's, with FLAGS_AB=1 (AB_FLAGS, AB_ENV, AB_WORKLOADS, AB_PAIRS) bench_w1.py's defaults against extra flags,
-# with HOST_W3=1 W3's host phases and a profiler window of its prefill-like steps, with CUDNN_AB=1 the cuDNN fresh-prefill path's GPU tests, bench and W2 A/B, with CUDNN_PROF=1 its layer and W2-step profiles, with W3_DIAG=1 W3's compiles and host phases in a first run (and the first user generate's step times), with ARGMAX=1 the greedy argmax bench and tests, with HOSTCPU=1 the host's CPU quota, throttling and per-core speed, with DECODE_POLICY=1 the decode launch policies (flat split, longest-first one range) on mixed lengths and in W1 A/B rounds, with SPLITK_GATE_UP=1 the split-K gate/up projection (kernel sweep, GPU tests, W1 A/B), with FLAT_FLOOR=1 the flat split's batch floor on small batches.  With SPLITK_ROWS=1 split-K o / down at 128-256 rows. With FUSED_REDUCE=1 the decode split kernel merging its own ranges (tests, B1-B256 kernel times, W1 A/B). With READ_FLOOR=1 the read floor of the decode anchors' bytes. With LM_HEAD=1 the fused LM head + argmax (sweep, tests, W1/W3 A/B). With STARTUP=1 LLM() start-up time, default decode graphs against --no-lpt-one-range. Logs/JSON under $OUT. SKIP_* skip single steps, ONLY=1 all the default ones;
+# with HOST_W3=1 W3's host phases and a profiler window of its prefill-like steps, with CUDNN_AB=1 the cuDNN fresh-prefill path's GPU tests, bench and W2 A/B, with CUDNN_PROF=1 its layer and W2-step profiles, with W3_DIAG=1 W3's compiles and host phases in a first run (and the first user generate's step times), with ARGMAX=1 the greedy argmax bench and tests, with HOSTCPU=1 the host's CPU quota, throttling and per-core speed, with DECODE_POLICY=1 the decode launch policies (flat split, longest-first one range) on mixed lengths and in W1 A/B rounds, with SPLITK_GATE_UP=1 the split-K gate/up projection (kernel sweep, GPU tests, W1 A/B), with FLAT_FLOOR=1 the flat split's batch floor on small batches.  With SPLITK_ROWS=1 split-K o / down at 128-256 rows. With SMALL_FUSED=1 the default fused reduce of small batches against the reduce launches. With FUSED_REDUCE=1 the decode split kernel merging its own ranges (tests, B1-B256 kernel times, W1 A/B). With READ_FLOOR=1 the read floor of the decode anchors' bytes. With LM_HEAD=1 the fused LM head + argmax (sweep, tests, W1/W3 A/B). With STARTUP=1 LLM() start-up time, default decode graphs against --no-lpt-one-range. Logs/JSON under $OUT. SKIP_* skip single steps, ONLY=1 all the default ones;
 # more than ~550 s of steps needs two calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -136,6 +136,13 @@ fi
 if [ -n "${READ_FLOOR:-}" ]; then  # the read floor of the decode anchors' K/V bytes (torch.sum / amax of the same bytes, one graph node's cost): what "<= 12 us at B1/L8192" is against
   TAIL=8 run read_floor 90 python3 bench/bench_read_floor_gpu.py --out "$OUT/read_floor.json"
 fi
+if [ -n "${SMALL_FUSED:-}" ]; then  # the default fused reduce of per-request launches of <= 4 requests (DecodeConfig.fused_reduce_max_reqs, nineteenth session): its GPU tests, B1-B8 at L512 / L2048 / L8192 / U[100, 2048], default against default_unfused
+  TAIL=3 run small_fused_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/attention/test_triton_decode.py tests/attention/test_decode_flat_split.py tests/engine/test_engine_gpu.py -k "fused_reduce or small_batches"
+  for L in 512 2048 8192 mixed; do
+    if [ $L = mixed ]; then lh="--lo 100 --hi 2048"; else lh="--lo $L --hi $L"; fi
+    TAIL=6 run small_fused_$L 150 python3 bench/bench_decode_mixed.py $lh --batches 1,2,3,4,5,8 --splits "" --min-split-tokens "" --variants default_unfused --out "$OUT/small_fused_$L.json"
+  done
+fi
 if [ -n "${FUSED_REDUCE:-}" ]; then  # the split kernel merging its own ranges (DecodeConfig.fused_reduce, eighteenth session, opt-in): its GPU tests (per-request and flat), B1-B256 at L512 / L8192 / U[100, 2048] against the per-request and default launches, W1 off / on (FUSED_REDUCE_ROUNDS rounds, fused_reduce.txt)
   TAIL=3 run fused_reduce_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/attention/test_triton_decode.py tests/attention/test_decode_flat_split.py tests/test_sm90_report.py tests/engine/test_engine_gpu.py -k fused_reduce
   for L in 512 8192 mixed; do
@@ -197,7 +204,7 @@ if [ -n "${REDUCE_AB:-}" ]; then  # query heads per decode reduce program: the k
 fi
 if [ -n "${PROFILE:-}" ]; then
   [ -z "${SKIP_PROFILE_W1:-}" ] && TAIL=40 run profile_w1 240 python3 bench/profile_w1_gpu.py --out "$OUT/prof_w1" --no-trace-files --windows ${W1_WINDOWS:-4:7,400:403,800:803}
-  TAIL=40 run profile_w3 200 python3 bench/profile_w1_gpu.py --workload w3 --out "$OUT/prof_w3" --no-trace-files --windows ${W3_WINDOWS:-4:7,40:43,150:153}
+  [ -z "${SKIP_PROFILE_W3:-}" ] && TAIL=40 run profile_w3 200 python3 bench/profile_w1_gpu.py --workload w3 --out "$OUT/prof_w3" --no-trace-files --windows ${W3_WINDOWS:-4:7,40:43,150:153}
 fi
 if [ -n "${FP8:-}" ]; then
   TAIL=32 run fp8_decode 150 python3 bench/bench_fp8_decode_gpu.py --out "$OUT/fp8_decode.json"
