@@ -45,7 +45,7 @@ def _per_request(**kw) -> DecodeConfig:
     """The per-request split launch in request order (no flat split, no longest-first order or
     one-range policy, a reduce launch after every split) with ``kw`` changed."""
     return DecodeConfig(**{"use_order": False, "flat_split": False, "lpt_one_range": False,
-                           "fused_reduce_max_reqs": 0, **kw})
+                           "fused_reduce_programs_per_sm": 0.0, **kw})
 
 
 VARIANTS = {
@@ -93,7 +93,7 @@ VARIANTS = {
     # the split kernels merging their own ranges (no reduce launch): the per-request launch,
     # and the default config with it (per-request below the flat split's floor, flat above);
     # the default config with a reduce launch after every split (the default fuses the
-    # per-request launches of <= 4 requests, DecodeConfig.fused_reduce_max_reqs)
+    # per-request launches of one wave, DecodeConfig.fused_reduce_programs_per_sm)
     "fused": _per_request(fused_reduce=True),
     "default_fused": DecodeConfig(fused_reduce=True),
     "default_unfused": DecodeConfig().unfused(),

@@ -343,7 +343,7 @@ def main(argv=None) -> int:
     p.add_argument("--fused-reduce", action=argparse.BooleanOptionalAction, default=None,
                    help="every decode split launch merges its own ranges, no reduce launch "
                         "(DecodeConfig.fused_reduce); --no-fused-reduce: none does (not even the "
-                        "<= 4-request launches the default fuses; default: the DecodeConfig "
+                        "one-wave launches the default fuses; default: the DecodeConfig "
                         "default)")
     p.add_argument("--splitk", action=argparse.BooleanOptionalAction, default=None,
                    help="the decode-step o / down projections through the split-K kernel "

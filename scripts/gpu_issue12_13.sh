@@ -136,8 +136,8 @@ fi
 if [ -n "${READ_FLOOR:-}" ]; then  # the read floor of the decode anchors' K/V bytes (torch.sum / amax of the same bytes, one graph node's cost): what "<= 12 us at B1/L8192" is against
   TAIL=8 run read_floor 90 python3 bench/bench_read_floor_gpu.py --out "$OUT/read_floor.json"
 fi
-if [ -n "${SMALL_FUSED:-}" ]; then  # the default fused reduce of per-request launches of <= 4 requests (DecodeConfig.fused_reduce_max_reqs, nineteenth session): its GPU tests, B1-B8 at L512 / L2048 / L8192 / U[100, 2048], default against default_unfused
-  TAIL=3 run small_fused_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/attention/test_triton_decode.py tests/attention/test_decode_flat_split.py tests/engine/test_engine_gpu.py -k "fused_reduce or small_batches"
+if [ -n "${SMALL_FUSED:-}" ]; then  # the default fused reduce of one-wave per-request launches (DecodeConfig.fused_reduce_programs_per_sm, nineteenth session): its GPU tests, B1-B8 at L512 / L2048 / L8192 / U[100, 2048], default against default_unfused
+  TAIL=3 run small_fused_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/attention/test_triton_decode.py tests/attention/test_decode_flat_split.py tests/engine/test_engine_gpu.py -k "fused_reduce or one_wave"
   for L in 512 2048 8192 mixed; do
     if [ $L = mixed ]; then lh="--lo 100 --hi 2048"; else lh="--lo $L --hi $L"; fi
     TAIL=6 run small_fused_$L 150 python3 bench/bench_decode_mixed.py $lh --batches 1,2,3,4,5,8 --splits "" --min-split-tokens "" --variants default_unfused --out "$OUT/small_fused_$L.json"

@@ -182,7 +182,7 @@ class DecodeConfig:
     (:func:`one_range_for`), a CUDA-graph variant like ``balanced``.
 
     The defaults (sixteenth session): ``use_order``, ``flat_split`` and ``lpt_one_range`` on
-    (nineteenth: ``fused_reduce_max_reqs`` 4, below).
+    (nineteenth: ``fused_reduce_programs_per_sm`` 5, below).
     W1 on the H200, two rounds in one lease, output tok/s: per-request launches in request
     order 25,501 / 25,531; flat split 26,277 / 26,229; longest-first one range 25,930 /
     26,200; both 26,373 / 26,395. FP8 caches keep the per-request launch
@@ -200,14 +200,19 @@ class DecodeConfig:
     last to arrive merges them (:func:`_merge_if_last`; the counters live in the workspace and
     are left at zero). The per-request split then needs no reduce launch, and the flat split
     neither (the program that stores a request's last piece merges it; padded rows are zeroed
-    by the flat kernel). ``fused_reduce_max_reqs``: per-request split launches of at most this
-    many requests merge their own ranges with ``fused_reduce`` off (the default: 4; FP8
-    caches 0, not measured). H200 (``bench/bench_decode_mixed.py``, 16/8 heads, graph
-    replays, us, reduce launch / fused, default policies otherwise): B1/L512 7.8 / 7.5,
-    B1/L8192 18.6 / 17.7 (twice), B4/L8192 48.3 / 47.4, B4/L512 10.3 / 10.4; from B8 it lost
-    or tied (B8/L512 14.3 / 15.2, mixed U[100, 2048] B16 23.4 / 23.6), and W1 with every launch
-    fused was within its spread (26,255 / 26,265 fused against 25,905 / 26,276, alternating
-    processes): hence the bound, not ``fused_reduce``, in the defaults.
+    by the flat kernel). ``fused_reduce_programs_per_sm``: with ``fused_reduce`` off, the
+    per-request split launches of at most this many programs an SM (``num_reqs x Hkv x
+    splits``; 5.0: one wave at the kernel's footprint, 5 an SM, which the merge keeps) merge
+    their own ranges; FP8 caches 0 (not measured). In one wave every range runs at once and
+    the last to arrive merges right after the others; past one wave the merge waits on the
+    later waves' programs and lengthens the launch's tail. H200 (``bench/bench_decode_mixed.py``,
+    16/8 heads, 32 splits, graph replays, us, reduce launch / fused): B1 (256 programs) L512
+    7.8 / 7.4, L2048 11.2 / 10.8, L8192 18.5 / 17.6 (18.6 / 17.7 in another lease), U[100,
+    2048] 11.1 / 10.8; B2 (512) 9.1 / 9.1, 13.8 / 13.8, 26.7 / 26.3, 12.4 / 12.2; B3 (768)
+    9.9 / 10.1, 17.1 / 18.6, 43.4 / 45.9; B4 (1024) 10.4 / 10.4, 19.8 / 21.3, 48.2 / 47.5.
+    Every launch fused (``fused_reduce``): B8 and up lost or tied (B8/L512 14.3 / 15.2, mixed
+    B16 23.4 / 23.6), W1 within its spread (26,255 / 26,265 fused against 25,905 / 26,276,
+    alternating processes): hence the one-wave bound in the defaults, not ``fused_reduce``.
 
     Tried and not kept: the block-table entries of the next tile loaded one iteration ahead
     (as the prefill kernel does) pipelines the K/V copies 4 tiles ahead at 5 stages but takes
@@ -240,7 +245,7 @@ class DecodeConfig:
     lpt_one_range: bool = True
     lpt_load_fraction: float = 0.75
     fused_reduce: bool = False
-    fused_reduce_max_reqs: int = 4
+    fused_reduce_programs_per_sm: float = 5.0
 
     def __post_init__(self):
         check_launch_config(self, ("tile_n",), warps=False)
@@ -264,9 +269,10 @@ class DecodeConfig:
                               "it needs use_order=True")
         if not self.lpt_load_fraction > 0:
             raise ConfigError("DecodeConfig.lpt_load_fraction must be > 0")
-        f = self.fused_reduce_max_reqs
-        if isinstance(f, bool) or not isinstance(f, int) or f < 0:
-            raise ConfigError(f"DecodeConfig.fused_reduce_max_reqs must be an int >= 0, got {f!r}")
+        f = self.fused_reduce_programs_per_sm
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not f >= 0:
+            raise ConfigError("DecodeConfig.fused_reduce_programs_per_sm must be a number >= 0, "
+                              f"got {f!r}")
         r = self.reduce_heads
         if isinstance(r, bool) or not isinstance(r, int) or r < 1 or r & (r - 1):
             raise ConfigError(f"DecodeConfig.reduce_heads must be a power of two >= 1, got {r!r}")
@@ -275,14 +281,15 @@ class DecodeConfig:
             raise ConfigError("DecodeConfig: need 0 <= balanced_min_programs_per_sm <= "
                               "wave_programs_per_sm and 0 < balanced_fraction <= 1")
 
-    def fuses_reduce(self, num_reqs: int) -> bool:
-        """Whether a per-request split launch of ``num_reqs`` requests merges its own ranges
-        (``fused_reduce``, or at most ``fused_reduce_max_reqs`` requests)."""
-        return self.fused_reduce or num_reqs <= self.fused_reduce_max_reqs
+    def fuses_reduce(self, programs: int, sms: int) -> bool:
+        """Whether a per-request split launch of ``programs`` programs on ``sms``
+        multiprocessors merges its own ranges (``fused_reduce``, or at most
+        ``fused_reduce_programs_per_sm`` programs an SM)."""
+        return self.fused_reduce or programs <= self.fused_reduce_programs_per_sm * sms
 
     def unfused(self) -> "DecodeConfig":
         """This config with every split merged by a reduce launch."""
-        return dataclasses.replace(self, fused_reduce=False, fused_reduce_max_reqs=0)
+        return dataclasses.replace(self, fused_reduce=False, fused_reduce_programs_per_sm=0.0)
 
     def flat_registers(self) -> int | None:
         """The flat kernel's register cap (``maxnreg``): ``flat_max_registers`` when set; with
@@ -311,7 +318,8 @@ INTERPRET_DECODE_CONFIG = DecodeConfig(tile_n=16, num_warps=1, num_stages=1, min
 # The launch policies measured with it are the per-request split and request order: the flat
 # split, the longest-first one range and the fused reduce were measured on bf16 caches only.
 FP8_DECODE_CONFIG = DecodeConfig(tile_n=128, num_warps=4, num_stages=2, use_order=False,
-                                 flat_split=False, lpt_one_range=False, fused_reduce_max_reqs=0)
+                                 flat_split=False, lpt_one_range=False,
+                                 fused_reduce_programs_per_sm=0.0)
 
 
 def default_decode_config(device: torch.device, kv_dtype: torch.dtype | None = None) -> DecodeConfig:
@@ -1184,7 +1192,8 @@ def paged_decode_attention(
     ordered = order is not None and cfg.use_order and num_reqs <= MAX_GRID_Z
     grid = (num_splits, shape.num_kv_heads, num_reqs) if ordered \
         else (num_reqs, shape.num_kv_heads, num_splits)
-    fused = num_splits > 1 and cfg.fuses_reduce(num_reqs)
+    fused = num_splits > 1 and cfg.fuses_reduce(num_reqs * shape.num_kv_heads * num_splits,
+                                                 num_sms(q.device))
     _decode_kernel[grid](
         qsl_ptr=query_start_loc, seq_ptr=seq_lens, num_reqs=num_reqs, num_splits=num_splits,
         min_split_tiles=min_split_tiles, zero_rows=int(bool(zero_padded_rows)), window=window,

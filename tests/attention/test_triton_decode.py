@@ -475,34 +475,38 @@ def test_decode_fused_reduce_equals_the_reduce_launch(kernel_device, heads, num_
 
 
 def test_decode_fused_reduce_defaults():
-    """By default only per-request split launches of at most 4 requests merge their own
-    ranges; FP8 caches' config fuses none; ``unfused`` turns both off."""
+    """By default only per-request split launches of one wave (<= 5 programs an SM) merge
+    their own ranges; FP8 caches' config fuses none; ``unfused`` turns both off."""
     cfg = DecodeConfig()
-    assert cfg.fused_reduce is False and cfg.fused_reduce_max_reqs == 4
-    assert [cfg.fuses_reduce(n) for n in (1, 4, 5, 256)] == [True, True, False, False]
-    assert DecodeConfig(fused_reduce=True).fuses_reduce(256)
-    assert not any(FP8_DECODE_CONFIG.fuses_reduce(n) for n in (1, 4))
-    assert not any(cfg.unfused().fuses_reduce(n) for n in (1, 4))
-    assert INTERPRET_DECODE_CONFIG.fuses_reduce(4)  # the CPU runs the GPU's default path
-    for bad in (-1, 1.0, True, None):
+    assert cfg.fused_reduce is False and cfg.fused_reduce_programs_per_sm == 5.0
+    # B1 / B2 / B3 of 8 KV heads x 32 splits on an H200's 132 SMs: 256 / 512 / 768 programs
+    assert [cfg.fuses_reduce(n * 8 * 32, 132) for n in (1, 2, 3)] == [True, True, False]
+    assert cfg.fuses_reduce(660, 132) and not cfg.fuses_reduce(661, 132)
+    assert DecodeConfig(fused_reduce=True).fuses_reduce(10**6, 132)
+    assert not FP8_DECODE_CONFIG.fuses_reduce(2, 132)
+    assert not cfg.unfused().fuses_reduce(2, 132)
+    assert INTERPRET_DECODE_CONFIG.fuses_reduce(256, 132)  # the CPU runs the GPU's default path
+    for bad in (-1, -0.5, True, None, float("nan")):
         with pytest.raises(ConfigError):
-            DecodeConfig(fused_reduce_max_reqs=bad)
+            DecodeConfig(fused_reduce_programs_per_sm=bad)
 
 
-@pytest.mark.parametrize("num_reqs", [1, 2, 4, 5])
-def test_decode_small_batches_merge_their_own_ranges(kernel_device, num_reqs):
-    """The default config's per-request split launch of <= 4 requests runs no reduce launch
-    (its counters are made, and left at zero) and equals the reduce launch bit for bit; at 5
-    requests it keeps the reduce launch. Rows past the requests' stay untouched."""
-    reqs = [(90, 1), (37, 1), (200, 1), (5, 1), (64, 1)][:num_reqs]
+@pytest.mark.parametrize("num_reqs", [1, 2, 3])
+def test_decode_one_wave_merges_its_own_ranges(kernel_device, num_reqs):
+    """A per-request split launch within ``fused_reduce_programs_per_sm`` (here 24 programs
+    on the interpreter's 132 SMs: 1 or 2 requests of 2 KV heads x 6 splits, not 3) runs no
+    reduce launch (its counters are made, and left at zero) and equals the reduce launch bit
+    for bit; past it the reduce launch stays. Rows past the requests' stay untouched."""
+    reqs = [(90, 1), (37, 1), (200, 1)][:num_reqs]
     case = make_case(reqs, block_size=4, num_heads=4, num_kv_heads=2, device=kernel_device,
                      write_new=True, pad_tokens=1, seed=num_reqs)
-    cfg = dataclasses.replace(INTERPRET_DECODE_CONFIG, flat_split=False)
+    cfg = dataclasses.replace(INTERPRET_DECODE_CONFIG, flat_split=False,
+                              fused_reduce_programs_per_sm=24 / 132)
     outs = []
     for c in (cfg, cfg.unfused()):
         ws: dict = {}
         outs.append(run_decode(case, num_splits=6, config=c, workspace=ws))
-        assert ("decode_counters" in ws) == (c is cfg and num_reqs <= 4)
+        assert ("decode_counters" in ws) == (c is cfg and num_reqs <= 2)
         if "decode_counters" in ws:
             assert int(ws["decode_counters"].abs().sum()) == 0
     assert torch.equal(outs[0].nan_to_num(7.0), outs[1].nan_to_num(7.0))
