@@ -38,6 +38,7 @@ import torch  # noqa: E402
 from pagedkv.tools.benchmark import WORKLOAD_MAX_MODEL_LEN, environment, workload  # noqa: E402
 from pagedkv.tools.profile_breakdown import (  # noqa: E402
     breakdown,
+    decode_step_fit,
     device_gaps,
     format_breakdown,
     format_gaps,
@@ -283,6 +284,16 @@ def main(argv=None) -> int:
     for b in sorted(bins):
         c, t, w, x = bins[b]
         print(f"  [{32 * b:3d},{32 * b + 32:3d})  {c:5d}  {1e3 * t / c:7.3f}  {1e3 * w / c:7.3f}  {x / c:10.0f}")
+    if len({s["ctx"] for s in dec}) > 1:
+        sz = llm.engine.sizing
+        bpt = sz.bytes_per_block // sz.block_size if sz is not None and not sz.groups else None
+        fit = decode_step_fit(dec, bpt)
+        summ["decode_fit"] = fit
+        print(f"decode step = {fit['fixed_ms']:.3f} ms + {fit['ns_per_token']:.2f} ns x context "
+              f"tokens (least squares over {fit['steps']} steps"
+              + (f"; {bpt:,} K/V bytes a token: {fit['tb_per_s']:.2f} TB/s" if bpt else "")
+              + f"): fixed {fit['fixed_s_total']:.3f} s + per-token {fit['per_token_s_total']:.3f} s"
+              f" of {fit['decode_s']:.3f} s", flush=True)
     if timer is not None:
         phases = sorted({k for st in timer.steps for k in st})
         for label, pick in (("prefill-like", lambda s: s["tokens"] > s["reqs"]),

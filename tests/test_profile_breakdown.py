@@ -5,7 +5,13 @@ import types
 
 import pytest
 
-from pagedkv.tools.profile_breakdown import CLASSES, breakdown, format_breakdown, kernel_class
+from pagedkv.tools.profile_breakdown import (
+    CLASSES,
+    breakdown,
+    decode_step_fit,
+    format_breakdown,
+    kernel_class,
+)
 
 
 @pytest.mark.parametrize("name, cls", [
@@ -115,3 +121,33 @@ def test_device_gaps_by_hand():
                         {"us": 9.0, "after": "a", "before": "b"}]
     text = format_gaps("w", g)
     assert "200.0 us after 'Memcpy HtoD' before 'e'" in text and ">=100 us: 100" in text
+
+
+def test_decode_step_fit_by_hand():
+    """Steps on the line 1 ms + 25 ns a token (and one step without a time, left out): the fit
+    gives them back; 114,688 bytes a token over 25 ns is 4.58752 TB/s; the run's 2.9 ms split
+    into 2 ms fixed (2 steps) and 0.9 ms for the 36,000 tokens."""
+    steps = [{"ctx": 16_000, "dt": 1e-3 + 16_000 * 25e-9},
+             {"ctx": 20_000, "dt": 1e-3 + 20_000 * 25e-9},
+             {"ctx": 99, "dt": None}]
+    fit = decode_step_fit(steps, 114_688)
+    assert fit["steps"] == 2
+    assert fit["fixed_ms"] == pytest.approx(1.0)
+    assert fit["ns_per_token"] == pytest.approx(25.0)
+    assert fit["tb_per_s"] == pytest.approx(4.58752)
+    assert fit["fixed_s_total"] == pytest.approx(2e-3)
+    assert fit["per_token_s_total"] == pytest.approx(0.9e-3)
+    assert fit["decode_s"] == pytest.approx(2.9e-3)
+    assert "tb_per_s" not in decode_step_fit(steps)
+
+
+def test_decode_step_fit_least_squares_and_errors():
+    """Three points off a line: the least-squares slope and intercept worked by hand
+    (x 0, 1, 2; y 1, 3, 4: slope 1.5, intercept 7/6); one point, or one context size, raise."""
+    fit = decode_step_fit([{"ctx": 0, "dt": 1.0}, {"ctx": 1, "dt": 3.0}, {"ctx": 2, "dt": 4.0}])
+    assert fit["ns_per_token"] == pytest.approx(1.5e9)
+    assert fit["fixed_ms"] == pytest.approx(1e3 * 7 / 6)
+    with pytest.raises(ValueError):
+        decode_step_fit([{"ctx": 5, "dt": 1.0}])
+    with pytest.raises(ValueError):
+        decode_step_fit([{"ctx": 5, "dt": 1.0}, {"ctx": 5, "dt": 2.0}])

@@ -1,5 +1,5 @@
 """``bench/profile_w1_gpu.py`` runs end to end on CPU on a tiny shape (timeline, a profiler
-window with its breakdown and gap analysis, the JSON files), so the GPU call that uses it
+window with its breakdown and gap analysis, the decode-step fit, the JSON files), so the GPU call that uses it
 does not find it stale."""
 
 import json
@@ -20,6 +20,9 @@ def test_profile_w1_script_runs_on_cpu(tmp_path):
     assert "timeline run:" in r.stdout and "window 2:4 device gaps" in r.stdout
     timeline = json.load(open(tmp_path / "timeline.json"))
     assert timeline["summary"]["steps"] == len(timeline["steps"]) > 2
+    # the decode steps' fixed cost and per-token cost, with the K/V bytes a token of the pool
+    fit = timeline["summary"]["decode_fit"]
+    assert "decode step = " in r.stdout and fit["steps"] >= 2 and "tb_per_s" in fit
     bd = json.load(open(tmp_path / "breakdown.json"))
     assert "gaps" in bd["windows"]["2:4"]
     assert not (tmp_path / "trace_2_4.json").exists()

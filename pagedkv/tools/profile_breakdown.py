@@ -9,6 +9,10 @@ the fused-MoE GEMMs), ``sampling`` (argmax, softmax, top-k / top-p, the sampler'
 copies), ``elementwise`` (torch's and inductor's fused pointwise kernels not named otherwise;
 an inductor kernel with ``rsqrt`` is an RMSNorm: ``norm_rope``), ``other``.
 
+``decode_step_fit(steps, bytes_per_token)``: a decode step's time as a line in its context
+tokens (least squares over the steps): the fixed cost a step and the cost a context token, as
+a bandwidth for the K/V bytes that token has.
+
 ``breakdown(events, wall_s, steps)``: the window's device time per class (self time of the
 device kernels; ``events`` from ``prof.key_averages()`` or any iterable of objects with
 ``key`` and ``self_device_time_total`` in microseconds, or ``(name, us)`` pairs), the device
@@ -107,7 +111,34 @@ def format_breakdown(label: str, b: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["CLASSES", "breakdown", "format_breakdown", "is_device_event", "kernel_class"]
+def decode_step_fit(steps, bytes_per_token: int | None = None) -> dict:
+    """Least squares ``dt = fixed + per_token x ctx`` over decode steps (dicts with ``dt``
+    seconds and ``ctx`` context tokens; steps with ``dt`` None are left out). Returns the
+    fixed milliseconds a step, the nanoseconds a context token, the steps fitted, the run's
+    decode seconds split into the fixed part (``fixed x steps``) and the rest, and, with
+    ``bytes_per_token`` (the K and V bytes of one token over all layers), the bandwidth that
+    per-token cost reads them at (TB/s). Needs two distinct context sizes."""
+    pts = [(float(s["ctx"]), float(s["dt"])) for s in steps if s.get("dt") is not None]
+    n = len(pts)
+    if n < 2:
+        raise ValueError("decode_step_fit: need at least two steps")
+    mx = sum(x for x, _ in pts) / n
+    my = sum(y for _, y in pts) / n
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    if sxx == 0:
+        raise ValueError("decode_step_fit: every step has the same context size")
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sxx
+    fixed = my - slope * mx
+    out = {"steps": n, "fixed_ms": 1e3 * fixed, "ns_per_token": 1e9 * slope,
+           "fixed_s_total": fixed * n, "per_token_s_total": slope * mx * n,
+           "decode_s": my * n}
+    if bytes_per_token:
+        out["tb_per_s"] = bytes_per_token / slope / 1e12 if slope > 0 else float("inf")
+    return out
+
+
+__all__ = ["CLASSES", "breakdown", "decode_step_fit", "format_breakdown", "is_device_event",
+           "kernel_class"]
 
 
 GAP_BUCKETS_US = (2.0, 5.0, 20.0, 100.0)  # upper edges; the last bucket is open
