@@ -97,6 +97,9 @@ VARIANTS = {
     "fused": _per_request(fused_reduce=True),
     "default_fused": DecodeConfig(fused_reduce=True),
     "default_unfused": DecodeConfig().unfused(),
+    # the defaults without the balanced one-wave rule (only equal lengths count as balanced):
+    # long, nearly equal lengths (W2's decode) then take the flat split's equal shares
+    "nobal": DecodeConfig(balanced_fraction=1.0),
 }
 
 

@@ -89,6 +89,22 @@ def instrument(llm, rec: list, waits: list):
     sched.schedule = schedule
 
 
+def parse_decode_config(text: str):
+    """``k=v,...`` as a ``DecodeConfig`` (bools as 0 / 1, other fields as their default's
+    type)."""
+    import dataclasses
+
+    from pagedkv.attention.triton_decode import DecodeConfig
+    types = {f.name: f.type for f in dataclasses.fields(DecodeConfig)}
+    kw = {}
+    for item in text.split(","):
+        k, v = item.split("=")
+        if k not in types:
+            raise SystemExit(f"--decode-config: DecodeConfig has no field {k!r}")
+        kw[k] = bool(int(v)) if types[k] in (bool, "bool") else type(getattr(DecodeConfig(), k))(v)
+    return DecodeConfig(**kw)
+
+
 def run_w1(llm, wl, step_hook=None):
     """Run the workload through ``LLMEngine.step`` (as ``LLM.generate`` does, without
     collecting outputs); returns (seconds, engine steps)."""
@@ -160,22 +176,15 @@ def main(argv=None) -> int:
 
     configure_splitk(args)
 
-    if args.decode_config:
-        import dataclasses
-
-        import pagedkv.attention.triton_decode as td
-        types = {f.name: f.type for f in dataclasses.fields(td.DecodeConfig)}
-        kw = {}
-        for item in args.decode_config.split(","):
-            k, v = item.split("=")
-            kw[k] = bool(int(v)) if types[k] in (bool, "bool") else type(getattr(td.DecodeConfig(), k))(v)
-        cfg = td.DecodeConfig(**kw)
-        td.default_decode_config = lambda device: cfg
-        print(f"decode config for this run: {cfg}")
     backend_kw = {}
-    if args.fresh_prefill:
+    if args.decode_config or args.fresh_prefill:
+        # the engine's backend takes its decode config from the backend, not from the
+        # module's default: an explicit backend with the defaults but what is given here
         from pagedkv.attention.triton_backend import TritonAttentionBackend
-        backend_kw["attention_backend"] = TritonAttentionBackend(fresh_prefill=args.fresh_prefill)
+        backend_kw["attention_backend"] = TritonAttentionBackend(
+            decode_config=parse_decode_config(args.decode_config) if args.decode_config else None,
+            fresh_prefill=args.fresh_prefill or "auto")
+        print(f"decode config for this run: {backend_kw['attention_backend'].decode_config}")
     t_build = time.perf_counter()
     llm = LLM.from_shape(args.shape, block_size=16, max_num_seqs=256,
                          max_model_len=WORKLOAD_MAX_MODEL_LEN[args.workload],

@@ -26,3 +26,22 @@ def test_profile_w1_script_runs_on_cpu(tmp_path):
     bd = json.load(open(tmp_path / "breakdown.json"))
     assert "gaps" in bd["windows"]["2:4"]
     assert not (tmp_path / "trace_2_4.json").exists()
+
+
+def test_profile_w1_script_decode_config_reaches_the_backend(tmp_path):
+    """``--decode-config`` builds the engine's backend with that config (the backend, not the
+    module default, decides the engine's decode launches)."""
+    env = dict(os.environ, PAGEDKV_ALLOW_LONG_MAX_MODEL_LEN="1", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "profile_w1_gpu.py"),
+                        "--shape", "llama-tiny", "--num-requests", "4", "--scale", "0.05",
+                        "--out", str(tmp_path), "--skip-profile",
+                        "--decode-config", "balanced_fraction=1.0,flat_split=0"],
+                       capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = next(x for x in r.stdout.splitlines() if x.startswith("decode config for this run:"))
+    assert "balanced_fraction=1.0" in line and "flat_split=False" in line
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "profile_w1_gpu.py"),
+                          "--shape", "llama-tiny", "--out", str(tmp_path), "--skip-profile",
+                          "--decode-config", "no_such_field=1"],
+                         capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert bad.returncode != 0 and "no_such_field" in bad.stderr
