@@ -76,7 +76,8 @@ def build_pagedkv(args) -> tuple[LLM, str]:
     )
     if args.no_cascade or args.prefill_config or args.reduce_heads or args.fresh_prefill \
             or args.decode_order is not None or args.flat_split is not None \
-            or args.lpt_one_range is not None or args.fused_reduce is not None:
+            or args.lpt_one_range is not None or args.fused_reduce is not None \
+            or args.decode_config:
         # the Triton backend with cascade (shared-prefix) attention off, or with other
         # prefill launches (which the cascade prefix launch then takes as well), or another
         # reduce width of the decode kernel
@@ -103,12 +104,33 @@ def build_pagedkv(args) -> tuple[LLM, str]:
                               if args.fused_reduce is None else args.fused_reduce)
             if args.fused_reduce is False:
                 dc = dc.unfused()
+        if args.decode_config:  # fields set last, over the flags above
+            import dataclasses
+
+            dc = dataclasses.replace(dc or DecodeConfig(),
+                                     **decode_config_fields(args.decode_config))
         kw["attention_backend"] = TritonAttentionBackend(
             prefill_config=pc, decode_config=dc, fresh_prefill=args.fresh_prefill or "auto",
             cascade=None if args.no_cascade else CascadeConfig())
     if args.model:
         return LLM(args.model, tokenizer=False, **kw), args.model
     return LLM.from_shape(args.shape, **kw), f"{args.shape} (random weights)"
+
+
+def decode_config_fields(text: str) -> dict:
+    """``k=v,...`` as ``DecodeConfig`` keyword arguments (bools as 0 / 1, other fields as their
+    default's type); an unknown field exits with its name."""
+    import dataclasses
+
+    from pagedkv.attention.triton_decode import DecodeConfig
+    types = {f.name: f.type for f in dataclasses.fields(DecodeConfig)}
+    kw = {}
+    for item in text.split(","):
+        k, v = item.split("=")
+        if k not in types:
+            raise SystemExit(f"--decode-config: DecodeConfig has no field {k!r}")
+        kw[k] = bool(int(v)) if types[k] in (bool, "bool") else type(getattr(DecodeConfig(), k))(v)
+    return kw
 
 
 def configure_splitk(args) -> None:
@@ -340,6 +362,9 @@ def main(argv=None) -> int:
                    help="decode launches of one range per request, longest first, where the "
                         "lengths allow it (DecodeConfig.lpt_one_range; implies --decode-order; "
                         "default: the DecodeConfig default, on)")
+    p.add_argument("--decode-config", default="",
+                   help="k=v,... DecodeConfig fields (bools 0 / 1), set over the decode flags "
+                        "above (A/B runs, e.g. balanced_fraction=1.0)")
     p.add_argument("--fused-reduce", action=argparse.BooleanOptionalAction, default=None,
                    help="every decode split launch merges its own ranges, no reduce launch "
                         "(DecodeConfig.fused_reduce); --no-fused-reduce: none does (not even the "

@@ -89,22 +89,6 @@ def instrument(llm, rec: list, waits: list):
     sched.schedule = schedule
 
 
-def parse_decode_config(text: str):
-    """``k=v,...`` as a ``DecodeConfig`` (bools as 0 / 1, other fields as their default's
-    type)."""
-    import dataclasses
-
-    from pagedkv.attention.triton_decode import DecodeConfig
-    types = {f.name: f.type for f in dataclasses.fields(DecodeConfig)}
-    kw = {}
-    for item in text.split(","):
-        k, v = item.split("=")
-        if k not in types:
-            raise SystemExit(f"--decode-config: DecodeConfig has no field {k!r}")
-        kw[k] = bool(int(v)) if types[k] in (bool, "bool") else type(getattr(DecodeConfig(), k))(v)
-    return DecodeConfig(**kw)
-
-
 def run_w1(llm, wl, step_hook=None):
     """Run the workload through ``LLMEngine.step`` (as ``LLM.generate`` does, without
     collecting outputs); returns (seconds, engine steps)."""
@@ -172,7 +156,7 @@ def main(argv=None) -> int:
                    help="the Triton backend's fresh-prefill path, as bench_w1.py's")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    from bench_w1 import configure_splitk
+    from bench_w1 import configure_splitk, decode_config_fields
 
     configure_splitk(args)
 
@@ -181,8 +165,10 @@ def main(argv=None) -> int:
         # the engine's backend takes its decode config from the backend, not from the
         # module's default: an explicit backend with the defaults but what is given here
         from pagedkv.attention.triton_backend import TritonAttentionBackend
+        from pagedkv.attention.triton_decode import DecodeConfig
         backend_kw["attention_backend"] = TritonAttentionBackend(
-            decode_config=parse_decode_config(args.decode_config) if args.decode_config else None,
+            decode_config=DecodeConfig(**decode_config_fields(args.decode_config))
+            if args.decode_config else None,
             fresh_prefill=args.fresh_prefill or "auto")
         print(f"decode config for this run: {backend_kw['attention_backend'].decode_config}")
     t_build = time.perf_counter()

@@ -45,3 +45,22 @@ def test_profile_w1_script_decode_config_reaches_the_backend(tmp_path):
                           "--decode-config", "no_such_field=1"],
                          capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert bad.returncode != 0 and "no_such_field" in bad.stderr
+
+
+def test_decode_config_fields_by_hand():
+    """``--decode-config`` text of the bench scripts (``bench_w1.decode_config_fields``): bools
+    as 0 / 1, floats and ints by the field's default type, an unknown field exits."""
+    import pytest
+
+    bench = os.path.join(ROOT, "bench")
+    sys.path.insert(0, bench)
+    try:
+        from bench_w1 import decode_config_fields
+    finally:
+        sys.path.remove(bench)
+    got = decode_config_fields("balanced_fraction=1.0,flat_split=0,mid_splits=2,use_order=1")
+    assert got == {"balanced_fraction": 1.0, "flat_split": False, "mid_splits": 2,
+                   "use_order": True}
+    assert type(got["mid_splits"]) is int
+    with pytest.raises(SystemExit, match="no_such_field"):
+        decode_config_fields("no_such_field=1")
