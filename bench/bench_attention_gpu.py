@@ -180,7 +180,7 @@ class DecodeSetup:
         # host hints as the engine passes them: the longest length and whether the lengths
         # are balanced (equal here)
         kw.setdefault("balanced", lengths_balanced([self.ctx] * self.batch,
-                                                   kw.get("config") or DecodeConfig()))
+                                                   kw.get("config") or DecodeConfig(), HKV))
         return lambda: paged_decode_attention(
             self.qs[i], self.cache, self.tables[i], self.qsl, self.seq, self.batch, SCALE,
             self.outs[i], max_seq_len=self.ctx, **kw)

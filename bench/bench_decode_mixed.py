@@ -100,6 +100,9 @@ VARIANTS = {
     # the defaults without the balanced one-wave rule (only equal lengths count as balanced):
     # long, nearly equal lengths (W2's decode) then take the flat split's equal shares
     "nobal": DecodeConfig(balanced_fraction=1.0),
+    # the balanced rule by the fraction alone (the default before the twentieth session, which
+    # added the excess bound DecodeConfig.balanced_max_excess)
+    "frac_only": DecodeConfig(balanced_max_excess=None),
 }
 
 
@@ -179,8 +182,10 @@ def main() -> None:
         default = choose_num_splits(b, HKV, None, sms, base,
                                     one_range_for(s.lens.numpy(), b, HKV, sms, base))
         err = s.check()
+        # the balanced rule's excess positions over the mean (DecodeConfig.balanced_max_excess)
+        excess = (s.max_len * b - int(s.lens.sum())) * HKV
         res = {"batch": b, "sum_len": int(s.lens.sum()), "max_len": s.max_len, "default_splits": default,
-               "rel_err": err, "times": {}}
+               "excess": excess, "rel_err": err, "times": {}}
         t_def = s.time()
         res["default_us"] = t_def
         res["variants"] = {}
@@ -195,7 +200,8 @@ def main() -> None:
                     continue
                 res["times"][f"{sp}/{mst}"] = s.time(num_splits=sp, config=cfg)
         frac = lambda us: s.kv_bytes / (us * 1e-6) / (COPY_TBPS * 1e12)  # noqa: E731
-        line = (f"B{b:4d} sum_len {res['sum_len']:7d} default {default} splits: {t_def:8.1f} us "
+        line = (f"B{b:4d} sum_len {res['sum_len']:7d} excess {excess:7d} default {default} "
+                f"splits: {t_def:8.1f} us "
                 f"({frac(t_def):.0%}), err {err:.1e}; "
                 + "  ".join(f"{k} {v['us']:.1f} ({frac(v['us']):.0%})" for k, v in res["variants"].items()))
         if res["times"]:

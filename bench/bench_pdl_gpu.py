@@ -87,7 +87,7 @@ def chain_setup(batch: int, layers: int = 28, seed: int = 0):
     from bench_attention_gpu import SCALE
     from pagedkv.attention.triton_decode import DecodeConfig, lengths_balanced, paged_decode_attention
 
-    bal = lengths_balanced(mix.lens.numpy(), DecodeConfig())
+    bal = lengths_balanced(mix.lens.numpy(), DecodeConfig(), HKV)
 
     def calls():
         fns = []

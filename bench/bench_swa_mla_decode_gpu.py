@@ -243,7 +243,7 @@ def bench_swa_case(shape: SwaShape, batch: int, ctx: int, dtype, device: str, bl
     outs = [torch.full_like(q, float("nan")) for q in qs]
     scale = D ** -0.5
     cfg = default_decode_config(torch.device(device))
-    balanced = lengths_balanced(lens, cfg)
+    balanced = lengths_balanced(lens, cfg, HKV)
 
     def call(i):
         return lambda: paged_decode_attention(

@@ -118,8 +118,9 @@ def build_pagedkv(args) -> tuple[LLM, str]:
 
 
 def decode_config_fields(text: str) -> dict:
-    """``k=v,...`` as ``DecodeConfig`` keyword arguments (bools as 0 / 1, other fields as their
-    default's type); an unknown field exits with its name."""
+    """``k=v,...`` as ``DecodeConfig`` keyword arguments (bools as 0 / 1, ``none`` as None,
+    other fields as their default's type, int where the default is None); an unknown field
+    exits with its name."""
     import dataclasses
 
     from pagedkv.attention.triton_decode import DecodeConfig
@@ -129,7 +130,13 @@ def decode_config_fields(text: str) -> dict:
         k, v = item.split("=")
         if k not in types:
             raise SystemExit(f"--decode-config: DecodeConfig has no field {k!r}")
-        kw[k] = bool(int(v)) if types[k] in (bool, "bool") else type(getattr(DecodeConfig(), k))(v)
+        default = getattr(DecodeConfig(), k)
+        if v.lower() == "none":
+            kw[k] = None
+        elif types[k] in (bool, "bool"):
+            kw[k] = bool(int(v))
+        else:
+            kw[k] = int(v) if default is None else type(default)(v)
     return kw
 
 
@@ -144,6 +151,8 @@ def configure_splitk(args) -> None:
         sk.SPLITK_ENABLED = args.splitk
     if args.splitk_gate_up is not None:
         sk.SPLITK_GATE_UP_ENABLED = args.splitk_gate_up
+    if getattr(args, "silu_down", None) is not None:
+        sk.SPLITK_SILU_DOWN_ENABLED = args.silu_down
     if args.splitk_table:
         with open(args.splitk_table) as f:
             table = json.load(f)
@@ -376,6 +385,10 @@ def main(argv=None) -> int:
     p.add_argument("--splitk-gate-up", action=argparse.BooleanOptionalAction, default=None,
                    help="the decode-step gate/up projection as split-K partials summed by the "
                         "activation kernel (splitk_gemm.SPLITK_GATE_UP_ENABLED; off by default)")
+    p.add_argument("--silu-down", action=argparse.BooleanOptionalAction, default=None,
+                   help="the decode-step down projection computes the SiLU activation in its "
+                        "split-K launch (splitk_gemm.SPLITK_SILU_DOWN_ENABLED; on by default); "
+                        "--no-silu-down: the activation's own launch (A/B runs)")
     p.add_argument("--splitk-table", default=None,
                    help="JSON of per-shape split-K launches (bench_splitk_gemm_gpu.py "
                         "--table-out) installed before the engine starts")

@@ -49,7 +49,8 @@ def test_profile_w1_script_decode_config_reaches_the_backend(tmp_path):
 
 def test_decode_config_fields_by_hand():
     """``--decode-config`` text of the bench scripts (``bench_w1.decode_config_fields``): bools
-    as 0 / 1, floats and ints by the field's default type, an unknown field exits."""
+    as 0 / 1, floats and ints by the field's default type (ints where it is None), ``none``
+    as None, an unknown field exits."""
     import pytest
 
     bench = os.path.join(ROOT, "bench")
@@ -62,5 +63,10 @@ def test_decode_config_fields_by_hand():
     assert got == {"balanced_fraction": 1.0, "flat_split": False, "mid_splits": 2,
                    "use_order": True}
     assert type(got["mid_splits"]) is int
+    got = decode_config_fields("balanced_max_excess=none,min_split_tokens=64,"
+                               "flat_max_registers=None")
+    assert got == {"balanced_max_excess": None, "min_split_tokens": 64,
+                   "flat_max_registers": None}
+    assert decode_config_fields("balanced_max_excess=300000") == {"balanced_max_excess": 300000}
     with pytest.raises(SystemExit, match="no_such_field"):
         decode_config_fields("no_such_field=1")

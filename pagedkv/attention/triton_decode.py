@@ -104,7 +104,8 @@ class DecodeConfig:
     * ``P >= 4 S``: ``large_splits`` ranges of at least ``large_min_split_tokens``.
 
     Balanced batches (the caller passes ``balanced=True``: the lengths' mean is at least
-    ``balanced_fraction`` of their maximum, :func:`lengths_balanced`): when
+    ``balanced_fraction`` of their maximum and their excess over the mean, ``(max - mean) x
+    requests x Hkv`` positions, at most ``balanced_max_excess``, :func:`lengths_balanced`): when
     ``balanced_min_programs_per_sm x S <= P <= wave_programs_per_sm x S`` (2 and 5) every
     request is one range. The ``P`` programs then
     fit one wave of concurrent programs (the default launch takes 96 registers x 128 threads and
@@ -115,6 +116,15 @@ class DecodeConfig:
     lengths U[1536, 2048] and U[1792, 2048] at B64, a tie at U[1024, 2048] (mean 0.75 of the
     maximum), and splitting ahead by 8-13% at U[100, 2048]; past one wave (B88, B96) one
     range drops to 71-75%.
+
+    ``balanced_max_excess``: the one-range launch lasts about as long as its longest request,
+    so it pays the batch's excess positions (``(max - mean) x requests x Hkv``) over an equal
+    share's time, and the flat split that replaces it costs a near-constant ~10 us (its merge
+    and partials). On long, nearly equal lengths the excess grows with the lengths while the
+    fraction stays the same: W2-like U[6000, 8500] (mean 0.85 of the maximum, ~480k-640k excess
+    positions at B48-B64) ran one range at 358.8 / 465.5 us against the flat split's 333.6 /
+    440.5 (H200, nineteenth session), while U[1536, 2048] at B64 (131k) runs one range ahead.
+    None: the fraction alone decides.
 
     Measured on the H200 on batches of mixed lengths U[100, 2048] (bench/bench_decode_mixed.py,
     graph replays, cold L2): against the former policy (split counts for equal lengths, ranges
@@ -235,6 +245,7 @@ class DecodeConfig:
     balanced_min_programs_per_sm: float = 2.0
     wave_programs_per_sm: float = 5.0
     balanced_fraction: float = 0.8
+    balanced_max_excess: int | None = 200_000
     reduce_heads: int = 4
     use_order: bool = True
     flat_split: bool = True
@@ -280,6 +291,10 @@ class DecodeConfig:
                 or not 0.0 < self.balanced_fraction <= 1.0:
             raise ConfigError("DecodeConfig: need 0 <= balanced_min_programs_per_sm <= "
                               "wave_programs_per_sm and 0 < balanced_fraction <= 1")
+        e = self.balanced_max_excess
+        if e is not None and (isinstance(e, bool) or not isinstance(e, int) or e < 0):
+            raise ConfigError("DecodeConfig.balanced_max_excess must be an int >= 0 or None, "
+                              f"got {e!r}")
 
     def fuses_reduce(self, programs: int, sms: int) -> bool:
         """Whether a per-request split launch of ``programs`` programs on ``sms``
@@ -370,22 +385,27 @@ def one_range_for(seq_lens, num_reqs: int, num_kv_heads: int, sms: int,
     :func:`lengths_balanced`) or the longest-first bound (``lpt_one_range``,
     :func:`lpt_fits`)."""
     if one_range_if_balanced(num_reqs, num_kv_heads, sms, config) \
-            and lengths_balanced(seq_lens, config):
+            and lengths_balanced(seq_lens, config, num_kv_heads):
         return True
     return (config.lpt_one_range and one_range_possible(num_reqs, num_kv_heads, sms, config)
             and lpt_fits(seq_lens, num_kv_heads, sms, config))
 
 
-def lengths_balanced(seq_lens, config: DecodeConfig) -> bool:
+def lengths_balanced(seq_lens, config: DecodeConfig, num_kv_heads: int) -> bool:
     """Whether the context lengths ``seq_lens`` (host ints, one per decode request) are
-    balanced: their mean is at least ``config.balanced_fraction`` of their maximum. Zero
-    lengths (CUDA-graph padding requests) are left out."""
+    balanced: their mean is at least ``config.balanced_fraction`` of their maximum, and their
+    excess positions over the mean, ``(max - mean) x requests x num_kv_heads``, are at most
+    ``config.balanced_max_excess`` (when set). Zero lengths (CUDA-graph padding requests) are
+    left out."""
     lens = np.asarray(seq_lens, dtype=np.int64)
     lens = lens[lens > 0]
     if lens.size == 0:
         return False
-    top = int(lens.max())
-    return top > 0 and int(lens.sum()) >= config.balanced_fraction * lens.size * top
+    top, total = int(lens.max()), int(lens.sum())
+    if config.balanced_max_excess is not None \
+            and (top * lens.size - total) * num_kv_heads > config.balanced_max_excess:
+        return False
+    return top > 0 and total >= config.balanced_fraction * lens.size * top
 
 
 def choose_split(num_reqs: int, num_kv_heads: int, max_seq_len: int | None,
@@ -1114,7 +1134,7 @@ def paged_decode_attention(
             ``[>= num_reqs + 1]``; seq_lens: int32 ``[>= num_reqs]`` (all on ``q``'s device).
         num_reqs: host int. scale: softmax scale.
         max_seq_len: host upper bound of the batch's ``seq_lens`` (optional; caps splitting).
-        balanced: the decode requests' lengths are balanced (:func:`lengths_balanced` of their
+        balanced: the decode requests' lengths are balanced (:func:`one_range_for` of their
             host lengths); one wave of one range per request where that is faster
             (:class:`DecodeConfig`). A host value: a CUDA graph bakes it in.
         num_splits: force the split count (1 .. 64); default ``choose_num_splits``.

@@ -317,16 +317,41 @@ def test_decode_longest_first_one_range_exact(kernel_device):
 
 def test_lengths_balanced():
     cfg = DecodeConfig()  # mean >= 0.8 x max
-    assert lengths_balanced([2048] * 64, cfg)
-    assert lengths_balanced([100, 100, 100, 100, 80], cfg)  # mean 96 >= 80
-    assert lengths_balanced([100, 60], cfg)  # mean 80 = 0.8 x 100: the bound is inclusive
-    assert not lengths_balanced([100, 59], cfg)  # 79.5
-    assert not lengths_balanced(list(range(100, 2049)), cfg)  # U[100, 2048]: mean 0.52 max
-    assert not lengths_balanced([], cfg) and not lengths_balanced([0, 0], cfg)
-    assert lengths_balanced(np.array([5, 4], dtype=np.int32), cfg)  # 4.5 >= 4
-    assert lengths_balanced([5, 4, 0, 0], cfg)  # padding requests (length 0) left out
-    assert lengths_balanced([100, 60], DecodeConfig(balanced_fraction=0.8))
-    assert not lengths_balanced([100, 60], DecodeConfig(balanced_fraction=0.81))
+    assert lengths_balanced([2048] * 64, cfg, 8)
+    assert lengths_balanced([100, 100, 100, 100, 80], cfg, 8)  # mean 96 >= 80
+    assert lengths_balanced([100, 60], cfg, 8)  # mean 80 = 0.8 x 100: the bound is inclusive
+    assert not lengths_balanced([100, 59], cfg, 8)  # 79.5
+    assert not lengths_balanced(list(range(100, 2049)), cfg, 8)  # U[100, 2048]: mean 0.52 max
+    assert not lengths_balanced([], cfg, 8) and not lengths_balanced([0, 0], cfg, 8)
+    assert lengths_balanced(np.array([5, 4], dtype=np.int32), cfg, 8)  # 4.5 >= 4
+    assert lengths_balanced([5, 4, 0, 0], cfg, 8)  # padding requests (length 0) left out
+    assert lengths_balanced([100, 60], DecodeConfig(balanced_fraction=0.8), 8)
+    assert not lengths_balanced([100, 60], DecodeConfig(balanced_fraction=0.81), 8)
+
+
+def test_lengths_balanced_excess_bound_by_hand():
+    """``balanced_max_excess`` (default 200,000 positions): ``(max - mean) x requests x Hkv``.
+    64 requests, 32 at 8,500 and 32 at 7,000 (mean 7,750: 0.91 of the maximum): excess 750 x
+    64 x 8 = 384,000 -> not balanced; the same at 2,125 / 1,750 (0.91 again): 96,000 ->
+    balanced; equal lengths have none at any length."""
+    cfg = DecodeConfig()
+    assert cfg.balanced_max_excess == 200_000
+    long = [8500] * 32 + [7000] * 32
+    assert not lengths_balanced(long, cfg, 8)
+    assert lengths_balanced(long, DecodeConfig(balanced_max_excess=None), 8)
+    assert lengths_balanced(long, DecodeConfig(balanced_max_excess=384_000), 8)  # inclusive
+    assert not lengths_balanced(long, DecodeConfig(balanced_max_excess=383_999), 8)
+    assert lengths_balanced(long, cfg, 4)  # 192,000 with 4 KV heads
+    assert lengths_balanced([2125] * 32 + [1750] * 32, cfg, 8)
+    assert lengths_balanced([100_000] * 64, cfg, 8)
+    assert lengths_balanced(long + [0] * 16, DecodeConfig(balanced_max_excess=384_000), 8)
+    # through the launch decision: 64 requests x 8 KV heads = 512 programs on 132 SMs (one
+    # wave of 660 slots), the longest-first bound not met (496,000 x 8 < 0.75 x 660 x 8,500)
+    assert not one_range_for(long, 64, 8, 132, cfg)
+    assert one_range_for(long, 64, 8, 132, DecodeConfig(balanced_max_excess=None))
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigError, match="balanced_max_excess"):
+            DecodeConfig(balanced_max_excess=bad)
 
 
 def test_decode_config_errors():
