@@ -62,11 +62,12 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from pagedkv.attention.torch_ref import paged_attention_ref  # noqa: E402
+from pagedkv.attention._triton_common import num_sms  # noqa: E402
 from pagedkv.attention.triton_decode import (  # noqa: E402
     DecodeConfig,
     _decode_kernel,
     choose_num_splits,
-    lengths_balanced,
+    one_range_for,
     paged_decode_attention,
 )
 from pagedkv.attention.triton_prefill import (  # noqa: E402
@@ -179,8 +180,9 @@ class DecodeSetup:
     def call(self, i: int, **kw):
         # host hints as the engine passes them: the longest length and whether the lengths
         # are balanced (equal here)
-        kw.setdefault("balanced", lengths_balanced([self.ctx] * self.batch,
-                                                   kw.get("config") or DecodeConfig(), HKV))
+        kw.setdefault("balanced", one_range_for([self.ctx] * self.batch, self.batch, HKV,
+                                                num_sms(torch.device("cuda")),
+                                                kw.get("config") or DecodeConfig()))
         return lambda: paged_decode_attention(
             self.qs[i], self.cache, self.tables[i], self.qsl, self.seq, self.batch, SCALE,
             self.outs[i], max_seq_len=self.ctx, **kw)

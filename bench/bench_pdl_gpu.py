@@ -85,9 +85,10 @@ def chain_setup(batch: int, layers: int = 28, seed: int = 0):
     q_out = [torch.empty((batch, H, D), device="cuda", dtype=DTYPE) for _ in range(layers)]
     outs = [torch.empty((batch, H, D), device="cuda", dtype=DTYPE) for _ in range(layers)]
     from bench_attention_gpu import SCALE
-    from pagedkv.attention.triton_decode import DecodeConfig, lengths_balanced, paged_decode_attention
+    from pagedkv.attention._triton_common import num_sms
+    from pagedkv.attention.triton_decode import DecodeConfig, one_range_for, paged_decode_attention
 
-    bal = lengths_balanced(mix.lens.numpy(), DecodeConfig(), HKV)
+    bal = one_range_for(mix.lens.numpy(), batch, HKV, num_sms(torch.device("cuda")), DecodeConfig())
 
     def calls():
         fns = []

@@ -91,7 +91,7 @@ from pagedkv.attention.triton_decode import (  # noqa: E402
     choose_num_splits,
     choose_split,
     default_decode_config,
-    lengths_balanced,
+    one_range_for,
     paged_decode_attention,
     paged_decode_attention_ref,
 )
@@ -243,7 +243,7 @@ def bench_swa_case(shape: SwaShape, batch: int, ctx: int, dtype, device: str, bl
     outs = [torch.full_like(q, float("nan")) for q in qs]
     scale = D ** -0.5
     cfg = default_decode_config(torch.device(device))
-    balanced = lengths_balanced(lens, cfg, HKV)
+    balanced = one_range_for(lens, batch, HKV, num_sms(torch.device(device)), cfg)
 
     def call(i):
         return lambda: paged_decode_attention(

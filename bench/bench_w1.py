@@ -151,8 +151,6 @@ def configure_splitk(args) -> None:
         sk.SPLITK_ENABLED = args.splitk
     if args.splitk_gate_up is not None:
         sk.SPLITK_GATE_UP_ENABLED = args.splitk_gate_up
-    if getattr(args, "silu_down", None) is not None:
-        sk.SPLITK_SILU_DOWN_ENABLED = args.silu_down
     if args.splitk_table:
         with open(args.splitk_table) as f:
             table = json.load(f)
@@ -385,10 +383,6 @@ def main(argv=None) -> int:
     p.add_argument("--splitk-gate-up", action=argparse.BooleanOptionalAction, default=None,
                    help="the decode-step gate/up projection as split-K partials summed by the "
                         "activation kernel (splitk_gemm.SPLITK_GATE_UP_ENABLED; off by default)")
-    p.add_argument("--silu-down", action=argparse.BooleanOptionalAction, default=None,
-                   help="the decode-step down projection computes the SiLU activation in its "
-                        "split-K launch (splitk_gemm.SPLITK_SILU_DOWN_ENABLED; on by default); "
-                        "--no-silu-down: the activation's own launch (A/B runs)")
     p.add_argument("--splitk-table", default=None,
                    help="JSON of per-shape split-K launches (bench_splitk_gemm_gpu.py "
                         "--table-out) installed before the engine starts")

@@ -151,8 +151,6 @@ def main(argv=None) -> int:
                    help="as bench_w1.py's")
     p.add_argument("--splitk-gate-up", action=argparse.BooleanOptionalAction, default=None,
                    help="as bench_w1.py's")
-    p.add_argument("--silu-down", action=argparse.BooleanOptionalAction, default=None,
-                   help="as bench_w1.py's")
     p.add_argument("--splitk-table", default=None, help="as bench_w1.py's")
     p.add_argument("--fresh-prefill", default=None, choices=["auto", "triton", "varlen", "cudnn"],
                    help="the Triton backend's fresh-prefill path, as bench_w1.py's")

@@ -11,7 +11,7 @@
 # the decode reduce's heads per program (mixed lengths, W1 4 vs 1 twice), with PREFILL_AB=1
 # (OLD_TREE=DIR) the prefill kernel's sweeps and W3 / W2 against an older tree's, with DECODE_AB=1
 # the decode kernel against the older tree's, with FLAGS_AB=1 (AB_FLAGS, AB_ENV, AB_WORKLOADS, AB_PAIRS) bench_w1.py's defaults against extra flags,
-# with HOST_W3=1 W3's host phases and a profiler window of its prefill-like steps, with CUDNN_AB=1 the cuDNN fresh-prefill path's GPU tests, bench and W2 A/B, with CUDNN_PROF=1 its layer and W2-step profiles, with W3_DIAG=1 W3's compiles and host phases in a first run (and the first user generate's step times), with ARGMAX=1 the greedy argmax bench and tests, with HOSTCPU=1 the host's CPU quota, throttling and per-core speed, with DECODE_POLICY=1 the decode launch policies (flat split, longest-first one range) on mixed lengths and in W1 A/B rounds, with SPLITK_GATE_UP=1 the split-K gate/up projection (kernel sweep, GPU tests, W1 A/B), with FLAT_FLOOR=1 the flat split's batch floor on small batches.  With SPLITK_ROWS=1 split-K o / down at 128-256 rows. With SMALL_FUSED=1 the default fused reduce of small batches against the reduce launches. With FUSED_REDUCE=1 the decode split kernel merging its own ranges (tests, B1-B256 kernel times, W1 A/B). With READ_FLOOR=1 the read floor of the decode anchors' bytes. With LM_HEAD=1 the fused LM head + argmax (sweep, tests, W1/W3 A/B). With SILU_DOWN=1 the SiLU-gated down projection (tests, layer bench, W1 A/B). With BAL_EXCESS=1 the balanced rule's excess bound (decode kernel on nearly equal lengths, W2 A/B). With STARTUP=1 LLM() start-up time, default decode graphs against --no-lpt-one-range. Logs/JSON under $OUT. SKIP_* skip single steps, ONLY=1 all the default ones;
+# with HOST_W3=1 W3's host phases and a profiler window of its prefill-like steps, with CUDNN_AB=1 the cuDNN fresh-prefill path's GPU tests, bench and W2 A/B, with CUDNN_PROF=1 its layer and W2-step profiles, with W3_DIAG=1 W3's compiles and host phases in a first run (and the first user generate's step times), with ARGMAX=1 the greedy argmax bench and tests, with HOSTCPU=1 the host's CPU quota, throttling and per-core speed, with DECODE_POLICY=1 the decode launch policies (flat split, longest-first one range) on mixed lengths and in W1 A/B rounds, with SPLITK_GATE_UP=1 the split-K gate/up projection (kernel sweep, GPU tests, W1 A/B), with FLAT_FLOOR=1 the flat split's batch floor on small batches.  With SPLITK_ROWS=1 split-K o / down at 128-256 rows. With SMALL_FUSED=1 the default fused reduce of small batches against the reduce launches. With FUSED_REDUCE=1 the decode split kernel merging its own ranges (tests, B1-B256 kernel times, W1 A/B). With READ_FLOOR=1 the read floor of the decode anchors' bytes. With LM_HEAD=1 the fused LM head + argmax (sweep, tests, W1/W3 A/B). With BAL_EXCESS=1 the balanced rule's excess bound (decode kernel on nearly equal lengths, W2 A/B). With STARTUP=1 LLM() start-up time, default decode graphs against --no-lpt-one-range. Logs/JSON under $OUT. SKIP_* skip single steps, ONLY=1 all the default ones;
 # more than ~550 s of steps needs two calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -157,18 +157,7 @@ if [ -n "${FUSED_REDUCE:-}" ]; then  # the split kernel merging its own ranges (
   done
   rm -f "$OUT/fr.json" "$OUT/fr.log"
 fi
-if [ -n "${SILU_DOWN:-}" ]; then  # the SiLU-gated down projection (twentieth session): GPU tests of split-K and decode, the layer bench, then W1 with the defaults / --no-silu-down, SILU_DOWN_ROUNDS rounds; tok/s in silu_down.txt
-  [ -z "${SKIP_SILU_TESTS:-}" ] && TAIL=4 run silu_down_tests 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_kernel_splitk_gemm.py tests/attention/test_triton_decode.py
-  TAIL=8 run silu_down_bench 120 python3 bench/bench_silu_down_gpu.py --out "$OUT/silu_down.json"
-  for i in $(seq 1 ${SILU_DOWN_ROUNDS:-2}); do
-    for f in "" "--no-silu-down"; do
-      timeout 90 python3 bench/bench_w1.py --workload w1 $f --json "$OUT/sd.json" > "$OUT/sd.log" 2>&1
-      echo "w1 round $i [$f]: $(python3 -c "import json; r=json.load(open('$OUT/sd.json')); print(round(r['pagedkv']['output_tokens_per_s']))" 2>/dev/null || tail -2 $OUT/sd.log)" | tee -a "$OUT/silu_down.txt"
-    done
-  done
-  rm -f "$OUT/sd.json" "$OUT/sd.log"
-fi
-if [ -n "${BAL_EXCESS:-}" ]; then  # the balanced rule's excess bound (twentieth session): the decode kernel with the defaults / the fraction alone / the flat split on lengths U[lo, hi] (BAL_RANGES) at one-wave batch sizes (JSON in bal.tgz), then W2 with the defaults against each of BAL_W2_FLAGS (';'-separated), BAL_ROUNDS rounds; tok/s in bal_w2.txt
+if [ -n "${BAL_EXCESS:-}" ]; then  # the balanced rule's excess bound (twentieth session): the decode kernel with the defaults / the fraction alone / the flat split on lengths U[lo, hi] (BAL_RANGES) at one-wave batch sizes (JSON in bal.tgz), then BAL_WORKLOADS (default w2) with the defaults against each of BAL_W2_FLAGS (';'-separated), BAL_ROUNDS rounds; tok/s in bal_w2.txt
   mkdir -p "$OUT/bal"
   [ -z "${SKIP_BAL_SWEEP:-}" ] && for r in ${BAL_RANGES:-1792:2048 1536:2048 1280:2048 3584:4096 3072:4096 7680:8192 7168:8192 6144:8192 6000:8500 8000:8500}; do
     lo=${r%:*}; hi=${r#*:}
@@ -178,9 +167,11 @@ if [ -n "${BAL_EXCESS:-}" ]; then  # the balanced rule's excess bound (twentieth
   tar czf "$OUT/bal.tgz" -C "$OUT" bal && rm -rf "$OUT/bal"
   IFS=';' read -r -a flagsets <<< "${BAL_W2_FLAGS:---decode-config balanced_max_excess=none}"
   for i in $(seq 1 ${BAL_ROUNDS:-1}); do
-    for f in "" "${flagsets[@]}"; do
-      timeout 120 python3 bench/bench_w1.py --workload w2 $f --json "$OUT/bw.json" > "$OUT/bw.log" 2>&1
-      echo "w2 round $i [$f]: $(python3 -c "import json; r=json.load(open('$OUT/bw.json')); print(round(r['pagedkv']['output_tokens_per_s']))" 2>/dev/null || tail -2 $OUT/bw.log)" | tee -a "$OUT/bal_w2.txt"
+    for w in ${BAL_WORKLOADS:-w2}; do
+      for f in "" "${flagsets[@]}"; do
+        timeout 120 python3 bench/bench_w1.py --workload $w $f --json "$OUT/bw.json" > "$OUT/bw.log" 2>&1
+        echo "$w round $i [$f]: $(python3 -c "import json; r=json.load(open('$OUT/bw.json')); print(round(r['pagedkv']['output_tokens_per_s']))" 2>/dev/null || tail -2 $OUT/bw.log)" | tee -a "$OUT/bal_w2.txt"
+      done
     done
   done
   rm -f "$OUT/bw.json" "$OUT/bw.log"

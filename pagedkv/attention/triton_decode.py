@@ -104,8 +104,8 @@ class DecodeConfig:
     * ``P >= 4 S``: ``large_splits`` ranges of at least ``large_min_split_tokens``.
 
     Balanced batches (the caller passes ``balanced=True``: the lengths' mean is at least
-    ``balanced_fraction`` of their maximum and their excess over the mean, ``(max - mean) x
-    requests x Hkv`` positions, at most ``balanced_max_excess``, :func:`lengths_balanced`): when
+    ``balanced_fraction`` of their maximum and the one-range launch's excess over an even
+    share is at most ``balanced_max_excess`` positions, :func:`lengths_balanced`): when
     ``balanced_min_programs_per_sm x S <= P <= wave_programs_per_sm x S`` (2 and 5) every
     request is one range. The ``P`` programs then
     fit one wave of concurrent programs (the default launch takes 96 registers x 128 threads and
@@ -117,14 +117,21 @@ class DecodeConfig:
     maximum), and splitting ahead by 8-13% at U[100, 2048]; past one wave (B88, B96) one
     range drops to 71-75%.
 
-    ``balanced_max_excess``: the one-range launch lasts about as long as its longest request,
-    so it pays the batch's excess positions (``(max - mean) x requests x Hkv``) over an equal
-    share's time, and the flat split that replaces it costs a near-constant ~10 us (its merge
-    and partials). On long, nearly equal lengths the excess grows with the lengths while the
-    fraction stays the same: W2-like U[6000, 8500] (mean 0.85 of the maximum, ~480k-640k excess
-    positions at B48-B64) ran one range at 358.8 / 465.5 us against the flat split's 333.6 /
-    440.5 (H200, nineteenth session), while U[1536, 2048] at B64 (131k) runs one range ahead.
-    None: the fraction alone decides.
+    ``balanced_max_excess`` (twentieth session): the one-range launch of ``P`` programs on
+    ``S`` SMs lasts about as long as its busiest SM, ``ceil(P / S)`` programs of up to the
+    longest length, while the flat split spreads the same positions evenly (``P / S`` programs'
+    worth of the mean length an SM) at a ~10 us fixed cost. The excess ``ceil(P / S) x max -
+    Hkv x sum / S`` (positions an SM) must be at most ``balanced_max_excess`` (None: the
+    fraction alone decides). H200 (``bench_decode_mixed.py --variants frac_only,nobal``,
+    lengths U[lo, hi] for lo/hi from 1280/2048 to 8000/8500, B40-B64 of 8 KV heads): one range
+    against the flat split was ahead by 3.5-5% only at excess 541 and 749 (U[1792, 2048] at B48
+    and B64), within +-1% from ~850 to ~1,400, and behind by 2-26% from ~2,900 up: the
+    quantization of ``P / S`` (B40 is 2.4 programs an SM: one range 1.07-1.26x the flat
+    split's time even on U[7680, 8192]) and long nearly equal lengths (W2's U[6000, 8500] at
+    B64: 451.0 / 425.4 us) both count. Fit over those rows: one range ~14.3 ns a position of
+    the busiest SM + 6.5 us, the flat split ~14.7 ns a position of the mean SM + 16.7 us, so
+    the break-even excess is ~700; 1,024 keeps the wins and the ties. In positions, for the
+    default bf16 launch: an FP8 cache moves half the bytes a position.
 
     Measured on the H200 on batches of mixed lengths U[100, 2048] (bench/bench_decode_mixed.py,
     graph replays, cold L2): against the former policy (split counts for equal lengths, ranges
@@ -245,7 +252,7 @@ class DecodeConfig:
     balanced_min_programs_per_sm: float = 2.0
     wave_programs_per_sm: float = 5.0
     balanced_fraction: float = 0.8
-    balanced_max_excess: int | None = 200_000
+    balanced_max_excess: int | None = 1024
     reduce_heads: int = 4
     use_order: bool = True
     flat_split: bool = True
@@ -385,26 +392,28 @@ def one_range_for(seq_lens, num_reqs: int, num_kv_heads: int, sms: int,
     :func:`lengths_balanced`) or the longest-first bound (``lpt_one_range``,
     :func:`lpt_fits`)."""
     if one_range_if_balanced(num_reqs, num_kv_heads, sms, config) \
-            and lengths_balanced(seq_lens, config, num_kv_heads):
+            and lengths_balanced(seq_lens, config, num_kv_heads, sms):
         return True
     return (config.lpt_one_range and one_range_possible(num_reqs, num_kv_heads, sms, config)
             and lpt_fits(seq_lens, num_kv_heads, sms, config))
 
 
-def lengths_balanced(seq_lens, config: DecodeConfig, num_kv_heads: int) -> bool:
+def lengths_balanced(seq_lens, config: DecodeConfig, num_kv_heads: int, sms: int) -> bool:
     """Whether the context lengths ``seq_lens`` (host ints, one per decode request) are
-    balanced: their mean is at least ``config.balanced_fraction`` of their maximum, and their
-    excess positions over the mean, ``(max - mean) x requests x num_kv_heads``, are at most
-    ``config.balanced_max_excess`` (when set). Zero lengths (CUDA-graph padding requests) are
-    left out."""
+    balanced for a one-range launch on ``sms`` multiprocessors: their mean is at least
+    ``config.balanced_fraction`` of their maximum, and (``config.balanced_max_excess`` set)
+    the busiest SM's positions beyond an even share, ``ceil(P / sms) x max - num_kv_heads x
+    sum / sms`` for ``P = requests x num_kv_heads`` programs, are at most that bound. Zero
+    lengths (CUDA-graph padding requests) are left out."""
     lens = np.asarray(seq_lens, dtype=np.int64)
     lens = lens[lens > 0]
-    if lens.size == 0:
+    if lens.size == 0 or sms < 1:
         return False
     top, total = int(lens.max()), int(lens.sum())
-    if config.balanced_max_excess is not None \
-            and (top * lens.size - total) * num_kv_heads > config.balanced_max_excess:
-        return False
+    if config.balanced_max_excess is not None:
+        slots = cdiv(int(lens.size) * num_kv_heads, sms)  # programs on the busiest SM
+        if sms * slots * top - num_kv_heads * total > sms * config.balanced_max_excess:
+            return False
     return top > 0 and total >= config.balanced_fraction * lens.size * top
 
 

@@ -19,14 +19,6 @@ row tiles of one weight tile are neighbours in the grid: they share its bytes th
 L2), stored unrounded. ``M`` is not specialized (one compiled variant for every batch size).
 Rows past ``M``, columns past ``N`` and inner indices past ``K`` are masked (never read).
 
-SiLU-gated operand (``silu_gated=True``): ``x [M, 2K] = [gate | up]`` (the MLP's gate/up
-product) and the kernel computes its operand ``silu(gate) * up`` itself as it loads each tile,
-in float32 with one rounding to ``x``'s dtype (``pagedkv.kernels.activation.silu_mul``, the
-activation kernel's formula and rounding): the down projection ``silu_and_mul(gate_up) @ w^T``
-without the activation's launch and without its ``[M, K]`` output round trip. The operand is
-recomputed by each column tile's programs (``N / BLOCK_N`` times; at decode sizes a few MB of
-L2 reads and ~10^7 exponentials a layer).
-
 ``splitk_linear_ref`` is the torch twin (float32 products of the same chunks);
 ``splitk_linear_op`` the custom op ``pagedkv::splitk_linear`` that ``torch.compile`` regions keep
 as one launch (its launch parameters depend on ``N``, ``K`` and ``S`` only, so a dynamic
@@ -45,7 +37,6 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from pagedkv.errors import ConfigError
 from pagedkv.kernels._common import cdiv, check_launch_config, use_triton
-from pagedkv.kernels.activation import silu_and_mul_ref, silu_mul
 
 GEMM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -70,24 +61,12 @@ class SplitKConfig:
 INTERPRET_CONFIG = SplitKConfig(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1)
 
 
-@triton.jit
-def _operand_tile(x_rows, kk, mask, K, SILU_GATED: tl.constexpr):
-    """The ``x`` operand's tile at inner indices ``kk`` of the rows ``x_rows``: loaded, or with
-    ``SILU_GATED`` ``silu(gate) * up`` of the row's ``[gate | up]`` halves (``up`` ``K``
-    columns on), in float32 and rounded once to ``x``'s dtype. Masked entries are 0."""
-    if SILU_GATED:
-        gate = tl.load(x_rows + kk[None, :], mask=mask, other=0.0)
-        up = tl.load(x_rows + K + kk[None, :], mask=mask, other=0.0)
-        return silu_mul(gate.to(tl.float32), up.to(tl.float32)).to(gate.dtype)
-    return tl.load(x_rows + kk[None, :], mask=mask, other=0.0)
-
-
 @triton.jit(do_not_specialize=["M"])
 def _splitk_gemm_kernel(
     x_ptr, x_s0, w_ptr, w_s0, out_ptr, o_split, o_s0,
     M, N, K, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PREC: tl.constexpr, RANGE_LOOP: tl.constexpr, SILU_GATED: tl.constexpr = False,
+    DOT_PREC: tl.constexpr, RANGE_LOOP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -106,7 +85,7 @@ def _splitk_gemm_kernel(
         for k in range(k0, k1, BLOCK_K):
             kk = k + rk
             k_ok = kk < k1
-            a = _operand_tile(x_rows, kk, m_ok[:, None] & k_ok[None, :], K, SILU_GATED)
+            a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
     else:  # the interpreter cannot iterate range() over runtime scalars
@@ -114,7 +93,7 @@ def _splitk_gemm_kernel(
         while k < k1:
             kk = k + rk
             k_ok = kk < k1
-            a = _operand_tile(x_rows, kk, m_ok[:, None] & k_ok[None, :], K, SILU_GATED)
+            a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
             k += BLOCK_K
@@ -122,16 +101,11 @@ def _splitk_gemm_kernel(
     tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _check(fn: str, x: torch.Tensor, w: torch.Tensor, splits: int,
-           silu_gated: bool = False) -> tuple[int, int, int]:
+def _check(fn: str, x: torch.Tensor, w: torch.Tensor, splits: int) -> tuple[int, int, int]:
     if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
         raise ConfigError(f"{fn}: x and w must be tensors")
-    if not isinstance(silu_gated, bool):
-        raise ConfigError(f"{fn}: silu_gated must be a bool, got {silu_gated!r}")
-    width = 2 if silu_gated else 1
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != width * w.shape[1]:
-        need = "x [M, 2K] ([gate | up])" if silu_gated else "x [M, K]"
-        raise ConfigError(f"{fn}: need {need} and w [N, K], got {tuple(x.shape)} and "
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ConfigError(f"{fn}: need x [M, K] and w [N, K], got {tuple(x.shape)} and "
                           f"{tuple(w.shape)}")
     if x.dtype not in GEMM_DTYPES or w.dtype != x.dtype:
         raise ConfigError(f"{fn}: x and w must share one of bf16/fp16/fp32, got {x.dtype} and "
@@ -155,13 +129,10 @@ def split_chunk(K: int, splits: int, block_k: int) -> int:
 
 
 def splitk_linear_ref(x: torch.Tensor, w: torch.Tensor, splits: int,
-                      config: SplitKConfig | None = None, silu_gated: bool = False) -> torch.Tensor:
+                      config: SplitKConfig | None = None) -> torch.Tensor:
     """Plain torch twin: float32 products over the same inner-dimension chunks as the kernel
-    (``config``'s ``block_k`` rounds the chunk; default the device's config); with
-    ``silu_gated`` of the operand ``silu_and_mul_ref(x)``."""
-    M, N, K = _check("splitk_linear_ref", x, w, splits, silu_gated)
-    if silu_gated:
-        x = silu_and_mul_ref(x)
+    (``config``'s ``block_k`` rounds the chunk; default the device's config)."""
+    M, N, K = _check("splitk_linear_ref", x, w, splits)
     cfg = config or default_splitk_config(x.device)
     chunk = split_chunk(K, splits, cfg.block_k)
     out = torch.zeros(splits, M, N, dtype=torch.float32, device=x.device)
@@ -177,8 +148,7 @@ def default_splitk_config(device: torch.device) -> SplitKConfig:
     return SplitKConfig() if device.type == "cuda" else INTERPRET_CONFIG
 
 
-def _launch(launcher, x, w, out, splits: int, cfg: SplitKConfig, range_loop: bool,
-            silu_gated: bool = False) -> None:
+def _launch(launcher, x, w, out, splits: int, cfg: SplitKConfig, range_loop: bool) -> None:
     M = x.shape[0]
     N, K = w.shape
     chunk = split_chunk(K, splits, cfg.block_k)
@@ -188,24 +158,23 @@ def _launch(launcher, x, w, out, splits: int, cfg: SplitKConfig, range_loop: boo
         M, N, K, chunk,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", RANGE_LOOP=range_loop,
-        SILU_GATED=silu_gated, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def splitk_linear(x: torch.Tensor, w: torch.Tensor, splits: int,
                   config: SplitKConfig | None = None,
-                  out: torch.Tensor | None = None, silu_gated: bool = False) -> torch.Tensor:
-    """The ``splits`` float32 partial products ``[S, M, N]`` of ``x @ w^T`` (module docstring;
-    with ``silu_gated`` of ``silu_and_mul(x)``) with the Triton kernel (CUDA tensors, or any
-    tensor under the Triton interpreter); otherwise the torch twin. ``out``: a float32
-    ``[S, M, N]`` buffer to write."""
-    M, N, K = _check("splitk_linear", x, w, splits, silu_gated)
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``splits`` float32 partial products ``[S, M, N]`` of ``x @ w^T`` (module docstring)
+    with the Triton kernel (CUDA tensors, or any tensor under the Triton interpreter);
+    otherwise the torch twin. ``out``: a float32 ``[S, M, N]`` buffer to write."""
+    M, N, K = _check("splitk_linear", x, w, splits)
     cfg = config or default_splitk_config(x.device)
     if out is not None and (out.shape != (splits, M, N) or out.dtype != torch.float32
                             or out.device != x.device or (N > 1 and out.stride(2) != 1)):
         raise ConfigError(f"splitk_linear: out must be float32 [{splits}, {M}, {N}] on "
                           f"{x.device}, contiguous in its last dimension")
     if not use_triton(_splitk_gemm_kernel, x):
-        res = splitk_linear_ref(x, w, splits, cfg, silu_gated)
+        res = splitk_linear_ref(x, w, splits, cfg)
         return res if out is None else out.copy_(res)
     if out is None:
         out = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
@@ -213,26 +182,23 @@ def splitk_linear(x: torch.Tensor, w: torch.Tensor, splits: int,
         if K == 0:
             return out.zero_()
         _launch(_splitk_gemm_kernel, x, w, out, splits, cfg,
-                range_loop=not isinstance(_splitk_gemm_kernel, InterpretedFunction),
-                silu_gated=silu_gated)
+                range_loop=not isinstance(_splitk_gemm_kernel, InterpretedFunction))
     return out
 
 
 @triton_op("pagedkv::splitk_linear", mutates_args={})
-def splitk_linear_op(x: torch.Tensor, w: torch.Tensor, splits: int,
-                     silu_gated: bool = False) -> torch.Tensor:
+def splitk_linear_op(x: torch.Tensor, w: torch.Tensor, splits: int) -> torch.Tensor:
     """``splitk_linear`` as a custom op ``torch.compile`` can trace (one launch inside a compiled
     graph, launch parameters from ``N``, ``K`` and ``splits`` only); the torch twin on a
     non-CUDA tensor."""
     if x.device.type != "cuda":
-        return splitk_linear_ref(x, w, splits, silu_gated=silu_gated)
-    M, N, K = _check("splitk_linear", x, w, splits, silu_gated)
+        return splitk_linear_ref(x, w, splits)
+    M, N, K = _check("splitk_linear", x, w, splits)
     cfg = splitk_config_for(N, K)
     out = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
     if K == 0:
         return out.zero_()
-    _launch(wrap_triton(_splitk_gemm_kernel), x, w, out, splits, cfg, range_loop=True,
-            silu_gated=silu_gated)
+    _launch(wrap_triton(_splitk_gemm_kernel), x, w, out, splits, cfg, range_loop=True)
     return out
 
 
@@ -306,26 +272,6 @@ def gate_up_partials(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     return None
 
 
-# The MLP's down projection of ``silu_and_mul(gate_up)`` where ``linear_partials`` takes the
-# split-K kernel: one launch whose operand loads compute the activation (``silu_gated``), in
-# place of the activation's launch plus the GEMM's (``silu_linear_partials``). On by default;
-# ``bench_w1.py --no-silu-down`` turns it off for comparisons.
-SPLITK_SILU_DOWN_ENABLED = True
-
-
-def silu_linear_partials(gate_up: torch.Tensor, w: torch.Tensor,
-                         bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``silu_and_mul(gate_up) @ w^T (+ bias)`` as :func:`linear_partials` returns it (the
-    float32 sum of the split-K partials) in one SiLU-gated launch where that runs
-    (``SPLITK_SILU_DOWN_ENABLED``, a decode-sized CUDA ``gate_up [M, 2K]``, a weight that
-    splits); None where the caller runs the activation and ``linear_partials``."""
-    if SPLITK_SILU_DOWN_ENABLED and _split_rows(gate_up):
-        splits = splitk_splits(w.shape[0], w.shape[1])
-        if splits > 1:
-            return _sum_partials(splitk_linear_op(gate_up, w, splits, True), splits, bias)
-    return None
-
-
 def _split_rows(x: torch.Tensor) -> bool:
     """A decode-sized CUDA operand the split-K kernel takes (``SPLITK_ENABLED``, 2-D, at most
     ``SPLITK_MAX_ROWS`` rows)."""
@@ -357,5 +303,5 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None 
 
 __all__ = ["INTERPRET_CONFIG", "SPLITK_CONFIGS", "SPLITK_SPLITS", "SplitKConfig",
            "default_splitk_config", "gate_up_partials", "linear_partials", "split_chunk",
-           "silu_linear_partials", "splitk_config_for", "splitk_linear", "splitk_linear_op",
-           "splitk_linear_ref", "splitk_splits"]
+           "splitk_config_for", "splitk_linear", "splitk_linear_op", "splitk_linear_ref",
+           "splitk_splits"]

@@ -38,15 +38,7 @@ from pagedkv.kernels import lm_head_argmax as _lha
 from pagedkv.kernels.argmax import argmax_rows
 from pagedkv.kernels.splitk_gemm import linear_partials
 from pagedkv.models.config import ModelArchConfig
-from pagedkv.models.layers import (
-    GatedMLP,
-    Linear,
-    QKVProjection,
-    RMSNorm,
-    gate_up_silu,
-    gated_mlp_partials,
-    rms_norm,
-)
+from pagedkv.models.layers import GatedMLP, Linear, QKVProjection, RMSNorm, gate_up_silu, rms_norm
 from pagedkv.models.rotary import RotaryEmbedding, apply_rotary, tokens_seq_lens
 
 
@@ -174,8 +166,6 @@ def post_attention(
     hidden = residual_add(hidden, _row_linear(attn_out.reshape(hidden.shape[0], -1), o_weight,
                                               o_bias, reduce))
     x = rms_norm(hidden, ln_weight, eps)
-    if reduce is None:
-        return hidden, gated_mlp_partials(x, gate_up_weight, gate_up_bias, down_weight, down_bias)
     return hidden, _row_linear(gate_up_silu(x, gate_up_weight, gate_up_bias),
                                down_weight, down_bias, reduce)
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.kernels.activation import silu_and_mul_op, silu_and_mul_partials_op
-from pagedkv.kernels.splitk_gemm import gate_up_partials, linear_partials, silu_linear_partials
+from pagedkv.kernels.splitk_gemm import gate_up_partials
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -61,26 +61,6 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if parts is not None:
         return silu_and_mul_partials_op(parts, x.dtype)
     return silu_and_mul(F.linear(x, weight, bias))
-
-
-def gated_mlp_partials(x: torch.Tensor, gate_up_weight: torch.Tensor,
-                       gate_up_bias: torch.Tensor | None, down_weight: torch.Tensor,
-                       down_bias: torch.Tensor | None) -> torch.Tensor:
-    """The gated MLP ``down(silu(gate(x)) * up(x))`` as a product added to the residual stream
-    (``linear_partials``' contract: on CUDA at decode sizes the unrounded float32 sum of split-K
-    partials). Where the down projection splits, the activation runs inside its kernel
-    (``silu_linear_partials``: one launch less a layer); else :func:`gate_up_silu` then
-    ``linear_partials``."""
-    parts = gate_up_partials(x, gate_up_weight, gate_up_bias)
-    if parts is not None:
-        act = silu_and_mul_partials_op(parts, x.dtype)
-    else:
-        gate_up = F.linear(x, gate_up_weight, gate_up_bias)
-        fused = silu_linear_partials(gate_up, down_weight, down_bias)
-        if fused is not None:
-            return fused
-        act = silu_and_mul(gate_up)
-    return linear_partials(act, down_weight, down_bias)
 
 
 class RMSNorm(nn.Module):
@@ -201,5 +181,4 @@ def gated_mlp_hf_entries(name: str, gate_up_proj: MergedLinear, down_proj: Linea
 
 
 __all__ = ["GatedMLP", "Linear", "MergedLinear", "QKVProjection", "RMSNorm", "gated_mlp_hf_entries",
-           "gated_mlp_partials",
            "rms_norm", "rms_norm_fp32", "silu_and_mul", "unweighted_rms_norm"]

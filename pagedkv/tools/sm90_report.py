@@ -243,14 +243,13 @@ def lm_head_argmax_report(config, sass: bool = False) -> dict:
                   config.num_warps, config.num_stages, sass)
 
 
-def splitk_report(config, sass: bool = False, silu_gated: bool = False) -> dict:
+def splitk_report(config, sass: bool = False) -> dict:
     """The split-K GEMM kernel (``pagedkv.kernels.splitk_gemm``) on bf16 operands under
-    ``config`` (a ``SplitKConfig``); ``silu_gated``: the variant that computes its operand
-    ``silu(gate) * up`` as it loads."""
+    ``config`` (a ``SplitKConfig``)."""
     from pagedkv.kernels.splitk_gemm import _splitk_gemm_kernel
 
     const = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                 DOT_PREC="tf32", RANGE_LOOP=True, SILU_GATED=silu_gated)
+                 DOT_PREC="tf32", RANGE_LOOP=True)
     ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*fp32")
     return report(_splitk_gemm_kernel, const, ptrs, set(),
                   set(ptrs) | {"x_s0", "w_s0", "o_split", "o_s0", "N", "K", "k_per_split"},
@@ -279,8 +278,6 @@ def main(argv=None) -> int:
                    help="the programmatic-dependent-launch variant (pagedkv.kernels.pdl)")
     p.add_argument("--fused-reduce", action="store_true",
                    help="decode, decode-flat: the split kernel that merges its own ranges")
-    p.add_argument("--silu-gated", action="store_true",
-                   help="splitk: the SiLU-gated operand variant (the MLP's down projection)")
     p.add_argument("--maxnreg", type=int, default=None,
                    help="decode-flat: the register cap (0: none; default DecodeConfig's)")
     p.add_argument("--json", action="store_true")
@@ -306,7 +303,7 @@ def main(argv=None) -> int:
         cfg = SplitKConfig()
         if args.config:
             cfg = SplitKConfig(*_ints(args.config, 5, "splitk config"))
-        rep = splitk_report(cfg, sass=args.sass, silu_gated=args.silu_gated)
+        rep = splitk_report(cfg, sass=args.sass)
     elif args.kernel == "prefill":
         from pagedkv.attention.triton_prefill import PrefillConfig
 

@@ -316,39 +316,51 @@ def test_decode_longest_first_one_range_exact(kernel_device):
 
 
 def test_lengths_balanced():
-    cfg = DecodeConfig()  # mean >= 0.8 x max
-    assert lengths_balanced([2048] * 64, cfg, 8)
-    assert lengths_balanced([100, 100, 100, 100, 80], cfg, 8)  # mean 96 >= 80
-    assert lengths_balanced([100, 60], cfg, 8)  # mean 80 = 0.8 x 100: the bound is inclusive
-    assert not lengths_balanced([100, 59], cfg, 8)  # 79.5
-    assert not lengths_balanced(list(range(100, 2049)), cfg, 8)  # U[100, 2048]: mean 0.52 max
-    assert not lengths_balanced([], cfg, 8) and not lengths_balanced([0, 0], cfg, 8)
-    assert lengths_balanced(np.array([5, 4], dtype=np.int32), cfg, 8)  # 4.5 >= 4
-    assert lengths_balanced([5, 4, 0, 0], cfg, 8)  # padding requests (length 0) left out
-    assert lengths_balanced([100, 60], DecodeConfig(balanced_fraction=0.8), 8)
-    assert not lengths_balanced([100, 60], DecodeConfig(balanced_fraction=0.81), 8)
+    cfg = DecodeConfig(balanced_max_excess=None)  # mean >= 0.8 x max
+    assert lengths_balanced([2048] * 64, cfg, 8, 132)
+    assert lengths_balanced([100, 100, 100, 100, 80], cfg, 8, 132)  # mean 96 >= 80
+    assert lengths_balanced([100, 60], cfg, 8, 132)  # mean 80 = 0.8 x 100: the bound is inclusive
+    assert not lengths_balanced([100, 59], cfg, 8, 132)  # 79.5
+    assert not lengths_balanced(list(range(100, 2049)), cfg, 8, 132)  # U[100, 2048]: 0.52
+    assert not lengths_balanced([], cfg, 8, 132) and not lengths_balanced([0, 0], cfg, 8, 132)
+    assert lengths_balanced(np.array([5, 4], dtype=np.int32), cfg, 8, 132)  # 4.5 >= 4
+    assert lengths_balanced([5, 4, 0, 0], cfg, 8, 132)  # padding requests (length 0) left out
+    assert not lengths_balanced([100, 60], dataclasses.replace(cfg, balanced_fraction=0.81), 8, 132)
 
 
 def test_lengths_balanced_excess_bound_by_hand():
-    """``balanced_max_excess`` (default 200,000 positions): ``(max - mean) x requests x Hkv``.
-    64 requests, 32 at 8,500 and 32 at 7,000 (mean 7,750: 0.91 of the maximum): excess 750 x
-    64 x 8 = 384,000 -> not balanced; the same at 2,125 / 1,750 (0.91 again): 96,000 ->
-    balanced; equal lengths have none at any length."""
+    """``balanced_max_excess`` (default 1,024 positions an SM): ``ceil(P / S) x max - Hkv x sum
+    / S`` with ``P = requests x Hkv`` programs on ``S`` SMs.
+
+    * 48 requests of 2,048 on 132 SMs, 8 KV heads: 384 programs, 3 on the busiest SM;
+      3 x 2,048 - 8 x 98,304 / 132 = 6,144 - 5,957.8 = 186.2 -> balanced.
+    * 40 requests of 2,048: 320 programs, 3 on the busiest SM (2.42 on average): 6,144 -
+      8 x 81,920 / 132 = 1,179.2 > 1,024 -> not balanced, though the lengths are equal.
+    * 64 requests, 32 of 2,048 and 32 of 1,792 (mean 0.94 of the maximum): 512 programs, 4 on
+      the busiest; 8,192 - 8 x 122,880 / 132 = 744.7 -> balanced; 32 of 8,192 and 32 of
+      7,168 (the same fraction at 4x the length): 32,768 - 8 x 491,520 / 132 = 2,978.9 -> not.
+    """
     cfg = DecodeConfig()
-    assert cfg.balanced_max_excess == 200_000
-    long = [8500] * 32 + [7000] * 32
-    assert not lengths_balanced(long, cfg, 8)
-    assert lengths_balanced(long, DecodeConfig(balanced_max_excess=None), 8)
-    assert lengths_balanced(long, DecodeConfig(balanced_max_excess=384_000), 8)  # inclusive
-    assert not lengths_balanced(long, DecodeConfig(balanced_max_excess=383_999), 8)
-    assert lengths_balanced(long, cfg, 4)  # 192,000 with 4 KV heads
-    assert lengths_balanced([2125] * 32 + [1750] * 32, cfg, 8)
-    assert lengths_balanced([100_000] * 64, cfg, 8)
-    assert lengths_balanced(long + [0] * 16, DecodeConfig(balanced_max_excess=384_000), 8)
-    # through the launch decision: 64 requests x 8 KV heads = 512 programs on 132 SMs (one
-    # wave of 660 slots), the longest-first bound not met (496,000 x 8 < 0.75 x 660 x 8,500)
+    assert cfg.balanced_max_excess == 1024
+    assert lengths_balanced([2048] * 48, cfg, 8, 132)
+    assert not lengths_balanced([2048] * 40, cfg, 8, 132)
+    assert lengths_balanced([2048] * 40, DecodeConfig(balanced_max_excess=None), 8, 132)
+    mixed = [2048] * 32 + [1792] * 32
+    long = [8192] * 32 + [7168] * 32
+    assert lengths_balanced(mixed, cfg, 8, 132) and not lengths_balanced(long, cfg, 8, 132)
+    assert lengths_balanced(long, DecodeConfig(balanced_max_excess=None), 8, 132)
+    # the bound is inclusive, in integers: 132 x 4 x 8,192 - 8 x 491,520 = 393,216 = 132 x
+    # 2,978.9...: 2,979 admits it, 2,978 does not
+    assert lengths_balanced(long, DecodeConfig(balanced_max_excess=2979), 8, 132)
+    assert not lengths_balanced(long, DecodeConfig(balanced_max_excess=2978), 8, 132)
+    # padding requests do not count as programs or lengths; no SMs: never balanced
+    assert lengths_balanced(mixed + [0] * 16, cfg, 8, 132)
+    assert not lengths_balanced(mixed, cfg, 8, 0)
+    # through the launch decision: the longest-first bound is not met for these (491,520 x 8
+    # < 0.75 x 660 x 8,192), so the excess decides
     assert not one_range_for(long, 64, 8, 132, cfg)
     assert one_range_for(long, 64, 8, 132, DecodeConfig(balanced_max_excess=None))
+    assert one_range_for(mixed, 64, 8, 132, cfg)
     for bad in (-1, 1.5, True):
         with pytest.raises(ConfigError, match="balanced_max_excess"):
             DecodeConfig(balanced_max_excess=bad)

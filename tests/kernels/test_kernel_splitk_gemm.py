@@ -38,68 +38,6 @@ def test_kernel_matches_twin_and_product(M, N, K, S, dtype):
     torch.testing.assert_close(got.sum(0), x.float() @ w.float().T, **tol)
 
 
-@pytest.mark.parametrize("M,N,K,S", [(1, 40, 100, 3), (17, 33, 64, 2), (5, 64, 48, 4),
-                                     (20, 16, 200, 8)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_silu_gated_kernel_matches_twin_and_the_two_launches(M, N, K, S, dtype):
-    """The SiLU-gated operand (``x = [gate | up]`` of width 2K, strided rows): against its twin,
-    the float32 product of the activation, and bitwise the activation kernel's output fed to
-    the plain split-K kernel (one formula, one rounding); the output poisoned first."""
-    from pagedkv.kernels.activation import silu_and_mul
-
-    g = torch.Generator().manual_seed(M * 1000 + N * 10 + K + S + 1)
-    xb = torch.randn(M, 2 * K + 7, generator=g).to(dtype)
-    x = xb[:, 3:3 + 2 * K]
-    w = torch.randn(N, K, generator=g).to(dtype)
-    out = torch.full((S, M, N), float("nan"))
-    got = splitk_linear(x, w, S, CFG, out=out, silu_gated=True)
-    assert got is out and not torch.isnan(got).any()
-    act = silu_and_mul(x.contiguous())
-    assert torch.equal(got, splitk_linear(act, w, S, CFG))
-    ref = splitk_linear_ref(x, w, S, CFG, silu_gated=True)
-    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
-    torch.testing.assert_close(got, ref, **tol)
-    gate, up = x.float().chunk(2, dim=-1)
-    torch.testing.assert_close(got.sum(0), (gate * torch.sigmoid(gate) * up) @ w.float().T, **tol)
-
-
-def test_silu_gated_by_hand():
-    """gate = [0, 0, ln 3, ln 3], up = [5, 7, 4, 1]: silu(0) = 0 and silu(ln 3) = 0.75 ln 3,
-    so with w = [1, 1, 1, 1] and one split the product is 0.75 ln 3 x 5; two 16-wide chunks
-    of K = 20 (gate zero past index 3) give that and 0."""
-    import math
-
-    x = torch.zeros(1, 40)
-    x[0, 2] = x[0, 3] = math.log(3.0)
-    x[0, 20:24] = torch.tensor([5.0, 7.0, 4.0, 1.0])
-    got = splitk_linear(x, torch.ones(1, 20), 2, CFG, silu_gated=True)
-    assert got.shape == (2, 1, 1)
-    torch.testing.assert_close(got.flatten(), torch.tensor([0.75 * math.log(3.0) * 5, 0.0]))
-
-
-def test_silu_gated_argument_errors():
-    with pytest.raises(ConfigError, match=r"x \[M, 2K\]"):
-        splitk_linear(torch.zeros(2, 4), torch.zeros(3, 4), 2, CFG, silu_gated=True)
-    with pytest.raises(ConfigError, match="silu_gated must be a bool"):
-        splitk_linear(torch.zeros(2, 8), torch.zeros(3, 4), 2, CFG, silu_gated=1)
-
-
-def test_gated_mlp_partials_off_cuda_is_the_module_expression():
-    """Off CUDA ``gated_mlp_partials`` (what ``post_attention`` runs without tensor
-    parallelism) is ``down(silu(gate) * up)`` in the input's dtype, biases included;
-    ``silu_linear_partials`` declines there."""
-    from pagedkv.models.layers import gated_mlp_partials
-
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(5, 32, generator=g)
-    wgu, bgu = torch.randn(48, 32, generator=g), torch.randn(48, generator=g)
-    wd, bd = torch.randn(32, 24, generator=g), torch.randn(32, generator=g)
-    assert sk.silu_linear_partials(torch.nn.functional.linear(x, wgu, bgu), wd, bd) is None
-    gate, up = torch.nn.functional.linear(x, wgu, bgu).chunk(2, dim=-1)
-    want = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, wd, bd)
-    assert torch.equal(gated_mlp_partials(x, wgu, bgu, wd, bd), want)
-
-
 def test_partials_are_the_chunks_by_hand():
     """K = 40 over 3 splits of 16-column steps: chunks [0, 16), [16, 32), [32, 40)."""
     assert split_chunk(40, 3, 16) == 16
@@ -201,9 +139,6 @@ def test_linear_partials_off_cuda_is_linear():
 def test_custom_op_off_cuda_is_the_twin():
     x, w = torch.randn(3, 64), torch.randn(8, 64)
     torch.testing.assert_close(splitk_linear_op(x, w, 2), splitk_linear_ref(x, w, 2))
-    xg = torch.randn(3, 128)
-    torch.testing.assert_close(splitk_linear_op(xg, w, 2, True),
-                               splitk_linear_ref(xg, w, 2, silu_gated=True))
 
 
 # ---- native GPU
@@ -275,78 +210,6 @@ def test_gpu_residual_in_compiled_region_and_graph(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 8, 64, 128])
-def test_gpu_silu_gated_down_bf16(M):
-    """The down projection's SiLU-gated launch at the Qwen3-0.6B shape (1024 x 3072) against
-    the activation kernel then the plain split-K launch (equal up to the activation's rounding:
-    same formula in both kernels) and the float64 expression."""
-    from pagedkv.kernels.activation import silu_and_mul
-
-    g = torch.Generator(device="cuda").manual_seed(M)
-    gu = torch.randn(M, 6144, generator=g, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(1024, 3072, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
-    S = splitk_splits(1024, 3072)
-    out = torch.full((S, M, 1024), float("nan"), device="cuda")
-    got = splitk_linear(gu, w, S, sk.splitk_config_for(1024, 3072), out=out, silu_gated=True)
-    two = splitk_linear(silu_and_mul(gu), w, S, sk.splitk_config_for(1024, 3072))
-    torch.testing.assert_close(got, two, atol=1e-3, rtol=1e-3)
-    gate, up = gu.double().chunk(2, dim=-1)
-    ref = (gate * torch.sigmoid(gate) * up) @ w.double().T
-    err = float((got.sum(0).double() - ref).norm() / ref.norm())
-    assert err < 4e-3, err  # the operand rounded to bf16 once, as the two-launch path
-    assert torch.equal(splitk_linear_op(gu, w, S, True), got)
-
-
-@pytest.mark.gpu
-def test_gpu_gated_mlp_in_compiled_region_and_graph(monkeypatch):
-    """``hidden + gated_mlp_partials(x)`` (the decode step's MLP, gate/up by cuBLAS, the
-    SiLU-gated split-K down projection) compiled with dynamic rows against the same with the
-    gated launch off (the activation kernel + split-K) and the float64 expression, past
-    ``SPLITK_MAX_ROWS`` cuBLAS; then a CUDA-graph replay with new inputs."""
-    from pagedkv.models.decoder import residual_add
-    from pagedkv.models.layers import gated_mlp_partials
-
-    torch.manual_seed(0)
-    wgu = torch.randn(6144, 1024, device="cuda", dtype=torch.bfloat16) * 0.03
-    wd = torch.randn(1024, 3072, device="cuda", dtype=torch.bfloat16) * 0.02
-
-    def f(h, x):
-        return residual_add(h, gated_mlp_partials(x, wgu, None, wd, None))
-
-    cf = torch.compile(f)
-    for m in (3, 64, 128, 300):
-        h = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
-        x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
-        torch._dynamo.mark_dynamic(h, 0)
-        torch._dynamo.mark_dynamic(x, 0)
-        gu = torch.nn.functional.linear(x, wgu)
-        assert (sk.silu_linear_partials(gu, wd) is not None) == (m <= sk.SPLITK_MAX_ROWS)
-        got, eager = cf(h, x), f(h, x)
-        monkeypatch.setattr(sk, "SPLITK_SILU_DOWN_ENABLED", False)
-        two = f(h, x)
-        monkeypatch.setattr(sk, "SPLITK_SILU_DOWN_ENABLED", True)
-        g, u = (x.double() @ wgu.double().T).chunk(2, dim=-1)
-        ref = h.double() + (g * torch.sigmoid(g) * u) @ wd.double().T
-        for y in (got, eager, two):
-            assert y.dtype == torch.bfloat16
-            assert float((y.double() - ref).norm() / ref.norm()) < 1e-2
-        torch.testing.assert_close(got, two, atol=3e-2, rtol=2e-2)
-    h = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
-    cf(h, x)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = cf(h, x)
-    for seed in range(2):
-        torch.manual_seed(seed + 1)
-        h.copy_(torch.randn_like(h))
-        x.copy_(torch.randn_like(x))
-        graph.replay()
-        torch.testing.assert_close(y, cf(h, x), atol=0, rtol=0)
-
-
-@pytest.mark.gpu
 def test_gpu_gate_up_silu_in_compiled_region_and_graph(monkeypatch):
     """With the gate/up split on: ``gate_up_silu`` (split-K partials of 6144 x 1024, summed by
     the activation kernel) compiled with dynamic rows against the float64 expression, cuBLAS
@@ -405,10 +268,3 @@ def test_splitk_launch_compiles_for_sm90_pipelined_without_spills():
     rep = json.loads(res.stdout.strip().splitlines()[-1])
     assert rep["loops"] == 1 and rep["local"] == 0 and rep["waits"][0] > 0, rep
     assert rep["programs_per_sm"] >= 2, rep
-    res = subprocess.run([sys.executable, "-m", "pagedkv.tools.sm90_report", "splitk",
-                          "--silu-gated", "--json"], capture_output=True, text=True, env=env,
-                         timeout=600, cwd=root)
-    assert res.returncode == 0, res.stderr[-3000:]
-    gated = json.loads(res.stdout.strip().splitlines()[-1])
-    assert gated["loops"] == 1 and gated["local"] == 0 and gated["waits"][0] > 0, gated
-    assert gated["programs_per_sm"] >= 2, gated
