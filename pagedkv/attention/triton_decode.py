@@ -124,14 +124,16 @@ class DecodeConfig:
     Hkv x sum / S`` (positions an SM) must be at most ``balanced_max_excess`` (None: the
     fraction alone decides). H200 (``bench_decode_mixed.py --variants frac_only,nobal``,
     lengths U[lo, hi] for lo/hi from 1280/2048 to 8000/8500, B40-B64 of 8 KV heads): one range
-    against the flat split was ahead by 3.5-5% only at excess 541 and 749 (U[1792, 2048] at B48
-    and B64), within +-1% from ~850 to ~1,400, and behind by 2-26% from ~2,900 up: the
-    quantization of ``P / S`` (B40 is 2.4 programs an SM: one range 1.07-1.26x the flat
+    against the flat split was ahead by 3.5-5% only at excess 543 and 746 (U[1792, 2048] at B48
+    and B64), within 1% at 829 and 1,016, mixed from 1,200 to 2,000, and behind by 1-26% from
+    ~2,100 up: the quantization of ``P / S`` (B40 is 2.4 programs an SM: one range 1.07-1.26x the flat
     split's time even on U[7680, 8192]) and long nearly equal lengths (W2's U[6000, 8500] at
     B64: 451.0 / 425.4 us) both count. Fit over those rows: one range ~14.3 ns a position of
     the busiest SM + 6.5 us, the flat split ~14.7 ns a position of the mean SM + 16.7 us, so
     the break-even excess is ~700; 1,024 keeps the wins and the ties. In positions, for the
-    default bf16 launch: an FP8 cache moves half the bytes a position.
+    default bf16 launch: an FP8 cache moves half the bytes a position. W2 end to end
+    (``bench_w1.py --workload w2``, against ``--decode-config balanced_max_excess=none``):
+    3,743 / 3,674 and 3,769 / 3,667 output tok/s; W1 26,338 / 26,402 (within its spread).
 
     Measured on the H200 on batches of mixed lengths U[100, 2048] (bench/bench_decode_mixed.py,
     graph replays, cold L2): against the former policy (split counts for equal lengths, ranges
