@@ -340,10 +340,12 @@ INTERPRET_DECODE_CONFIG = DecodeConfig(tile_n=16, num_warps=1, num_stages=1, min
 # than the bf16 cache (19.5 / 77.9 / 129.9 / 497.4 / 528.5 / 1997.3); tile 128 x 4 warps x 2
 # stages was the best or within 6% of the best of 24 variants at every shape.
 # The launch policies measured with it are the per-request split and request order: the flat
-# split, the longest-first one range and the fused reduce were measured on bf16 caches only.
+# split, the longest-first one range, the fused reduce and the balanced rule's excess bound
+# (whose alternative there would be the per-request split, not the flat one) were measured on
+# bf16 caches only.
 FP8_DECODE_CONFIG = DecodeConfig(tile_n=128, num_warps=4, num_stages=2, use_order=False,
                                  flat_split=False, lpt_one_range=False,
-                                 fused_reduce_programs_per_sm=0.0)
+                                 fused_reduce_programs_per_sm=0.0, balanced_max_excess=None)
 
 
 def default_decode_config(device: torch.device, kv_dtype: torch.dtype | None = None) -> DecodeConfig:

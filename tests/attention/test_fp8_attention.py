@@ -113,6 +113,9 @@ def test_fp8_cache_gets_the_fp8_decode_config():
     cuda = torch.device("cuda")
     assert default_decode_config(cuda, torch.float8_e4m3fn) == FP8_DECODE_CONFIG
     assert FP8_DECODE_CONFIG.tile_n == 128
+    # the launch policies measured on bf16 only stay off for FP8 caches (the balanced rule
+    # by the length fraction alone, as measured there)
+    assert FP8_DECODE_CONFIG.balanced_max_excess is None and not FP8_DECODE_CONFIG.flat_split
     assert default_decode_config(cuda, torch.bfloat16) == DecodeConfig()
     assert default_decode_config(cuda) == DecodeConfig()
     assert default_decode_config(torch.device("cpu"), torch.float8_e4m3fn) == INTERPRET_DECODE_CONFIG
