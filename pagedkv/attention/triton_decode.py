@@ -201,7 +201,8 @@ class DecodeConfig:
     (:func:`one_range_for`), a CUDA-graph variant like ``balanced``.
 
     The defaults (sixteenth session): ``use_order``, ``flat_split`` and ``lpt_one_range`` on
-    (nineteenth: ``fused_reduce_programs_per_sm`` 5, below).
+    (nineteenth: ``fused_reduce_programs_per_sm`` 5, below; twentieth: ``balanced_max_excess``
+    1,024, above).
     W1 on the H200, two rounds in one lease, output tok/s: per-request launches in request
     order 25,501 / 25,531; flat split 26,277 / 26,229; longest-first one range 25,930 /
     26,200; both 26,373 / 26,395. FP8 caches keep the per-request launch
