@@ -103,6 +103,10 @@ VARIANTS = {
     # the balanced rule by the fraction alone (the default before the twentieth session, which
     # added the excess bound DecodeConfig.balanced_max_excess)
     "frac_only": DecodeConfig(balanced_max_excess=None),
+    # no one range a request but on equal lengths: no longest-first bound either (the flat
+    # split wherever the launch splits), to time that bound's one-wave launches (B72-B82 at 8
+    # KV heads) against the flat split
+    "flat_only": DecodeConfig(balanced_fraction=1.0, lpt_one_range=False),
 }
 
 

@@ -161,7 +161,7 @@ if [ -n "${BAL_EXCESS:-}" ]; then  # the balanced rule's excess bound (twentieth
   mkdir -p "$OUT/bal"
   [ -z "${SKIP_BAL_SWEEP:-}" ] && for r in ${BAL_RANGES:-1792:2048 1536:2048 1280:2048 3584:4096 3072:4096 7680:8192 7168:8192 6144:8192 6000:8500 8000:8500}; do
     lo=${r%:*}; hi=${r#*:}
-    TAIL=7 run bal_${lo}_${hi} 90 python3 bench/bench_decode_mixed.py --lo $lo --hi $hi --batches ${BAL_BATCHES:-40,48,56,64,72,80} --splits "" --min-split-tokens "" --variants frac_only,nobal --out "$OUT/bal/bal_${lo}_${hi}.json"
+    TAIL=7 run bal_${lo}_${hi} 90 python3 bench/bench_decode_mixed.py --lo $lo --hi $hi --batches ${BAL_BATCHES:-40,48,56,64,72,80} --splits "" --min-split-tokens "" --variants ${BAL_VARIANTS:-frac_only,nobal} --out "$OUT/bal/bal_${lo}_${hi}.json"
     rm -f "$OUT/bal_${lo}_${hi}.log"
   done
   tar czf "$OUT/bal.tgz" -C "$OUT" bal && rm -rf "$OUT/bal"
