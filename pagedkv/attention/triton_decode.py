@@ -192,7 +192,9 @@ class DecodeConfig:
     ``lpt_one_range`` (needs ``use_order``): one range per request, launched longest first,
     also past one wave, when the lengths allow it (:func:`lpt_fits`): the batch's positions
     per program slot of one wave (``sum x Hkv / (wave_programs_per_sm x S)``) are at least
-    ``lpt_load_fraction`` of the longest request's. Longest-first dispatch then fills the
+    ``lpt_load_fraction`` of the longest request's, and where the programs fit one wave the
+    busiest SM's excess is within ``balanced_max_excess`` (as for balanced batches; twentieth
+    session). Longest-first dispatch then fills the
     slots about evenly (each slot takes the next longest request as it frees), and the launch
     writes no partials and needs no reduce. H200, lengths U[100, 2048], one range longest
     first against the default split (``bench_decode_mixed.py --variants lpt1``, us): B128
@@ -379,14 +381,39 @@ def one_range_possible(num_reqs: int, num_kv_heads: int, sms: int, config: Decod
 def lpt_fits(seq_lens, num_kv_heads: int, sms: int, config: DecodeConfig) -> bool:
     """The longest-first one-range bound (``DecodeConfig.lpt_one_range``): the positions per
     program slot of one wave, ``sum(seq_lens) x num_kv_heads / (wave_programs_per_sm x sms)``,
-    are at least ``lpt_load_fraction`` of the longest length. Zero lengths (padding) are left
-    out; no lengths: False."""
+    are at least ``lpt_load_fraction`` of the longest length; where the programs fit one wave
+    (at most ``wave_programs_per_sm x sms``) the busiest SM's excess is bounded as well
+    (:func:`busiest_sm_excess_fits`). Zero lengths (padding) are left out; no lengths: False.
+
+    The one-wave bound (twentieth session): H200, 16 / 8 heads, us, this bound's one range /
+    the flat split (``bench_decode_mixed.py --variants flat_only``): U[7680, 8192] B72 580.8 /
+    542.2, B76 591.4 / 570.0, B80 605.8 / 600.3; U[6000, 8500] B76 559.8 / 518.7, B80 572.0 /
+    545.6; U[1792, 2048] B72 145.8 / 142.8, B76 149.8 / 150.0, B80 154.5 / 158.2: with the
+    excess bound each row takes the faster launch (B76 at L2048 a tie)."""
     lens = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
     lens = lens[lens > 0]
     if lens.size == 0:
         return False
     slots = config.wave_programs_per_sm * sms
+    if lens.size * num_kv_heads <= slots and not busiest_sm_excess_fits(lens, num_kv_heads,
+                                                                         sms, config):
+        return False
     return int(lens.sum()) * num_kv_heads >= config.lpt_load_fraction * slots * int(lens.max())
+
+
+def busiest_sm_excess_fits(lens, num_kv_heads: int, sms: int, config: DecodeConfig) -> bool:
+    """Whether a one-wave, one-range launch over the positive lengths ``lens`` (an int64
+    array) keeps its busiest SM within ``config.balanced_max_excess`` positions of an even
+    share: ``ceil(P / sms) x max - num_kv_heads x sum / sms <= balanced_max_excess`` for ``P
+    = len(lens) x num_kv_heads`` programs (exact in integers). True where the bound is None;
+    False without SMs."""
+    if sms < 1:
+        return False
+    if config.balanced_max_excess is None:
+        return True
+    busiest = cdiv(int(lens.size) * num_kv_heads, sms)  # programs on the busiest SM
+    return (sms * busiest * int(lens.max()) - num_kv_heads * int(lens.sum())
+            <= sms * config.balanced_max_excess)
 
 
 def one_range_for(seq_lens, num_reqs: int, num_kv_heads: int, sms: int,
@@ -407,19 +434,15 @@ def lengths_balanced(seq_lens, config: DecodeConfig, num_kv_heads: int, sms: int
     """Whether the context lengths ``seq_lens`` (host ints, one per decode request) are
     balanced for a one-range launch on ``sms`` multiprocessors: their mean is at least
     ``config.balanced_fraction`` of their maximum, and (``config.balanced_max_excess`` set)
-    the busiest SM's positions beyond an even share, ``ceil(P / sms) x max - num_kv_heads x
-    sum / sms`` for ``P = requests x num_kv_heads`` programs, are at most that bound. Zero
-    lengths (CUDA-graph padding requests) are left out."""
+    the busiest SM's positions beyond an even share are at most that bound
+    (:func:`busiest_sm_excess_fits`). Zero lengths (CUDA-graph padding requests) are left out;
+    no lengths or no SMs: False."""
     lens = np.asarray(seq_lens, dtype=np.int64)
     lens = lens[lens > 0]
-    if lens.size == 0 or sms < 1:
+    if lens.size == 0 or not busiest_sm_excess_fits(lens, num_kv_heads, sms, config):
         return False
-    top, total = int(lens.max()), int(lens.sum())
-    if config.balanced_max_excess is not None:
-        slots = cdiv(int(lens.size) * num_kv_heads, sms)  # programs on the busiest SM
-        if sms * slots * top - num_kv_heads * total > sms * config.balanced_max_excess:
-            return False
-    return top > 0 and total >= config.balanced_fraction * lens.size * top
+    top = int(lens.max())
+    return int(lens.sum()) >= config.balanced_fraction * lens.size * top
 
 
 def choose_split(num_reqs: int, num_kv_heads: int, max_seq_len: int | None,
@@ -1464,6 +1487,7 @@ __all__ = [
     "flat_launch",
     "flat_pieces",
     "flat_programs",
+    "busiest_sm_excess_fits",
     "lengths_balanced",
     "lpt_fits",
     "one_range_for",

@@ -24,6 +24,7 @@ from pagedkv.attention.triton_decode import (
     default_decode_config,
     choose_num_splits,
     choose_split,
+    busiest_sm_excess_fits,
     lengths_balanced,
     longest_first_order,
     lpt_fits,
@@ -364,6 +365,32 @@ def test_lengths_balanced_excess_bound_by_hand():
     for bad in (-1, 1.5, True):
         with pytest.raises(ConfigError, match="balanced_max_excess"):
             DecodeConfig(balanced_max_excess=bad)
+
+
+def test_longest_first_bound_in_one_wave_takes_the_excess_bound_by_hand():
+    """``lpt_fits`` where the programs fit one wave (<= 5 x 132 = 660 at 8 KV heads) also needs
+    the busiest SM's excess (``busiest_sm_excess_fits``, 1,024 positions an SM):
+
+    * 72 requests, 36 of 8,192 and 36 of 7,680: 576 programs, one wave, 5 on the busiest SM;
+      the load bound holds (571,392 x 8 = 4,571,136 >= 0.75 x 660 x 8,192 = 4,055,040) but
+      132 x 5 x 8,192 - 4,571,136 = 835,584 > 132 x 1,024 = 135,168: no.
+    * 80 requests, 40 of 2,048 and 40 of 1,920: 640 programs, 5 on the busiest; load
+      1,269,760 >= 1,013,760 and 1,351,680 - 1,269,760 = 81,920 <= 135,168: yes.
+    * Past one wave (1,224 requests of mostly 1,029: 9,792 programs) the excess is not asked.
+    """
+    cfg = DecodeConfig()
+    long = [8192] * 36 + [7680] * 36
+    assert not lpt_fits(long, 8, 132, cfg) and not one_range_for(long, 72, 8, 132, cfg)
+    assert lpt_fits(long, 8, 132, DecodeConfig(balanced_max_excess=None))
+    assert one_range_for(long, 72, 8, 132, DecodeConfig(balanced_max_excess=None))
+    short = [2048] * 40 + [1920] * 40
+    assert lpt_fits(short, 8, 132, cfg) and one_range_for(short, 80, 8, 132, cfg)
+    lens = np.array(short, dtype=np.int64)
+    assert busiest_sm_excess_fits(lens, 8, 132, DecodeConfig(balanced_max_excess=621))
+    assert not busiest_sm_excess_fits(lens, 8, 132, DecodeConfig(balanced_max_excess=620))
+    assert not busiest_sm_excess_fits(lens, 8, 0, cfg)
+    many = ([1029] * 152 + [8192]) * 8  # 0.13 of the maximum on average: a huge excess
+    assert lpt_fits(many, 8, 132, cfg)  # 10,534,400 >= 4,055,040, several waves
 
 
 def test_decode_config_errors():
