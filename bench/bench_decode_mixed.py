@@ -107,6 +107,12 @@ VARIANTS = {
     # split wherever the launch splits), to time that bound's one-wave launches (B72-B82 at 8
     # KV heads) against the flat split
     "flat_only": DecodeConfig(balanced_fraction=1.0, lpt_one_range=False),
+    # small batches (P < 2 S): up to 64 ranges a request instead of 32 (B1 of 8 KV heads: 512
+    # programs, one wave, fused merge); the split count filling one wave of 5 an SM
+    # (small_waves 5: B2 42, B3 28, B4 21 ranges); the same with 16-position tiles
+    "ms64": DecodeConfig(max_splits=64),
+    "ms64_w5": DecodeConfig(max_splits=64, small_waves=5.0),
+    "ms64_t16": DecodeConfig(max_splits=64, tile_n=16),
 }
 
 
