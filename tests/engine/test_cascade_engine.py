@@ -30,7 +30,9 @@ def w3_prompts(num, system_len=48, seed=0, tail=(3, 12)):
 
 
 def record(llm):
-    """Wrap the runner: count cascade forwards, keep each step's logits."""
+    """Wrap the runner: count cascade forwards, keep each sampling step's logits (also on the
+    all-greedy path, where the fused LM head + argmax makes none) and its sampled request
+    ids."""
     runner = llm.runner
     backend = runner.attn_backend
     calls = {"cascade": 0, "logits": []}
@@ -49,6 +51,17 @@ def record(llm):
         return out
 
     runner._compute_logits = logits
+    inner_greedy = runner._greedy_tokens
+
+    def greedy(hidden, indices):
+        # the all-greedy path: with the fused LM head + argmax (CUDA) no logits are made, so
+        # the step's logits are computed here from the same hidden rows (recorded once: without
+        # the fused op the inner call goes through ``logits`` above)
+        if runner._greedy_tokens_fn is not None:
+            calls["logits"].append(inner_logits(hidden, indices, widen=True).float().clone())
+        return inner_greedy(hidden, indices)
+
+    runner._greedy_tokens = greedy
     calls["req_ids"] = []  # each step's sampled request ids: row i of that step's logits
     push = runner.outputs.push
 
@@ -151,6 +164,9 @@ def logits_until_first_flip(on: dict, off: dict, toks_on: dict, toks_off: dict,
     (request id -> token ids): an argmax of the recorded logits can miss a near-tie that the
     sampler resolved the other way. Asserts each compared step's relative error < ``rtol``;
     returns (rows compared, rows in all)."""
+    for rec in (on, off):  # one logits tensor a sampling step: no step left unrecorded
+        assert len(rec["logits"]) == len(rec["req_ids"]) > 0, (len(rec["logits"]),
+                                                               len(rec["req_ids"]))
     first_diff = {rid: next((i for i, (x, y) in enumerate(zip(a, toks_off[rid])) if x != y),
                             len(a)) for rid, a in toks_on.items()}
     made = dict.fromkeys(first_diff, 0)  # tokens each request sampled before this step
