@@ -166,13 +166,13 @@ def mla_launch(config: MLADecodeConfig, num_heads: int, rank: int, rope: int) ->
 # ranges DecodeConfig's GQA policy chose at B64 / L8192, 44% more bytes than the latent's.
 # SPLIT_PACKED: two programs resident a multiprocessor (4 warps, 200-255 registers a thread).
 SPLIT_PACKED = DecodeConfig(max_splits=MAX_SPLITS, small_waves=2 * 0.97, mid_splits=1,
-                            large_splits=1)
+                            large_splits=1, few_waves=None)
 # SPLIT_WIDE: one program a multiprocessor (8 warps, ~250 registers a thread).
 SPLIT_WIDE = DecodeConfig(max_splits=MAX_SPLITS, small_waves=0.97, small_min_split_tokens=64,
-                          mid_splits=1, large_splits=1)
+                          mid_splits=1, large_splits=1, few_waves=None)
 # SPLIT_TRIPLE: three programs a multiprocessor (4 warps, at most 168 registers a thread).
 SPLIT_TRIPLE = DecodeConfig(max_splits=MAX_SPLITS, small_waves=3 * 0.97, mid_splits=1,
-                            large_splits=1)
+                            large_splits=1, few_waves=None)
 
 # The variants bench/bench_swa_mla_decode_gpu.py --sweep times (on the H200 at DeepSeek-V3's
 # latent, 16 and 128 heads); default_mla_decode_config picks among them. Compiled for sm_90a

@@ -99,7 +99,9 @@ class DecodeConfig:
     ranges, down to one: no partials, no reduce):
 
     * ``P < 2 S`` (few requests): ``splits = ceil(small_waves x S / P)`` (capped by
-      ``max_splits``), ranges of at least ``small_min_split_tokens``;
+      ``max_splits``), ranges of at least ``small_min_split_tokens``; where ``P <=
+      few_max_programs_per_sm x S`` and ``few_waves`` is set, ``ceil(few_waves x S / P)``
+      instead (below);
     * ``2 S <= P < 4 S``: ``mid_splits`` ranges of at least ``mid_min_split_tokens``;
     * ``P >= 4 S``: ``large_splits`` ranges of at least ``large_min_split_tokens``.
 
@@ -236,6 +238,22 @@ class DecodeConfig:
     B16 23.4 / 23.6), W1 within its spread (26,255 / 26,265 fused against 25,905 / 26,276,
     alternating processes): hence the one-wave bound in the defaults, not ``fused_reduce``.
 
+    ``few_waves`` (twenty-first session): the fewest requests (``P <= few_max_programs_per_sm x
+    S``: up to 8 requests of 8 KV heads on an H200) split into about ``few_waves`` programs an
+    SM, one wave, instead of ``small_waves``' 8 (capped at ``max_splits`` 32, which is ~1 and ~2
+    programs an SM at B1 and B2: those keep 32 ranges). H200, 16 / 8 heads, 20 cases (B3, B4,
+    B6, B8 x lengths L8192, L2048, L512, U[100, 2048], U[1000, 8000]), us, ``small_waves`` 8
+    / few_waves 4 (``bench_decode_mixed.py --variants sw4,sw8``): B3 (22 ranges, 528 programs
+    against 32 ranges, 768: a second wave of 108) 43.1 / 33.6, 17.1 / 14.8, 10.0 / 9.4, 14.3 /
+    13.0, 33.1 / 27.6; B4 (17 ranges) 48.2 / 46.4, 19.8 / 18.4, 10.4 / 10.4, 16.0 / 14.7, 36.7 /
+    34.5; B6 (11) 63.9 / 55.5, 25.1 / 20.7, 12.7 / 10.9, 16.5 / 16.0, 49.3 / 42.9; B8 (9)
+    79.6 / 77.3, 28.8 / 26.9, 14.3 / 12.7, 20.1 / 18.9, 54.9 / 52.4: 0-22% faster, none slower.
+    At B12 and B16 the same ~4 an SM won on equal lengths (L8192 112.4 / 107.6, 138.6 / 133.4)
+    but lost 2-9% on the mixed U[100, 2048] and U[1000, 8000] (B16 23.4 / 25.4, 74.2 / 80.7),
+    where more ranges even out the unequal requests: they keep ``small_waves``. At B2, 25 or
+    17 ranges lost to 32 on 3 of 5 length sets. FP8 caches and the MLA policies keep
+    ``small_waves`` alone (``few_waves=None``: not measured).
+
     Tried and not kept: the block-table entries of the next tile loaded one iteration ahead
     (as the prefill kernel does) pipelines the K/V copies 4 tiles ahead at 5 stages but takes
     70 KB of shared memory (3 programs an SM): B64/L2048 one range 174.9 us against 129.5, W2
@@ -248,6 +266,8 @@ class DecodeConfig:
     num_stages: int = 5
     max_splits: int = 32
     small_waves: float = 8.0
+    few_waves: float | None = 4.0
+    few_max_programs_per_sm: float = 0.5
     small_min_split_tokens: int = 32
     mid_splits: int = 8
     mid_min_split_tokens: int = 256
@@ -279,6 +299,10 @@ class DecodeConfig:
             raise ConfigError("DecodeConfig: split minimums must be >= 1")
         if min(self.mid_splits, self.large_splits) < 1 or self.small_waves <= 0:
             raise ConfigError("DecodeConfig: split counts and small_waves must be positive")
+        if (self.few_waves is not None and not self.few_waves > 0) \
+                or not self.few_max_programs_per_sm >= 0:
+            raise ConfigError("DecodeConfig: need few_waves > 0 (or None) and "
+                              "few_max_programs_per_sm >= 0")
         if self.num_warps < 1 or self.num_stages < 1:
             raise ConfigError("DecodeConfig: num_warps and num_stages must be positive")
         if self.flat_programs_per_sm <= 0 or self.flat_min_split_tokens < 1 \
@@ -343,12 +367,13 @@ INTERPRET_DECODE_CONFIG = DecodeConfig(tile_n=16, num_warps=1, num_stages=1, min
 # than the bf16 cache (19.5 / 77.9 / 129.9 / 497.4 / 528.5 / 1997.3); tile 128 x 4 warps x 2
 # stages was the best or within 6% of the best of 24 variants at every shape.
 # The launch policies measured with it are the per-request split and request order: the flat
-# split, the longest-first one range, the fused reduce and the balanced rule's excess bound
-# (whose alternative there would be the per-request split, not the flat one) were measured on
-# bf16 caches only.
+# split, the longest-first one range, the fused reduce, the balanced rule's excess bound
+# (whose alternative there would be the per-request split, not the flat one) and the fewest
+# requests' ``few_waves`` were measured on bf16 caches only.
 FP8_DECODE_CONFIG = DecodeConfig(tile_n=128, num_warps=4, num_stages=2, use_order=False,
                                  flat_split=False, lpt_one_range=False,
-                                 fused_reduce_programs_per_sm=0.0, balanced_max_excess=None)
+                                 fused_reduce_programs_per_sm=0.0, balanced_max_excess=None,
+                                 few_waves=None)
 
 
 def default_decode_config(device: torch.device, kv_dtype: torch.dtype | None = None) -> DecodeConfig:
@@ -456,7 +481,10 @@ def choose_split(num_reqs: int, num_kv_heads: int, max_seq_len: int | None,
     if balanced and one_range_possible(num_reqs, num_kv_heads, sms, config):
         return 1, config.min_split_tokens or config.mid_min_split_tokens
     if programs < 2 * sms:
-        splits, min_tokens = cdiv(int(config.small_waves * sms), programs), config.small_min_split_tokens
+        waves = config.small_waves
+        if config.few_waves is not None and programs <= config.few_max_programs_per_sm * sms:
+            waves = config.few_waves
+        splits, min_tokens = cdiv(int(waves * sms), programs), config.small_min_split_tokens
     elif programs < 4 * sms:
         splits, min_tokens = config.mid_splits, config.mid_min_split_tokens
     else:

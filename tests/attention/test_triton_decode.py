@@ -213,13 +213,26 @@ def test_decode_order_argument_errors(kernel_device):
 
 def test_choose_split_regimes():
     cfg = DecodeConfig()  # H200 policy, 132 multiprocessors, 8 KV heads
-    # few programs (< 2 x 132): ceil(8 x 132 / programs) splits of >= 32 positions, <= 32
-    assert choose_split(1, 8, 8192, 132, cfg) == (32, 32)  # 1056 / 8 -> 132, capped at 32
+    # the fewest programs (<= 0.5 x 132 = 66): ceil(4 x 132 / programs) splits of >= 32
+    # positions, <= 32
+    assert choose_split(1, 8, 8192, 132, cfg) == (32, 32)  # 528 / 8 -> 66, capped at 32
     assert choose_split(1, 8, 512, 132, cfg) == (16, 32)  # capped: 512 / 32
     assert choose_split(1, 8, None, 132, cfg) == (32, 32)
-    assert choose_split(8, 8, None, 132, cfg) == (17, 32)  # 1056 / 64 = 16.5
-    assert choose_split(32, 8, None, 132, cfg) == (5, 32)  # 256 programs
+    assert choose_split(2, 8, None, 132, cfg) == (32, 32)  # 528 / 16 = 33, capped
+    assert choose_split(3, 8, None, 132, cfg) == (22, 32)  # 528 / 24 = 22: 528 programs
+    assert choose_split(4, 8, None, 132, cfg) == (17, 32)  # 528 / 32 = 16.5
+    assert choose_split(8, 8, None, 132, cfg) == (9, 32)  # 528 / 64 = 8.25
     assert choose_split(0, 8, 8192, 132, cfg) == (32, 32)
+    # few programs (66 < programs < 2 x 132): ceil(8 x 132 / programs)
+    assert choose_split(9, 8, None, 132, cfg) == (15, 32)  # 1056 / 72 = 14.7
+    assert choose_split(16, 8, None, 132, cfg) == (9, 32)  # 1056 / 128 = 8.25
+    assert choose_split(32, 8, None, 132, cfg) == (5, 32)  # 256 programs
+    # without the fewest-programs rule (FP8 caches, MLA): ceil(8 x 132 / programs) from 1 up
+    old = DecodeConfig(few_waves=None)
+    assert choose_split(3, 8, None, 132, old) == (32, 32)  # 1056 / 24 = 44, capped
+    assert choose_split(8, 8, None, 132, old) == (17, 32)  # 1056 / 64 = 16.5
+    assert choose_split(8, 8, None, 132, DecodeConfig(few_max_programs_per_sm=0.4)) == (17, 32)
+    assert choose_split(3, 8, None, 132, DecodeConfig(few_waves=2.0)) == (11, 32)
     # 2 x 132 <= programs < 4 x 132: 8 splits of >= 256 positions
     assert choose_split(33, 8, None, 132, cfg) == (8, 256)
     assert choose_split(64, 8, None, 132, cfg) == (8, 256)
@@ -398,7 +411,8 @@ def test_decode_config_errors():
                 dict(large_min_split_tokens=0), dict(min_split_tokens=0), dict(num_stages=0),
                 dict(balanced_fraction=0.0), dict(balanced_fraction=1.5),
                 dict(balanced_min_programs_per_sm=-1.0),
-                dict(balanced_min_programs_per_sm=6.0, wave_programs_per_sm=5.0)):
+                dict(balanced_min_programs_per_sm=6.0, wave_programs_per_sm=5.0),
+                dict(few_waves=0.0), dict(few_max_programs_per_sm=-0.5)):
         with pytest.raises(ConfigError):
             DecodeConfig(**bad)
 
