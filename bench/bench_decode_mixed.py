@@ -113,12 +113,14 @@ VARIANTS = {
     "ms64": DecodeConfig(max_splits=64),
     "ms64_w5": DecodeConfig(max_splits=64, small_waves=5.0),
     "ms64_t16": DecodeConfig(max_splits=64, tile_n=16),
-    # small batches with ~2 / 3 / 4 programs an SM instead of 8 (the default before the
-    # twenty-first session): B3 of 8 KV heads 768 -> 408 programs at 3 (17 ranges)
-    "sw2": DecodeConfig(small_waves=2.0),
-    "sw3": DecodeConfig(small_waves=3.0),
-    "sw4": DecodeConfig(small_waves=4.0),
-    "sw8": DecodeConfig(small_waves=8.0),
+    # every small batch (P < 2 S) with ~2 / 3 / 4 / 8 programs an SM, no fewest-programs rule
+    # (DecodeConfig.few_waves; sw8 is the default before the twenty-first session): B3 of 8 KV
+    # heads 768 -> 408 programs at 3 (17 ranges). (The twenty-first session's first runs of
+    # these, before the few_waves field existed, are the same launches.)
+    "sw2": DecodeConfig(small_waves=2.0, few_waves=None),
+    "sw3": DecodeConfig(small_waves=3.0, few_waves=None),
+    "sw4": DecodeConfig(small_waves=4.0, few_waves=None),
+    "sw8": DecodeConfig(small_waves=8.0, few_waves=None),
 }
 
 
