@@ -115,7 +115,7 @@ def test_mixed_graph_replays_equal_eager_steps(tiny_dir, kernel_device, cascade)
     calls_e = record(eager)
     ref = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     assert got == ref
-    assert len(calls["logits"]) == len(calls_e["logits"])
+    assert len(calls["logits"]) == len(calls_e["logits"]) > 0
     for a, b in zip(calls["logits"], calls_e["logits"]):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
