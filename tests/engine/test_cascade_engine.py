@@ -204,6 +204,9 @@ def test_logits_until_first_flip_by_hand():
     assert logits_until_first_flip(on, off, toks_on, toks_off) == (5, 6)
     with pytest.raises(AssertionError):  # without the flip the third step's rows differ
         logits_until_first_flip(on, off, toks_on, toks_on)
+    empty = {"req_ids": on["req_ids"], "logits": []}  # a recorder that saw no logits
+    with pytest.raises(AssertionError):
+        logits_until_first_flip(empty, empty, toks_on, toks_off)
 
 
 @pytest.mark.gpu
