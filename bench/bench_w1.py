@@ -335,8 +335,9 @@ def main(argv=None) -> int:
                    help="default: 4096 for W1 / W3, 8704 for W2")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--mixed-cuda-graphs", action="store_true",
-                   help="also capture CUDA graphs of mixed prefill / decode steps (opt-in)")
+    p.add_argument("--mixed-cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="CUDA graphs of mixed prefill / decode steps (LLM's default: on; "
+                        "--no-mixed-cuda-graphs: those steps eager)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step k+1 while step k runs on the device (default: LLM's, "
                         "on with CUDA)")
@@ -425,6 +426,11 @@ def main(argv=None) -> int:
     llm, label = build_pagedkv(args)
     # the engine's start-up: weights, KV pool, compiled regions, warm-up, CUDA-graph capture
     record["startup_s"] = time.perf_counter() - t_start
+    if torch.cuda.is_available():  # what the engine holds after start-up (graph pools included)
+        free, total = torch.cuda.mem_get_info()
+        record["device_memory_after_startup"] = {
+            "allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
+            "used_by_process_and_others": total - free, "total": total}
     print(f"{wl.name}: {wl.num_requests} requests, {wl.prompt_tokens:,} prompt tokens, "
           f"{wl.requested_output_tokens:,} output tokens; pagedkv model {label}; "
           f"{llm.kv_cache_sizing.describe()}; start-up {record['startup_s']:.1f} s", flush=True)

@@ -210,9 +210,9 @@ def _engine_args(p: argparse.ArgumentParser, batched_tokens: int | None = None) 
                    help="the attention KV cache's dtype: auto (the model's) or fp8 (e4m3, "
                         "per-layer scales 1.0: half the bytes per block)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    g.add_argument("--mixed-cuda-graphs", action="store_true",
-                   help="also capture CUDA graphs of mixed prefill / decode steps (opt-in; "
-                        "default: decode steps only)")
+    g.add_argument("--mixed-cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="also capture CUDA graphs of mixed prefill / decode steps (default: on; "
+                        "--no-mixed-cuda-graphs runs them eagerly)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch_ref", "triton"])
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,

@@ -194,11 +194,14 @@ class EngineConfig:
     attention layers' paged K/V in ``float8_e4m3fn`` with per-layer scales 1.0 (vLLM's default
     without checkpoint scales); half the bytes per block, so twice the blocks for a budget.
     ``sanitize``: check every index-layer invariant on every step (slow; for debugging).
-    ``mixed_cuda_graphs`` (opt-in): besides the pure-decode graphs, capture CUDA graphs of
-    mixed prefill / decode steps (padded to a few token counts) where the backend and the model
-    allow it (``pagedkv.worker.cuda_graphs``); off (the default): those steps run eagerly. Not
-    the default: no throughput gain measured on the H200 yet, and its bf16 logits against eager
-    steps are not yet explained (BENCHMARKS.md, eleventh session).
+    ``mixed_cuda_graphs`` (on by default): besides the pure-decode graphs, capture CUDA graphs
+    of mixed prefill / decode steps (padded to a few token counts) where the backend and the
+    model allow it (``pagedkv.worker.cuda_graphs``); off: those steps run eagerly. On the H200
+    they take an eager mixed step's ~20-90 ms of host launches off W3's shared-prefix extends
+    (W3 50,150-50,830 against 45,500-47,804 output tok/s eager, BENCHMARKS.md, twenty-second
+    session); a padded step's GEMMs round differently in bf16 (other row counts, other cuBLAS
+    kernels), so its logits differ from an eager step's by bf16 rounding (the float32 GPU test
+    matches eager at 1e-3).
     ``tensor_parallel_size``: worker processes, one per rank, each holding a shard of the
     model (``pagedkv.distributed``; NCCL on GPUs, gloo on CPU); 1: the model runs in this
     process. ``distributed_timeout_s``: how long the engine waits for a rank's reply (or a
@@ -222,7 +225,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
-    mixed_cuda_graphs: bool = False
+    mixed_cuda_graphs: bool = True
     long_prefill_token_threshold: int = 0
     async_scheduling: bool | None = None
     compile_model: bool | None = None

@@ -36,7 +36,7 @@ programs per multiprocessor); and a ``CASCADE`` graph for sizes of at least its 
 (``AttentionGroup.common_prefix_len_device``), which the runner writes before a replay: one
 graph serves every shared-prefix length.
 
-Mixed-step graphs (opt-in, ``EngineConfig.mixed_cuda_graphs``; ``mixed_sizes``, where the
+Mixed-step graphs (on by default, ``EngineConfig.mixed_cuda_graphs``; ``mixed_sizes``, where the
 runner finds them safe: ``ModelRunner.mixed_cuda_graphs_supported``): a step that is not a pure decode (prefill chunks,
 with or without decode rows) of ``t`` scheduled tokens is padded to the smallest captured token
 count ``T >= t`` (:func:`default_mixed_capture_sizes`) and to ``max_num_seqs`` requests, and
@@ -46,13 +46,17 @@ padded tokens with slot ``-1``, position 0 and input id 0), and the capture meta
 T``: a backend that declares ``supports_mixed_cuda_graphs`` then launches every kernel of a mixed
 step (the decode launch for the one-token rows, the prefill launch for the others, cascade's too)
 with grids sized by those bounds alone and reads every length on the device (the Triton backend's
-plan, ``TritonPlan``). Eager mixed steps spend ~20-35 ms of host time launching 28 layers (more
-than their device time on W3's shared-prefix extends with 8,192 tokens a step, BENCHMARKS.md);
-a replay costs one launch. Measured on the H200 with 16,384 tokens a step (eleventh session):
-W3 50,732 / 49,693 and 50,947 / 51,181 output tok/s against 50,055 / 51,062 eager, W1 25,463
-against 25,467 (those steps are device-bound on a fast host), so the graphs are not the
-default; in bf16 one step's logits differed by 7% from the eager engine's on random weights, not
-yet explained (the float32 GPU test, ``tests/engine/test_mixed_graphs.py``, has not run).
+plan, ``TritonPlan``). Eager mixed steps spend ~20-90 ms of host time launching 28 layers (more
+than their device time on W3's shared-prefix extends, BENCHMARKS.md); a replay costs one
+launch. Measured on the H200 with 16,384 tokens a step: in the eleventh session on a fast host
+W3 50,732 / 49,693 and 50,947 / 51,181 output tok/s against 50,055 / 51,062 eager; in the
+twenty-second, alternating processes in one lease, W3 50,672 / 50,150 and 50,830 / 50,445
+against 45,500 / 47,058 and 47,020 / 47,804 eager (its three prefill-like steps 0.145 s against
+0.224-0.251 s), W2 3,717 against 3,712, W1 26,315 against 25,942. In bf16 a padded step's
+GEMMs have other row counts (other cuBLAS kernels, other rounding), so its logits differ from
+an eager step's by that rounding (7% relative on one step of random weights, 28 layers deep);
+in float32 the GPU test (``tests/engine/test_mixed_graphs.py``) matches the eager engine at
+1e-3.
 Variants: the plain graph and, where cascade attention can run, a ``CASCADE`` graph (the prefix
 length read from the group's device scalar, as in decode). Padding costs up to the gap between two
 sizes in tokens (the padded rows are computed and never read).

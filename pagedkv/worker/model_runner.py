@@ -428,6 +428,9 @@ class ModelRunner:
         mgr = CudaGraphManager(self, sizes, mixed_sizes=mixed)
         mgr.capture()
         self.cuda_graphs = mgr
+        # the eager warm-up runs before each capture left up to a largest step's activations
+        # cached outside the graphs' pool; steps now replay graphs, so hand that memory back
+        torch.cuda.empty_cache()
         self.warm_logits_shapes()
         return mgr.num_graphs
 

@@ -200,7 +200,7 @@ def test_max_num_batched_tokens_default_follows_the_device(tiny_dir, monkeypatch
 def test_cli_batched_tokens_and_mixed_graph_defaults():
     """``pagedkv generate`` / ``bench`` leave the step budget to the engine (the device's
     default), ``pagedkv serve`` keeps vLLM's API-server value 8,192; mixed-step CUDA graphs
-    are opt-in everywhere."""
+    are on everywhere unless turned off."""
     from pagedkv.cli import _engine_kwargs, build_parser
 
     parser = build_parser()
@@ -209,11 +209,15 @@ def test_cli_batched_tokens_and_mixed_graph_defaults():
     bench = parser.parse_args(["bench"])
     assert gen.max_num_batched_tokens is None and bench.max_num_batched_tokens is None
     assert serve.max_num_batched_tokens == 8192
-    assert _engine_kwargs(gen)["mixed_cuda_graphs"] is False
-    on = parser.parse_args(["serve", "m", "--mixed-cuda-graphs", "--max-num-batched-tokens", "4096"])
-    assert _engine_kwargs(on)["mixed_cuda_graphs"] is True and on.max_num_batched_tokens == 4096
+    # mixed-step CUDA graphs: on by default (the config's and every command's), off by flag
+    assert _engine_kwargs(gen)["mixed_cuda_graphs"] is True
+    assert _engine_kwargs(serve)["mixed_cuda_graphs"] is True
+    off = parser.parse_args(["serve", "m", "--no-mixed-cuda-graphs", "--max-num-batched-tokens",
+                             "4096"])
+    assert _engine_kwargs(off)["mixed_cuda_graphs"] is False and off.max_num_batched_tokens == 4096
     from pagedkv.config import EngineConfig
 
-    assert EngineConfig().mixed_cuda_graphs is False
+    assert EngineConfig().mixed_cuda_graphs is True
+    assert EngineConfig(mixed_cuda_graphs=False).mixed_cuda_graphs is False
     with pytest.raises(ConfigError, match="mixed_cuda_graphs"):
         EngineConfig(mixed_cuda_graphs="yes")
