@@ -3,7 +3,7 @@
 #   AB_SPECS="w1|;w1|--decode-config few_waves=none;w3|--repeat 2 --mixed-cuda-graphs"
 # runs each ';'-separated "workload|flags" spec in turn, ROUNDS rounds (default 2), each run
 # under AB_T seconds (default 150). One line a run goes to $OUT/ab.txt: workload, flags,
-# output tok/s (every timed run), start-up seconds; the JSON records go into one
+# output tok/s (every timed run), start-up seconds, device memory after start-up; the JSON records go into one
 # $OUT/ab_runs.tgz (the device returns at most 8 files a call).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +23,10 @@ for i in $(seq 1 "${ROUNDS:-2}"); do
 import json, sys
 r = json.load(open(sys.argv[1]))
 rates = r.get("pagedkv_repeats_tok_s") or [r["pagedkv"]["output_tokens_per_s"]]
-print(" / ".join(f"{x:,.0f}" for x in rates), "tok/s; start-up", round(r.get("startup_s", -1), 1), "s")
+mem = r.get("device_memory_after_startup")
+print(" / ".join(f"{x:,.0f}" for x in rates), "tok/s; start-up", round(r.get("startup_s", -1), 1), "s",
+      f"; after start-up GiB allocated {mem['allocated'] / 2**30:.2f} reserved {mem['reserved'] / 2**30:.2f} "
+      f"device used {mem['used_by_process_and_others'] / 2**30:.2f}" if mem else "")
 EOF
 )
     echo "round $i $w [$f]: $summary" | tee -a "$OUT/ab.txt"

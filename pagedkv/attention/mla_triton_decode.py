@@ -325,6 +325,7 @@ def _mla_decode_kernel(
     out_mask = h_ok[:, None] & (dv < RANK)[None, :]
     q_row = tl.load(qsl_ptr + r)
     q_len = tl.load(qsl_ptr + r + 1) - q_row
+    seq_len = tl.load(seq_ptr + r)  # with the offsets (in bounds: >= num_reqs entries)
     if q_len != 1:
         if (zero_rows != 0) & (q_len == 0) & (s == 0):
             # a padded request (no query rows) zeroes row r when no request owns it
@@ -334,7 +335,6 @@ def _mla_decode_kernel(
                                   tl.float32).to(out_ptr.dtype.element_ty),
                          mask=out_mask)
         return
-    seq_len = tl.load(seq_ptr + r)
     t0, t1, per, n_tiles = _split_range(seq_len, 0, s, num_splits, min_split_tiles, TILE_N)
     if t0 >= t1:
         return

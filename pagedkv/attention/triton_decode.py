@@ -841,6 +841,10 @@ def _decode_kernel(
     gd_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
     q_row = tl.load(qsl_ptr + r)
     q_len = tl.load(qsl_ptr + r + 1) - q_row
+    # issued with the query offsets, not after the branch on them: the block-table loads
+    # of the range wait on it (one dependent round trip less before the first K / V byte);
+    # seq_lens holds >= num_reqs entries, so every program's row is in bounds
+    seq_len = tl.load(seq_ptr + r)
     if q_len != 1:
         if (zero_rows != 0) & (q_len == 0) & (s == 0):
             # a padded request (no query rows) zeroes row r when no request owns it
@@ -849,7 +853,6 @@ def _decode_kernel(
                          tl.zeros([GROUP_PAD, D_PAD], tl.float32).to(out_ptr.dtype.element_ty),
                          mask=gd_mask)
         return
-    seq_len = tl.load(seq_ptr + r)
     lo = _window_start(seq_len, window)
     t0, t1, per, n_tiles = _split_range(seq_len, lo, s, num_splits, min_split_tiles, TILE_N)
     if t0 >= t1:
