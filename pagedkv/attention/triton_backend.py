@@ -228,7 +228,14 @@ class TritonAttentionBackend(AttentionBackend):
     # Grids and buffers depend only on host ints fixed in the plan: safe to replay in a CUDA graph.
     supports_cuda_graphs = True
     supports_cascade = True
-    supports_mixed_cuda_graphs = True
+
+    @property
+    def supports_mixed_cuda_graphs(self) -> bool:
+        """Mixed-step graphs run every prefill through the paged Triton kernel, so only where
+        fresh prefills take it anyway (``fresh_prefill="triton"``, the default): a backend
+        asked for the varlen or cuDNN fresh-prefill path keeps its mixed steps eager, where
+        that path runs."""
+        return self.fresh_prefill == "triton"
 
     def __init__(self, *, fresh_prefill: str = "auto", decode_config: DecodeConfig | None = None,
                  prefill_config: PrefillConfig | None = None,

@@ -70,11 +70,17 @@ def test_mixed_padded_sizes_and_capture_inputs(tiny_dir, kernel_device):
 
 def test_which_runners_capture_mixed_steps(tiny_dir, monkeypatch):
     """Full attention through the Triton backend: yes; the torch reference backend, a
-    sliding window, or no CUDA: no."""
+    sliding window, a Triton backend asked for the varlen or cuDNN fresh-prefill path (the
+    graphs would silently run the Triton kernel instead), or no CUDA: no."""
     from pagedkv.worker.model_runner import ModelRunner
 
     monkeypatch.setattr(ModelRunner, "cuda_graphs_supported", lambda self: True)
     assert _llm(tiny_dir("qwen3"), "cpu").runner.mixed_cuda_graphs_supported()
+    for mode, graphs in (("auto", True), ("triton", True), ("varlen", False), ("cudnn", False)):
+        backend = TritonAttentionBackend(cascade=TINY, fresh_prefill=mode)
+        assert backend.supports_mixed_cuda_graphs is graphs
+        assert _llm(tiny_dir("qwen3"), "cpu", attention_backend=backend
+                    ).runner.mixed_cuda_graphs_supported() is graphs
     assert not make_llm(tiny_dir("qwen3")).runner.mixed_cuda_graphs_supported()  # torch_ref
     swa = tiny_dir("mistral", sliding_window=32)
     assert not _llm(swa, "cpu").runner.mixed_cuda_graphs_supported()
