@@ -3,7 +3,7 @@ counts by hand, the padded capture inputs, which runners may capture them, and t
 against eager steps: on CPU through the capture stand-in (each "replay" re-plans from the
 capture's metadata, so the Triton backend's mixed-graph plan runs, interpreted) with the same
 greedy tokens and logits as without graphs, cascade on and off; on the GPU the engine's real
-graphs (opt-in) against an engine without mixed graphs."""
+graphs (the default) against an engine without mixed graphs."""
 
 import pytest
 import torch
@@ -131,11 +131,12 @@ def test_engine_mixed_graphs_equal_eager_mixed_steps_gpu():
     """Qwen3-0.6B's shape (random weights, 28 layers, async scheduling, CUDA graphs, eager
     regions for a shorter build) in float32 with 2,048 tokens a step: 24 W3-like prompts
     (a 512-token system prompt + 50-200 tokens) and 8 fresh ones of 100-900 tokens, so that
-    chunked prefills meet decodes. Mixed graphs on (opt-in) against off: the same
+    chunked prefills meet decodes. Mixed graphs on (the default) against off: the same
     schedule, logits within 1e-3 up to each request's first greedy flip (the padded GEMMs
     and decode splits round differently), tokens equal. (In bf16, with compiled regions, the
-    two differed by 7% in one step's logits on random weights, eleventh session: not yet
-    explained; float32 separates rounding from a wrong result. Not yet run on the GPU.)"""
+    two differed by 7% in one step's logits on random weights, eleventh session: the padded
+    GEMMs' rounding; float32 separates rounding from a wrong result. Passed on the H200 in
+    the twenty-first and twenty-second sessions.)"""
     import random
 
     from test_cascade_engine import logits_until_first_flip
