@@ -61,14 +61,33 @@ def greedy(n: int):
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
+def first_flip(logits_fn, prompt, ours, theirs) -> str:
+    """Where two greedy continuations of ``prompt`` part (``""`` where they do not): the
+    first differing position, both tokens, and the reference's logit margin there between its
+    own choice and ours (``logits_fn(ids) -> [len(ids), vocab]``, the reference's logits over
+    ``prompt`` + its tokens before the flip). A margin near 0 is a near-tie that rounding may
+    flip; a large one is a wrong result."""
+    ours, theirs = list(ours), list(theirs)
+    i = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    if i is None:
+        return "" if len(ours) == len(theirs) else f"lengths {len(ours)} / {len(theirs)}"
+    row = logits_fn(list(prompt) + theirs[:i])[-1].float()
+    margin = float(row[theirs[i]] - row[ours[i]])
+    return (f"first flip at output position {i}: ours {ours[i]}, reference {theirs[i]}, "
+            f"reference logit margin {margin:.3g} (its top-1 {float(row.max()):.4g})")
+
+
 def check_greedy(llm, ref: HFReference, prompts, n: int):
     """``llm`` generates ``n`` greedy tokens for each prompt: each output equals transformers'
-    greedy ``generate`` (``ref``), finished by length, and the pool is idle afterwards. Returns
-    the outputs."""
+    greedy ``generate`` (``ref``), finished by length, and the pool is idle afterwards; a
+    mismatch names its first flip and the reference's margin there (:func:`first_flip`).
+    Returns the outputs."""
     outs = llm.generate(prompts, greedy(n), use_tqdm=False)
     for o in outs:
-        assert o.outputs[0].token_ids == ref.greedy(o.prompt_token_ids, n), \
-            f"prompt of {len(o.prompt_token_ids)} tokens"
+        want = ref.greedy(o.prompt_token_ids, n)
+        assert o.outputs[0].token_ids == want, (
+            f"prompt of {len(o.prompt_token_ids)} tokens: "
+            + first_flip(ref.logits, o.prompt_token_ids, o.outputs[0].token_ids, want))
         assert o.finished and o.outputs[0].finish_reason == "length"
     assert pool_is_idle(llm)
     return outs

@@ -7,7 +7,7 @@ Run on the GPU machine with: ``pytest tests/engine/test_engine_gpu.py`` (add ``-
 
 import pytest
 import torch
-from engine_helpers import FAMILIES, TEXTS
+from engine_helpers import FAMILIES, TEXTS, first_flip
 
 from pagedkv import LLM, SamplingParams
 
@@ -35,11 +35,15 @@ def _hf_greedy(hf, prompt, n):
 
 
 def _assert_greedy_matches_hf(llm, hf, n: int = 12) -> None:
-    """``llm``'s greedy tokens for TEXTS (``n`` each) equal transformers' ``hf`` model's."""
+    """``llm``'s greedy tokens for TEXTS (``n`` each) equal transformers' ``hf`` model's; a
+    mismatch names its first flip and the reference's margin there."""
     outs = llm.generate(TEXTS, _greedy(n), use_tqdm=False)
     with torch.no_grad():
         for o in outs:
-            assert o.outputs[0].token_ids == _hf_greedy(hf, o.prompt_token_ids, n)
+            want = _hf_greedy(hf, o.prompt_token_ids, n)
+            assert o.outputs[0].token_ids == want, first_flip(
+                lambda ids: hf(torch.tensor([ids], device="cuda")).logits[0],
+                o.prompt_token_ids, o.outputs[0].token_ids, want)
 
 
 def test_graph_sizes_and_padding_lookup(tiny_dir):
