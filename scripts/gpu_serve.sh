@@ -3,15 +3,15 @@
 # Qwen3-0.6B shape, then `pagedkv serve --shape qwen3-0.6b` (same defaults, random weights,
 # synthetic word-level tokenizer) and `pagedkv bench serve` replaying W1's prompts as streamed
 # completions at 4, 16, 64 req/s (Poisson) and all at once; SIGTERM ends the server (exit 0
-# expected). Needs fastapi/uvicorn/pydantic: carried as wheels in .whl/ when the machine lacks
-# them (the device image has no fastapi). Results under $OUT; summary.json has the ratios.
+# expected); SERVE_ARGS adds server flags, SKIP_OFFLINE=1 skips the offline run. Needs fastapi/uvicorn/pydantic: carried as wheels in .whl/ when the machine lacks
+# them (the device image has no fastapi): `bash scripts/serve_wheels.sh` builds .whl/serve. Results under $OUT; summary.json has the ratios.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/pagedkv-gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 if ! python3 -c "import fastapi, uvicorn" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
+    --target /tmp/site "${SERVE_WHEELS:-.whl/serve}"/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
 fi
 PORT=${PORT:-8011}
@@ -19,11 +19,15 @@ RATES=${RATES:-"4 16 64 inf"}
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
   python3 -c "import torch, triton, fastapi, uvicorn; print('torch', torch.__version__, 'triton', triton.__version__, 'fastapi', fastapi.__version__, 'uvicorn', uvicorn.__version__)"
   git rev-parse HEAD 2>/dev/null; } | tee "$OUT/env.txt"
-echo "== offline W1 (pagedkv bench, defaults)"
-timeout 300 python3 -m pagedkv bench --quiet --json "$OUT/w1_offline.json" 2>&1 | tail -15
+if [ -z "${SKIP_OFFLINE:-}" ]; then
+  echo "== offline W1 (pagedkv bench, defaults)"
+  timeout 300 python3 -m pagedkv bench --quiet --json "$OUT/w1_offline.json" 2>&1 | tail -15
+fi
 echo "== server"
+# SERVE_ARGS: extra server flags (an A/B run, e.g. --no-mixed-cuda-graphs)
+# shellcheck disable=SC2086
 python3 -m pagedkv serve --shape qwen3-0.6b --max-model-len 4096 --port "$PORT" \
-  --log-level warning > "$OUT/server.log" 2>&1 &
+  --log-level warning ${SERVE_ARGS:-} > "$OUT/server.log" 2>&1 &
 SERVER=$!
 for i in $(seq 1 300); do
   curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && break
@@ -41,7 +45,8 @@ kill -TERM $SERVER; wait $SERVER; echo "server exit status $?" | tee -a "$OUT/en
 python3 - "$OUT" <<'PY'
 import json, os, sys
 out = sys.argv[1]
-off = json.load(open(os.path.join(out, "w1_offline.json")))["result"]
+path = os.path.join(out, "w1_offline.json")
+off = json.load(open(path))["result"] if os.path.exists(path) else {}
 rows = {"offline_output_tok_s": off.get("output_tokens_per_s") or off.get("output_throughput")}
 for name in sorted(os.listdir(out)):
     if name.startswith("serve_") and name.endswith(".json"):
