@@ -6,6 +6,7 @@ With a GPU, kernels run natively (set PAGEDKV_FORCE_INTERPRET=1 to interpret any
 """
 
 import os
+import subprocess
 import sys
 
 # One torch thread per test process: the suite runs on 2-core machines with 2 pytest workers,
@@ -67,3 +68,22 @@ def tiny_dir(tiny_cache):
         return build_tiny_checkpoint(family, tiny_cache, **options)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def compiled_run():
+    """``compiled_run(*args, timeout=600) -> str``: ``python *args`` (``"-c", code`` or ``"-m",
+    module, ...``) in a subprocess without TRITON_INTERPRET (compiling a kernel for sm_90 needs
+    no GPU), this checkout first on the path; asserts it succeeded and returns the last line
+    of its output (the sm_90 reports print their JSON there)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def run(*args: str, timeout: int = 600) -> str:
+        env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env.pop("TRITON_INTERPRET", None)
+        res = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
+                             timeout=timeout, cwd=root)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return res.stdout.strip().splitlines()[-1]
+
+    return run

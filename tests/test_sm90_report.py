@@ -49,21 +49,15 @@ def test_decode_report_cli_under_the_interpreter_flag():
 
 @pytest.mark.skipif(not triton.__version__.startswith("3.6."),
                     reason="the numbers checked are Triton 3.6's compiler's")
-def test_flat_decode_kernel_fits_the_wave_it_launches():
+def test_flat_decode_kernel_fits_the_wave_it_launches(compiled_run):
     """The flat split launches ``DecodeConfig.flat_programs_per_sm`` programs an SM: the
     default kernel must fit that many without spilling, its tile loop still
     software-pipelined; capped at 96 registers (``flat_max_registers``) 5 fit, unspilled."""
     from pagedkv.attention.triton_decode import DecodeConfig
 
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("TRITON_INTERPRET", None)
-    got = {}
-    for cap in ("0", "96"):
-        res = subprocess.run([sys.executable, "-m", "pagedkv.tools.sm90_report", "decode-flat",
-                              "--maxnreg", cap, "--json"],
-                             capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
-        assert res.returncode == 0, res.stderr[-3000:]
-        got[cap] = json.loads(res.stdout.strip().splitlines()[-1])
+    got = {cap: json.loads(compiled_run("-m", "pagedkv.tools.sm90_report", "decode-flat",
+                                        "--maxnreg", cap, "--json"))
+           for cap in ("0", "96")}
     plain, capped = got["0"], got["96"]
     assert DecodeConfig().flat_max_registers is None
     assert plain["programs_per_sm"] >= DecodeConfig().flat_programs_per_sm, plain
@@ -74,21 +68,14 @@ def test_flat_decode_kernel_fits_the_wave_it_launches():
 
 @pytest.mark.skipif(not triton.__version__.startswith("3.6."),
                     reason="the numbers checked are Triton 3.6's compiler's")
-def test_fused_reduce_decode_kernels_keep_their_footprint():
+def test_fused_reduce_decode_kernels_keep_their_footprint(compiled_run):
     """The split kernel that merges its own ranges (``DecodeConfig.fused_reduce``) compiles
     for sm_90 with the plain one's registers, shared memory and programs an SM, unspilled,
     its tile loop still pipelined; its counter is one global atomic with an acquire (the L1
     invalidated: CCTL) and the merge's partial loads bypass the L1 (``.STRONG.GPU``)."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("TRITON_INTERPRET", None)
-    got = []
-    for extra in ([], ["--fused-reduce"]):
-        res = subprocess.run([sys.executable, "-m", "pagedkv.tools.sm90_report", "decode",
-                              *extra, "--json", "--sass"],
-                             capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
-        assert res.returncode == 0, res.stderr[-3000:]
-        got.append(json.loads(res.stdout.strip().splitlines()[-1]))
-    plain, fused = got
+    plain, fused = (json.loads(compiled_run("-m", "pagedkv.tools.sm90_report", "decode",
+                                            *extra, "--json", "--sass"))
+                    for extra in ([], ["--fused-reduce"]))
     for key in ("regs", "shared", "programs_per_sm", "local", "loops", "waits"):
         assert fused[key] == plain[key], (key, plain, fused)
     assert fused["local"] == 0 and fused["loops"] == 1
@@ -98,11 +85,8 @@ def test_fused_reduce_decode_kernels_keep_their_footprint():
     assert any("STRONG.GPU" in k for k in fused["sass_loads"]), fused["sass_loads"]
     # the flat split's kernel with it: capped (DecodeConfig.flat_registers) to the 4 programs
     # an SM its one wave launches, unspilled, still one pipelined loop
-    res = subprocess.run([sys.executable, "-m", "pagedkv.tools.sm90_report", "decode-flat",
-                          "--fused-reduce", "--json", "--sass"],
-                         capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
-    assert res.returncode == 0, res.stderr[-3000:]
-    flat = json.loads(res.stdout.strip().splitlines()[-1])
+    flat = json.loads(compiled_run("-m", "pagedkv.tools.sm90_report", "decode-flat",
+                                   "--fused-reduce", "--json", "--sass"))
     assert flat["regs"] <= 128 and flat["programs_per_sm"] >= 4, flat
     assert flat["local"] == 0 and flat["loops"] == 1 and max(flat["waits"]) == 3, flat
     assert flat["sass_ops"].get("ATOMG", 0) == 1, flat["sass_ops"]
@@ -121,7 +105,7 @@ def test_report_refuses_an_interpreted_kernel():
 
 @pytest.mark.skipif(not triton.__version__.startswith("3.6."),
                     reason="the numbers checked are Triton 3.6's compiler's")
-def test_lazy_rescale_prefill_keeps_its_footprint():
+def test_lazy_rescale_prefill_keeps_its_footprint(compiled_run):
     """``PrefillConfig.rescale_threshold`` (the rescale inside a runtime branch, a reduction
     across the program a tile) compiles for sm_90 as the default does: unspilled, both tile
     loops software-pipelined with the same waits, the same programs an SM (causal prefill and
@@ -133,12 +117,7 @@ def test_lazy_rescale_prefill_keeps_its_footprint():
             "from pagedkv.attention.triton_prefill import PrefillConfig\n"
             "print(json.dumps({f'{t}/{c}': prefill_report(PrefillConfig(rescale_threshold=t),"
             " causal=c) for t in (0.0, 8.0) for c in (True, False)}))\n")
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("TRITON_INTERPRET", None)
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         timeout=900, cwd=ROOT)
-    assert res.returncode == 0, res.stderr[-3000:]
-    got = json.loads(res.stdout.strip().splitlines()[-1])
+    got = json.loads(compiled_run("-c", code, timeout=900))
     assert PrefillConfig().rescale_threshold == 0.0  # opt-in
     for causal in ("True", "False"):
         base, lazy = got[f"0.0/{causal}"], got[f"8.0/{causal}"]

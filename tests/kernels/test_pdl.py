@@ -10,16 +10,11 @@ and as CUDA-graph replays, bitwise equal to the same chain without PDL.
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from pagedkv.kernels import pdl
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_no_pdl_off_cuda(monkeypatch):
@@ -33,18 +28,12 @@ def test_no_pdl_off_cuda(monkeypatch):
     assert pdl.pdl_launch_args(_decode_kernel, torch.device("cpu")) == {"PDL": 0}
 
 
-def _report(*args: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("TRITON_INTERPRET", None)
-    res = subprocess.run([sys.executable, "-m", "pagedkv.tools.sm90_report", *args, "--json"],
-                         capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.parametrize("kernel", ["decode", "decode-flat", "prefill"])
-def test_sm90_pdl_waits_before_any_global_access(kernel):
-    on, off = _report(kernel, "--pdl"), _report(kernel)
+def test_sm90_pdl_waits_before_any_global_access(kernel, compiled_run):
+    def report(*args: str) -> dict:
+        return json.loads(compiled_run("-m", "pagedkv.tools.sm90_report", *args, "--json"))
+
+    on, off = report(kernel, "--pdl"), report(kernel)
     assert on["gdc_wait"] == 1 and on["gdc_launch"] == 1
     assert on["global_before_wait"] == 0
     assert off["gdc_wait"] == 0 and off["gdc_launch"] == 0

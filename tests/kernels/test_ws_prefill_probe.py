@@ -49,12 +49,9 @@ def test_ws_prefill_ref_by_hand():
 
 @pytest.mark.skipif(not __import__("triton").__version__.startswith("3.6."),
                     reason="what Triton 3.6's sm_90 compiler does")
-def test_one_loop_probe_is_warp_specialized_on_sm90():
+def test_one_loop_probe_is_warp_specialized_on_sm90(compiled_run):
     """Compiled for sm_90 on the CPU (Triton 3.6): the one-loop kernel (every tile masked) gets
     ``ttg.warp_specialize`` partitions at 4 warps; the two-loop kernel cannot take it."""
-    import subprocess
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = (
         "import os, sys\n"
         "sys.path.insert(0, 'bench')\n"
@@ -73,9 +70,4 @@ def test_one_loop_probe_is_warp_specialized_on_sm90():
         "c = triton.compile(ASTSource(fn=k, signature=sig, constexprs=const, attrs=attrs),"
         " target=GPUTarget('cuda', 90, 32), options={'num_warps': 4, 'num_stages': 3})\n"
         "print('WS', 'ttg.warp_specialize' in c.asm['ttgir'])\n")
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("TRITON_INTERPRET", None)
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         timeout=600, cwd=root)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.strip().splitlines()[-1] == "WS True"
+    assert compiled_run("-c", code) == "WS True"
