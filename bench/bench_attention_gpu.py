@@ -335,6 +335,14 @@ PREFILL_SWEEP = [
     PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
     PrefillConfig(block_m=64, block_n=64, num_warps=8, num_stages=3),
     PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3),
+    # 128 query rows in one warpgroup (4 warps: two m64 products a tile, 255 registers, no
+    # spills on sm_90); the twenty-second session's one-page-a-tile probe reached 374 TFLOP/s
+    # at 128 x 64 x 4 warps on pages of 64 (the package kernel: 339 there, 314 on pages of 16)
+    PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
+    PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=2),
+    PrefillConfig(block_m=128, block_n=32, num_warps=4, num_stages=3),
+    PrefillConfig(block_m=128, block_n=32, num_warps=4, num_stages=4),
+    PrefillConfig(block_m=128, block_n=128, num_warps=4, num_stages=2),
     # the two query heads of a K/V head packed into one program (rows = block_m x 2)
     PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, pack_heads=2),
     PrefillConfig(block_m=64, block_n=64, num_warps=8, num_stages=3, pack_heads=2),
