@@ -347,12 +347,6 @@ PREFILL_SWEEP = [
     PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, pack_heads=2),
     PrefillConfig(block_m=64, block_n=64, num_warps=8, num_stages=3, pack_heads=2),
     PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, pack_heads=2),
-    # the default tiles rescaling the accumulator only where a row's max grows by more than
-    # T (PrefillConfig.rescale_threshold; twenty-second session, opt-in)
-    PrefillConfig(rescale_threshold=2.0),
-    PrefillConfig(rescale_threshold=4.0),
-    PrefillConfig(rescale_threshold=8.0),
-    PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, rescale_threshold=8.0),
 ]
 
 
@@ -400,8 +394,6 @@ def bench_prefill(sweep: bool, num_seqs: int = 8, seq: int = 2048) -> dict:
         variants = {}
         for cfg in PREFILL_SWEEP:
             name = f"m{cfg.block_m}n{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}p{cfg.pack_heads}"
-            if cfg.rescale_threshold:
-                name += f"r{cfg.rescale_threshold:g}"
             try:
                 out.fill_(float("nan"))
                 ours(cfg)()

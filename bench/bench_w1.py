@@ -87,11 +87,9 @@ def build_pagedkv(args) -> tuple[LLM, str]:
 
         pc = None
         if args.prefill_config:
-            fields = args.prefill_config.split(",")
-            bm, bn, w, st, pack = (int(v) for v in fields[:5])
+            bm, bn, w, st, pack = (int(v) for v in args.prefill_config.split(","))
             pc = PrefillConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st,
-                               pack_heads=pack,
-                               rescale_threshold=float(fields[5]) if len(fields) > 5 else 0.0)
+                               pack_heads=pack)
         dc = None
         if args.reduce_heads or args.decode_order is not None or args.flat_split is not None \
                 or args.lpt_one_range is not None or args.fused_reduce is not None:
@@ -352,10 +350,9 @@ def main(argv=None) -> int:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch_ref", "triton"])
     p.add_argument("--no-cascade", action="store_true",
                    help="the Triton backend without cascade (shared-prefix) attention")
-    p.add_argument("--prefill-config", default=None, metavar="BM,BN,WARPS,STAGES,PACK[,T]",
+    p.add_argument("--prefill-config", default=None, metavar="BM,BN,WARPS,STAGES,PACK",
                    help="the Triton backend's prefill launches (PrefillConfig: tokens and keys "
-                        "a tile, warps, stages, query heads a program, optionally the lazy "
-                        "rescale threshold), e.g. 64,64,4,4,1 or 64,64,4,3,1,8 (A/B)")
+                        "a tile, warps, stages, query heads a program), e.g. 64,64,4,4,1 (A/B)")
     p.add_argument("--fresh-prefill", default=None, choices=["auto", "triton", "varlen", "cudnn"],
                    help="the Triton backend's fresh-prefill path (TritonAttentionBackend"
                         "(fresh_prefill=...); A/B runs)")

@@ -101,26 +101,3 @@ def test_report_refuses_an_interpreted_kernel():
         pytest.skip("kernels are compiled in this session")
     with pytest.raises(TypeError, match="interpreted"):
         report(_decode_kernel, {}, {}, set(), set(), 4, 3)
-
-
-@pytest.mark.skipif(not triton.__version__.startswith("3.6."),
-                    reason="the numbers checked are Triton 3.6's compiler's")
-def test_lazy_rescale_prefill_keeps_its_footprint(compiled_run):
-    """``PrefillConfig.rescale_threshold`` (the rescale inside a runtime branch, a reduction
-    across the program a tile) compiles for sm_90 as the default does: unspilled, both tile
-    loops software-pipelined with the same waits, the same programs an SM (causal prefill and
-    the cascade prefix's non-causal launch)."""
-    from pagedkv.attention.triton_prefill import PrefillConfig
-
-    code = ("import json, sys\n"
-            "from pagedkv.tools.sm90_report import prefill_report\n"
-            "from pagedkv.attention.triton_prefill import PrefillConfig\n"
-            "print(json.dumps({f'{t}/{c}': prefill_report(PrefillConfig(rescale_threshold=t),"
-            " causal=c) for t in (0.0, 8.0) for c in (True, False)}))\n")
-    got = json.loads(compiled_run("-c", code, timeout=900))
-    assert PrefillConfig().rescale_threshold == 0.0  # opt-in
-    for causal in ("True", "False"):
-        base, lazy = got[f"0.0/{causal}"], got[f"8.0/{causal}"]
-        assert lazy["local"] == 0 and lazy["loops"] == base["loops"] == 2, lazy
-        assert lazy["waits"] == base["waits"], (lazy, base)
-        assert lazy["programs_per_sm"] == base["programs_per_sm"] == 2, (lazy, base)

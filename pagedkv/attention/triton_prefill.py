@@ -78,10 +78,6 @@ class PrefillConfig:
     :meth:`heads_per_program`); ``block_m`` counts query tokens, so a program holds ``block_m x
     heads`` rows.
 
-    ``rescale_threshold`` T (opt-in, not yet measured on the GPU): with T > 0 a tile rescales
-    the accumulator only where some row's running max grows by more than T (base 2; the
-    probabilities stay below ``2^T``); 0 (the default) rescales in every tile.
-
     Defaults from the H200 (bf16, 16 query / 8 K/V heads, head_dim 128): 64 x 64 tiles, 4
     warps, 3 stages, one head a program. With the block table read a tile ahead
     (:func:`_tile_blocks`), 3 stages keep two K/V tiles in flight in 112 KB of shared memory:
@@ -101,14 +97,9 @@ class PrefillConfig:
     num_warps: int = 4
     num_stages: int = 3
     pack_heads: int = 1
-    rescale_threshold: float = 0.0
 
     def __post_init__(self):
         check_launch_config(self, ("block_m", "block_n"))
-        t = self.rescale_threshold
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t <= 8.0:
-            raise ConfigError("PrefillConfig.rescale_threshold must be a number in [0, 8] "
-                              f"(base-2 units; 0: rescale in every tile), got {t!r}")
         p = self.pack_heads
         if isinstance(p, bool) or not isinstance(p, int) or p < 1 or p & (p - 1):
             raise ConfigError(f"PrefillConfig.pack_heads must be a power of two >= 1, got {p!r}")
@@ -155,19 +146,13 @@ def _attend_tile(
     SOFTCAP: tl.constexpr,
     CAUSAL: tl.constexpr,
     OFF32: tl.constexpr,
-    RESCALE_T: tl.constexpr = 0.0,
 ):
     """One key tile ``[start, start + BLOCK_N)`` of the online softmax. ``MASKED``: apply the
     causal mask (``CAUSAL``) and the sequence end (otherwise every key is visible to every
     row). With ``HAS_WINDOW`` (always masked) keys before ``kv_lo`` (the tile's first key in
     any row's window) are not read, and row ``i`` sees keys ``> q_pos[i] - window``. ``blk``:
     the tile's block-table entries (:func:`_tile_blocks`). K / V are cast to ``q``'s dtype
-    after the load (a no-op unless the cache is FP8). ``RESCALE_T`` > 0
-    (``PrefillConfig.rescale_threshold``): the running max moves, and the accumulator and
-    denominator are rescaled, only in a tile where some row's max grows by more than
-    ``RESCALE_T`` (base-2 units); otherwise the tile's probabilities are taken against the
-    stale max (at most ``2^RESCALE_T``). The same result up to rounding, with the rescale's
-    multiplies skipped in most tiles."""
+    after the load (a no-op unless the cache is FP8)."""
     n = start + tl.arange(0, BLOCK_N)
     if MASKED:
         valid = (n < seq_len) & (n // BLOCK_SIZE < bt_width)
@@ -199,20 +184,6 @@ def _attend_tile(
         if HAS_WINDOW:
             seen = seen & (n[None, :] > q_pos[:, None] - window)
         qk = tl.where(seen, qk, float("-inf"))
-    if RESCALE_T > 0:
-        m_tile = tl.max(qk, 1)
-        grow = tl.where(m_tile > m_i, m_tile - m_i, 0.0)  # -inf vs -inf: no growth
-        if tl.max(grow, 0) > RESCALE_T:
-            m_up = tl.maximum(m_i, m_tile)
-            alpha = tl.exp2(m_i - tl.where(m_up == float("-inf"), 0.0, m_up))
-            acc = acc * alpha[:, None]
-            l_i = l_i * alpha
-            m_i = m_up
-        # a row that has seen no key yet keeps its max at -inf: its probabilities are 0
-        p = tl.exp2(qk - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
-        l_i = l_i + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
-        return acc, l_i, m_i
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     if HAS_WINDOW:
         # a row may see no key of this tile yet (its window starts later): keep its running
@@ -267,7 +238,6 @@ def _prefill_kernel(
     OFF32: tl.constexpr = False,
     PDL: tl.constexpr = 0,
     skip_fresh=0,
-    RESCALE_T: tl.constexpr = 0.0,
 ):
     pdl_prologue(PDL)
     p = tl.program_id(0)
@@ -355,7 +325,7 @@ def _prefill_kernel(
                                          bt_width, c_sb, c_st, head_off, start, kv_end, kv_lo,
                                          window, d, scale_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
                                          D_PAD, False, DOT_PREC, HAS_WINDOW, SOFTCAP,
-                                         CAUSAL, OFF32, RESCALE_T)
+                                         CAUSAL, OFF32)
             blk = nxt
         blk = _tile_blocks(bt_row, bt_width, full_end, kv_end, BLOCK_SIZE, BLOCK_N)
         for start in range(full_end, end, BLOCK_N):
@@ -365,7 +335,7 @@ def _prefill_kernel(
                                          bt_width, c_sb, c_st, head_off, start, kv_end, kv_lo,
                                          window, d, scale_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
                                          D_PAD, True, DOT_PREC, HAS_WINDOW, SOFTCAP,
-                                         CAUSAL, OFF32, RESCALE_T)
+                                         CAUSAL, OFF32)
             blk = nxt
     else:  # the interpreter cannot iterate range() over runtime scalars
         start = first + full_end * 0
@@ -375,7 +345,7 @@ def _prefill_kernel(
                                          bt_width, c_sb, c_st, head_off, start, kv_end, kv_lo,
                                          window, d, scale_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
                                          D_PAD, False, DOT_PREC, HAS_WINDOW, SOFTCAP,
-                                         CAUSAL, OFF32, RESCALE_T)
+                                         CAUSAL, OFF32)
             blk = nxt
             start += BLOCK_N
         blk = _tile_blocks(bt_row, bt_width, start, kv_end, BLOCK_SIZE, BLOCK_N)
@@ -386,7 +356,7 @@ def _prefill_kernel(
                                          bt_width, c_sb, c_st, head_off, start, kv_end, kv_lo,
                                          window, d, scale_log2, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
                                          D_PAD, True, DOT_PREC, HAS_WINDOW, SOFTCAP,
-                                         CAUSAL, OFF32, RESCALE_T)
+                                         CAUSAL, OFF32)
             blk = nxt
             start += BLOCK_N
     if KV_FP8:
@@ -530,7 +500,6 @@ def paged_prefill_attention(
         o_split=0 if splits == 1 else out.stride(0),
         lse_split=0 if splits == 1 else lse.stride(0), PACK=pack,
         OFF32=offsets_fit_int32(k_cache), skip_fresh=skip_fresh_from,
-        RESCALE_T=float(cfg.rescale_threshold),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_launch_args(_prefill_kernel, q.device),
     )

@@ -175,7 +175,7 @@ def prefill_report(config, causal: bool = True, sass: bool = False, off32: bool 
                  BLOCK_M=config.block_m, BLOCK_N=config.block_n, DOT_PREC="tf32",
                  RANGE_LOOP=True, CAUSAL=causal, WRITE_LSE=not causal, KV_FP8=False,
                  Q_FP16=False, PACK=config.heads_per_program(HEADS // KV_HEADS),
-                 OFF32=off32, PDL=int(pdl), RESCALE_T=float(config.rescale_threshold))
+                 OFF32=off32, PDL=int(pdl))
     ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", bt_ptr="*i32", qsl_ptr="*i32",
                 seq_ptr="*i32", out_ptr="*bf16" if causal else "*fp32", sinks_ptr="*bf16",
                 lse_ptr="*fp32")

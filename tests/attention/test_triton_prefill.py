@@ -196,70 +196,6 @@ def test_prefill_packed_heads_non_causal_lse(kernel_device, splits):
     torch.testing.assert_close(kl, tl_, atol=1e-4, rtol=1e-4)
 
 
-TILES = dict(block_m=16, block_n=16, num_warps=1, num_stages=1)
-
-
-@pytest.mark.parametrize("t", [0.25, 8.0])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_prefill_lazy_rescale(kernel_device, t, dtype):
-    """``PrefillConfig.rescale_threshold``: the running max moves only where a row's max
-    grows by more than ``t`` (0.25: in most tiles of these scores, amplified 3x so they
-    spread; 8: almost never after the first tile). The reference's output, and the
-    every-tile rescale's within rounding; padding rows untouched."""
-    case = make_case(MIXED, block_size=3, device=kernel_device, write_new=True, pad_tokens=2,
-                     dtype=dtype, seed=21)
-    case["q"] = case["q"] * 3
-    rows = rows_of(case, lambda ql: ql > 0)
-    lazy = run_prefill(case, config=PrefillConfig(rescale_threshold=t, **TILES))
-    eager = run_prefill(case, config=PrefillConfig(**TILES))
-    assert_rows_close(lazy, reference(case), rows, TOL[dtype])
-    tol = 1e-5 if dtype == torch.float32 else 2e-3
-    torch.testing.assert_close(lazy.float().cpu()[rows], eager.float().cpu()[rows], atol=tol,
-                               rtol=tol)
-    assert torch.isnan(lazy[-2:].cpu()).all()
-
-
-@pytest.mark.parametrize("causal", [True, False])
-def test_prefill_lazy_rescale_window_cap_sinks_lse(kernel_device, causal):
-    """The lazy rescale where rows may see no key of a tile (a sliding window: their max
-    stays -inf) with a soft cap and sinks (causal), and the non-causal launch with key
-    splits and log-sum-exps (cascade's prefix): the every-tile rescale's outputs and lse."""
-    if causal:
-        case = make_case([(50, 20), (0, 40), (3, 17)], block_size=8, num_heads=8,
-                         num_kv_heads=2, write_new=True, sliding_window=6,
-                         device=kernel_device, seed=22)
-        sinks = (torch.randn(8, generator=torch.Generator().manual_seed(4)) * 2).to(
-            kernel_device)
-        kw = dict(sliding_window=6, logits_soft_cap=7.0, sinks=sinks)
-    else:
-        case = make_case([(0, 37)], block_size=4, write_new=True, device=kernel_device,
-                         seed=23)
-        kw = dict(causal=False, kv_splits=3)
-    case["q"] = case["q"] * 3
-    m, q = case["meta"], case["q"]
-    T, H, D = q.shape
-    got = []
-    for t in (2.0, 0.0):
-        shape = (T, H) if causal else (3, T, H)
-        out = torch.full(shape + (D,), float("nan"), device=kernel_device)
-        lse = torch.full(shape, float("nan"), device=kernel_device)
-        paged_prefill_attention(q, case["cache"], m.block_table_tensor, m.query_start_loc,
-                                m.seq_lens, m.num_reqs, case["scale"], out, lse=lse,
-                                config=PrefillConfig(rescale_threshold=t, **TILES), **kw)
-        got.append((out.cpu(), lse.cpu()))
-    (lo, ll), (eo, el) = got
-    assert not torch.isnan(lo).any() and torch.isfinite(ll).any()
-    torch.testing.assert_close(lo, eo, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(ll, el, atol=1e-5, rtol=1e-5)
-
-
-def test_rescale_threshold_errors():
-    for bad in (-0.5, 8.5, True, "2", None):
-        with pytest.raises(ConfigError, match="rescale_threshold"):
-            PrefillConfig(rescale_threshold=bad)
-    assert PrefillConfig(rescale_threshold=4).rescale_threshold == 4
-
-
 def test_offsets_fit_int32_by_hand():
     """The largest element offset of a cache half, ``sum((size - 1) x stride)``, below 2^31
     (meta tensors: shapes and strides without memory)."""
@@ -330,8 +266,7 @@ def test_prefill_argument_errors():
     PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=4, pack_heads=1),
     PrefillConfig(block_m=64, block_n=64, num_warps=8, num_stages=3, pack_heads=2),
     PrefillConfig(block_m=32, block_n=128, num_warps=4, num_stages=3, pack_heads=2),
-    PrefillConfig(rescale_threshold=8.0),
-], ids=["default", "m64p1", "m64p2", "m32n128p2", "lazy8"])
+], ids=["default", "m64p1", "m64p2", "m32n128p2"])
 def test_prefill_gpu_bf16(block_size, config):
     reqs = [(0, 700), (1000, 300), (5, 1), (129, 128), (0, 2048), (3000, 17), (63, 65)]
     case = make_case(reqs, block_size=block_size, num_heads=16, num_kv_heads=8, head_dim=128,
