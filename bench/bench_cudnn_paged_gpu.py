@@ -84,11 +84,36 @@ class CudnnPagedPrefill:
     """One cuDNN SDPA graph for ``B`` requests (ragged queries up to ``max_q`` tokens, paged K/V
     up to ``max_kv`` tokens in pages of ``block_size``), built once."""
 
+    # the sdpa keywords tried in order (the Python graph records them and hands them to the
+    # compiled node when the graph is built: names differ between frontend versions)
+    MASKS = (
+        lambda c: dict(is_inference=True, diagonal_alignment=c.diagonal_alignment.BOTTOM_RIGHT,
+                       diagonal_band_right_bound=0),
+        lambda c: dict(is_inference=True, use_causal_mask_bottom_right=True),
+        lambda c: dict(generate_stats=False,
+                       diagonal_alignment=c.diagonal_alignment.BOTTOM_RIGHT, right_bound=0),
+    )
+
     def __init__(self, cudnn, B: int, max_q: int, max_kv: int, total_q: int, num_blocks: int,
                  block_size: int, max_pages: int):
         self.cudnn = cudnn
         self.handle = cudnn.create_handle()
         cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream().cuda_stream)
+        errors = []
+        for i, mask in enumerate(self.MASKS):
+            try:
+                self._build(B, max_q, max_kv, total_q, num_blocks, block_size, max_pages,
+                            mask(cudnn))
+                self.mask_variant = i
+                break
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"variant {i}: {type(e).__name__}: {str(e)[-900:]}")
+        else:
+            raise RuntimeError(" | ".join(errors))
+        self.errors = errors
+
+    def _build(self, B, max_q, max_kv, total_q, num_blocks, block_size, max_pages, mask):
+        cudnn = self.cudnn
         g = cudnn.pygraph(io_data_type=cudnn.data_type.BFLOAT16,
                           intermediate_data_type=cudnn.data_type.FLOAT,
                           compute_data_type=cudnn.data_type.FLOAT, handle=self.handle)
@@ -109,15 +134,10 @@ class CudnnPagedPrefill:
         self.pt_v = g.tensor(name="pt_v", dim=tdim, stride=tstride, data_type=i32)
         self.sq = g.tensor(name="seq_q", dim=[B, 1, 1, 1], stride=[1, 1, 1, 1], data_type=i32)
         self.skv = g.tensor(name="seq_kv", dim=[B, 1, 1, 1], stride=[1, 1, 1, 1], data_type=i32)
-        kw = dict(name="sdpa", q=self.q, k=self.k, v=self.v, generate_stats=False,
-                  attn_scale=SCALE, use_padding_mask=True, seq_len_q=self.sq,
-                  seq_len_kv=self.skv, paged_attention_k_table=self.pt_k,
-                  paged_attention_v_table=self.pt_v, paged_attention_max_seq_len_kv=max_kv)
-        try:
-            o, _ = g.sdpa(**kw, diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT,
-                          right_bound=0, max_total_seq_len_q=total_q)
-        except TypeError:
-            o, _ = g.sdpa(**kw, use_causal_mask_bottom_right=True)
+        o, _ = g.sdpa(name="sdpa", q=self.q, k=self.k, v=self.v, attn_scale=SCALE,
+                      use_padding_mask=True, seq_len_q=self.sq, seq_len_kv=self.skv,
+                      paged_attention_k_table=self.pt_k, paged_attention_v_table=self.pt_v,
+                      paged_attention_max_seq_len_kv=max_kv, **mask)
         self.o_off = g.tensor(name="o_off", dim=[B + 1, 1, 1, 1], stride=[1, 1, 1, 1],
                               data_type=i32)
         o.set_output(True).set_dim([B, H, max_q, D]).set_stride(
@@ -185,13 +205,14 @@ def run_case(cudnn, name: str, case) -> dict:
         row["cudnn"] = {"us": us, "tflops": tflops(us), "build_s": g.build_s,
                         "rel_err_ref": rel_err(out_c[:n0], ref),
                         "rel_err_vs_triton": rel_err(out_c, out_t.float()),
-                        "workspace": g.workspace.numel()}
+                        "workspace": g.workspace.numel(), "mask_variant": g.mask_variant,
+                        "declined": g.errors}
         log(f"{name} (block {case.block_size}) cudnn paged: {us:.0f} us {tflops(us):.0f} "
             f"TFLOP/s err {row['cudnn']['rel_err_ref']:.1e} vs triton "
             f"{row['cudnn']['rel_err_vs_triton']:.1e} build {g.build_s:.2f} s")
     except Exception as e:  # noqa: BLE001
-        row["cudnn"] = {"error": f"{type(e).__name__}: {str(e)[:600]}"}
-        log(f"{name} cudnn paged: {row['cudnn']['error']}")
+        row["cudnn"] = {"error": f"{type(e).__name__}: {str(e)[:3000]}"}
+        log(f"{name} cudnn paged: {row['cudnn']['error'][:1500]}")
     return row
 
 
