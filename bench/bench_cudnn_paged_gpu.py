@@ -59,6 +59,10 @@ def make_case(q_lens: list[int], ctx_lens: list[int], block_size: int, seed: int
     for i, p in enumerate(pages):
         table[i, :p] = torch.tensor(perm[at:at + p], dtype=torch.int32)
         at += p
+    # the engine's cache is zero-initialized for this path: owned pages' unwritten tails and the
+    # null page (table padding) hold zeros; the pages no request owns keep NaN
+    cache[:, 0] = 0
+    cache[:, table[table > 0].long().cuda()] = 0
     for i, s in enumerate(seq_lens):
         kv = torch.randn(2, s, HKV, D, generator=g).to(DTYPE).cuda()
         pos = torch.arange(s)
@@ -148,19 +152,33 @@ class CudnnPagedPrefill:
         g.build_operation_graph()
         g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
         g.check_support()
-        g.build_plans()
+        g.build_plans(cudnn.build_plan_policy.ALL)
         self.build_s = time.perf_counter() - t0
         self.graph = g
-        self.workspace = torch.empty(max(1, g.get_workspace_size()), dtype=torch.uint8,
-                                     device="cuda")
+        self.plans = g.get_execution_plan_count()
+        ws = [g.get_workspace_size()]
+        for i in range(self.plans):
+            try:
+                ws.append(g.get_workspace_size_plan_at_index(i))
+            except Exception:  # noqa: BLE001
+                pass
+        self.workspace = torch.empty(max(1, *ws), dtype=torch.uint8, device="cuda")
 
-    def bind(self, case, out):
-        """The variant pack for one batch (offsets in elements of the token-major rows)."""
-        qsl = case.qsl.to(torch.int32)
+    def bind(self, case, out, batch: int | None = None, max_pages: int | None = None):
+        """The variant pack for one batch (offsets in elements of the token-major rows),
+        padded to ``batch`` requests of no tokens and ``max_pages`` table columns."""
+        B = len(case.q_lens)
+        batch, max_pages = batch or B, max_pages or case.table.shape[1]
+        qsl = torch.full((batch + 1,), case.T, dtype=torch.int32, device="cuda")
+        qsl[:B + 1] = case.qsl
+        table = torch.zeros(batch, max_pages, dtype=torch.int32, device="cuda")
+        table[:B, :case.table.shape[1]] = case.table
+        skv = torch.zeros(batch, dtype=torch.int32, device="cuda")
+        skv[:B] = case.seq_lens
         self._keep = dict(q_off=(qsl * (H * D)).view(-1, 1, 1, 1).contiguous(),
-                          pt=case.table.view(case.table.shape[0], 1, -1, 1).contiguous(),
+                          pt=table.view(batch, 1, -1, 1).contiguous(),
                           sq=(qsl[1:] - qsl[:-1]).view(-1, 1, 1, 1).contiguous(),
-                          skv=case.seq_lens.view(-1, 1, 1, 1).contiguous())
+                          skv=skv.view(-1, 1, 1, 1).contiguous())
         k = self._keep
         self.pack = {self.q: case.q, self.q_off: k["q_off"], self.k: case.cache[0],
                      self.v: case.cache[1], self.pt_k: k["pt"], self.pt_v: k["pt"],
@@ -169,6 +187,20 @@ class CudnnPagedPrefill:
 
     def __call__(self):
         self.graph.execute(self.pack, self.workspace, handle=self.handle)
+
+    def plan_times(self) -> list:
+        """Every built plan's time (us), None where it does not run."""
+        times = []
+        for i in range(self.plans):
+            try:
+                f = lambda i=i: self.graph.execute_plan_at_index(  # noqa: E731
+                    self.pack, self.workspace, i, handle=self.handle)
+                f()
+                torch.cuda.synchronize()
+                times.append(do_bench_us(f))
+            except Exception as e:  # noqa: BLE001
+                times.append(f"{type(e).__name__}: {str(e)[:120]}")
+        return times
 
 
 def run_case(cudnn, name: str, case) -> dict:
@@ -209,7 +241,48 @@ def run_case(cudnn, name: str, case) -> dict:
                         "declined": g.errors}
         log(f"{name} (block {case.block_size}) cudnn paged: {us:.0f} us {tflops(us):.0f} "
             f"TFLOP/s err {row['cudnn']['rel_err_ref']:.1e} vs triton "
-            f"{row['cudnn']['rel_err_vs_triton']:.1e} build {g.build_s:.2f} s")
+            f"{row['cudnn']['rel_err_vs_triton']:.1e} build {g.build_s:.2f} s "
+            f"mask variant {g.mask_variant}")
+        row["cudnn"]["plan_us"] = g.plan_times()
+        log(f"  plans ({g.plans}): {row['cudnn']['plan_us']}")
+        try:  # one CUDA-graph capture of the launch, replayed on zeroed output
+            cg = torch.cuda.CUDAGraph()
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                cudnn.set_stream(handle=g.handle, stream=s.cuda_stream)
+                g()
+                with torch.cuda.graph(cg, stream=s):
+                    g()
+            torch.cuda.current_stream().wait_stream(s)
+            cudnn.set_stream(handle=g.handle,
+                             stream=torch.cuda.current_stream().cuda_stream)
+            out_c.zero_()
+            cg.replay()
+            torch.cuda.synchronize()
+            row["cudnn"]["graph_replay_rel_err_vs_triton"] = rel_err(out_c, out_t.float())
+            row["cudnn"]["graph_replay_us"] = do_bench_us(cg.replay)
+        except Exception as e:  # noqa: BLE001
+            row["cudnn"]["graph_replay"] = f"{type(e).__name__}: {str(e)[:300]}"
+        log(f"  CUDA graph: {row['cudnn'].get('graph_replay_rel_err_vs_triton')} "
+            f"{row['cudnn'].get('graph_replay_us')} {row['cudnn'].get('graph_replay', '')}")
+        # the same batch under an over-declared graph (the engine's buckets): 2x the requests,
+        # max_num_batched_tokens rows, max_model_len keys
+        try:
+            B2, mq2, mkv2 = 2 * B, 16384, 8192
+            mp2 = mkv2 // case.block_size
+            g2 = CudnnPagedPrefill(cudnn, B2, mq2, mkv2, mq2, case.cache.shape[1],
+                                   case.block_size, mp2)
+            out_c.fill_(float("nan"))
+            g2.bind(case, out_c, batch=B2, max_pages=mp2)
+            g2()
+            torch.cuda.synchronize()
+            us2 = do_bench_us(g2)
+            row["cudnn_declared"] = {"batch": B2, "max_q": mq2, "max_kv": mkv2, "us": us2,
+                                     "rel_err_vs_triton": rel_err(out_c, out_t.float())}
+        except Exception as e:  # noqa: BLE001
+            row["cudnn_declared"] = {"error": f"{type(e).__name__}: {str(e)[:1500]}"}
+        log(f"  over-declared: {row['cudnn_declared']}")
     except Exception as e:  # noqa: BLE001
         row["cudnn"] = {"error": f"{type(e).__name__}: {str(e)[:3000]}"}
         log(f"{name} cudnn paged: {row['cudnn']['error'][:1500]}")
