@@ -77,7 +77,7 @@ def build_pagedkv(args) -> tuple[LLM, str]:
     if args.no_cascade or args.prefill_config or args.reduce_heads or args.fresh_prefill \
             or args.decode_order is not None or args.flat_split is not None \
             or args.lpt_one_range is not None or args.fused_reduce is not None \
-            or args.decode_config:
+            or args.decode_config or args.paged_prefill:
         # the Triton backend with cascade (shared-prefix) attention off, or with other
         # prefill launches (which the cascade prefix launch then takes as well), or another
         # reduce width of the decode kernel
@@ -111,6 +111,7 @@ def build_pagedkv(args) -> tuple[LLM, str]:
                                      **decode_config_fields(args.decode_config))
         kw["attention_backend"] = TritonAttentionBackend(
             prefill_config=pc, decode_config=dc, fresh_prefill=args.fresh_prefill or "auto",
+            paged_prefill=args.paged_prefill or "auto",
             cascade=None if args.no_cascade else CascadeConfig())
     if args.model:
         return LLM(args.model, tokenizer=False, **kw), args.model
@@ -353,6 +354,9 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-config", default=None, metavar="BM,BN,WARPS,STAGES,PACK",
                    help="the Triton backend's prefill launches (PrefillConfig: tokens and keys "
                         "a tile, warps, stages, query heads a program), e.g. 64,64,4,4,1 (A/B)")
+    p.add_argument("--paged-prefill", default=None, choices=["auto", "triton", "cudnn"],
+                   help="the Triton backend's prefill requests: its paged kernel or cuDNN's "
+                        "paged attention (TritonAttentionBackend(paged_prefill=...); A/B runs)")
     p.add_argument("--fresh-prefill", default=None, choices=["auto", "triton", "varlen", "cudnn"],
                    help="the Triton backend's fresh-prefill path (TritonAttentionBackend"
                         "(fresh_prefill=...); A/B runs)")

@@ -14,6 +14,15 @@ if [ -n "${TRANSFORMERS_WHEELS:-}" ]; then
     && PYTHONPATH=$side:$PYTHONPATH python3 -c "import transformers; transformers.AutoConfig" \
     && export PYTHONPATH=$side:$PYTHONPATH || echo "carried transformers did not import: using the device's"
 fi
+# CUDNN_WHEELS=DIR (default .whl/cudnn_fe when present: scripts/cudnn_wheels.sh): the
+# nvidia-cudnn-frontend wheel, installed the same way (cuDNN's paged attention tests need it)
+cw=${CUDNN_WHEELS:-.whl/cudnn_fe}
+if [ -d "$cw" ]; then
+  side=${TMPDIR:-/tmp}/pagedkv-cudnn-fe
+  rm -rf "$side"; python3 -m pip install -q --no-index --no-deps --target "$side" "$cw"/*.whl 2>/dev/null \
+    && PYTHONPATH=$side:$PYTHONPATH python3 -c "import cudnn; print('cudnn frontend', cudnn.__version__, 'backend', cudnn.backend_version())" \
+    && export PYTHONPATH=$PYTHONPATH:$side || echo "carried cudnn frontend did not import"
+fi
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
   cat COMMIT 2>/dev/null; } | tee "$OUT/env.txt"

@@ -22,6 +22,14 @@
          (``skip_fresh_from``). Not on layers with a sliding window, a logit soft cap or
          sinks, not over an FP8 cache, not in CUDA graphs (a mixed-step graph's plan serves
          every request with the Triton kernels);
+       * with ``paged_prefill="cudnn"`` (where cuDNN's paged attention runs:
+         ``pagedkv.attention.cudnn_paged``), every request with more than one query token,
+         fresh or after cached context, eager or in a mixed-step CUDA graph -> one cuDNN
+         graph launch over the paged cache (the decode kernel keeps the single-token rows).
+         Not on layers with a sliding window, a logit soft cap or sinks, not over an FP8
+         cache, not on cascade steps; a graph first needed inside a CUDA-graph capture
+         (never, after the runner's eager warm-up runs) leaves that capture to the Triton
+         kernel;
   3. rows past ``query_start_loc[num_reqs]`` (CUDA-graph padding) are zero.
 
 A layer's attention sinks (``sinks [H]``, GPT-OSS) reach both kernels (the varlen path has
@@ -85,6 +93,12 @@ from pagedkv.attention.backend import (
     AttentionMetadataLike,
     AttentionPlan,
 )
+from pagedkv.attention.cudnn_paged import (
+    CudnnPagedGraph,
+    cudnn_paged_available,
+    cudnn_paged_inputs,
+    declared_shape,
+)
 from pagedkv.attention.cudnn_prefill import (
     cudnn_prefill_attention,
     cudnn_prefill_available_for,
@@ -114,6 +128,12 @@ from pagedkv.kernels.fp8_kv import is_fp8_kv
 from pagedkv.kernels.reshape_and_cache import reshape_and_cache
 
 FRESH_PREFILL_CHOICES = ("auto", "triton", "varlen", "cudnn")
+PAGED_PREFILL_CHOICES = ("auto", "triton", "cudnn")
+# What "auto" picks for requests of more than one query token (H200, bf16, block 16,
+# bench/bench_cudnn_paged_gpu.py): cuDNN over the paged cache 329 us on 8 x 2,048 causal (418
+# TFLOP/s) against the Triton kernel's 433; a W2-like step (7,000 + 6,500 fresh + 2,860 after
+# 4,000) 1,073 against 1,360 us. Not yet measured end to end: opt-in.
+AUTO_PAGED_PREFILL = "triton"
 # What "auto" picks for batches of fresh prefills on CUDA (bf16/fp16). Measured on the H200
 # (bench/bench_attention_gpu.py, 8 x 2048 causal, 16 q / 8 KV heads, head_dim 128, bf16,
 # 7ad6768): the paged Triton kernel 512 us (269 TFLOP/s; 477 with two query heads a program);
@@ -220,6 +240,10 @@ class TritonAttentionBackend(AttentionBackend):
             fused attention, one call a request, where available, else the Triton kernel)
             or ``"auto"`` (the faster one on the H200: ``AUTO_FRESH_PREFILL``).
         cudnn_min_query_len: see ``fresh_prefill="cudnn"``.
+        paged_prefill: requests of more than one query token: ``"triton"`` (the paged prefill
+            kernel), ``"cudnn"`` (cuDNN's fused attention over the paged cache where available:
+            ``pagedkv.attention.cudnn_paged``; takes precedence over ``fresh_prefill``) or
+            ``"auto"`` (``AUTO_PAGED_PREFILL``).
         decode_config / prefill_config: launch parameters (default per device).
         cascade: when to take cascade attention (:class:`CascadeConfig`); None: never.
     """
@@ -237,10 +261,23 @@ class TritonAttentionBackend(AttentionBackend):
         that path runs."""
         return self.fresh_prefill == "triton"
 
+    def wants_cudnn_paged(self, layout: AttentionLayout) -> bool:
+        """Whether this backend's prefill requests of ``layout``'s layers take cuDNN's paged
+        attention (asked for, and available for the layout)."""
+        return (self.paged_prefill == "cudnn" and layout.sliding_window is None
+                and layout.logits_soft_cap is None
+                and cudnn_paged_available(layout.dtype, layout.device, layout.head_dim))
+
     def __init__(self, *, fresh_prefill: str = "auto", decode_config: DecodeConfig | None = None,
                  prefill_config: PrefillConfig | None = None,
                  cascade: CascadeConfig | None = CascadeConfig(),
-                 cudnn_min_query_len: int = CUDNN_MIN_QUERY_LEN):
+                 cudnn_min_query_len: int = CUDNN_MIN_QUERY_LEN,
+                 paged_prefill: str = "auto"):
+        if paged_prefill not in PAGED_PREFILL_CHOICES:
+            raise ConfigError(f"unknown paged_prefill {paged_prefill!r}; use one of "
+                              f"{', '.join(PAGED_PREFILL_CHOICES)}")
+        self.paged_prefill = AUTO_PAGED_PREFILL if paged_prefill == "auto" else paged_prefill
+        self._cudnn_graphs: dict = {}  # declared shape -> CudnnPagedGraph
         if fresh_prefill not in FRESH_PREFILL_CHOICES:
             raise ConfigError(f"unknown fresh_prefill {fresh_prefill!r}; use one of "
                               f"{', '.join(FRESH_PREFILL_CHOICES)}")
@@ -399,12 +436,21 @@ class TritonAttentionBackend(AttentionBackend):
         if plan.varlen and sinks is None and not is_fp8_kv(kv_cache.dtype):
             varlen_prefill_attention(q, k, v, qsl[: n + 1], plan.end, plan.max_q, scale, out)
             return out
+        # cuDNN over the paged cache: every request of more than one query token
+        graph = None
+        if plan.cudnn_paged and sinks is None and not is_fp8_kv(kv_cache.dtype):
+            graph = self._cudnn_paged_graph(plan, q, out, kv_cache, scale)
+            if graph is not None and plan.mixed_graph:
+                out.zero_()  # rows no request owns (a graph's host end is the capture's)
         if plan.has_decode:
             paged_decode_attention(q, kv_cache, table, qsl, seq_lens, n, scale, out,
                                    max_seq_len=plan.max_seq_len, config=self.decode_config,
                                    check=check, workspace=plan.workspace,
                                    sliding_window=window, logits_soft_cap=cap, sinks=sinks,
                                    order=getattr(metadata, "decode_order", None), **scales)
+        if graph is not None:
+            graph(q, kv_cache, out, plan.cudnn_inputs(q, out))
+            return out
         # cuDNN's fresh requests (not for sinks, not over an FP8 cache)
         skip_fresh = 0
         if plan.cudnn_reqs and sinks is None and not is_fp8_kv(kv_cache.dtype):
@@ -422,6 +468,29 @@ class TritonAttentionBackend(AttentionBackend):
                                 sliding_window=window, logits_soft_cap=cap, sinks=sinks,
                                 **scales)
         return out
+
+    def _cudnn_paged_graph(self, plan: "TritonPlan", q: torch.Tensor, out: torch.Tensor,
+                           kv_cache: torch.Tensor, scale: float):
+        """The cuDNN graph of this step's declared shape (built and cached on first use), or
+        None inside a CUDA-graph capture that finds none built (that capture then takes the
+        Triton kernel)."""
+        batch, max_q = declared_shape(plan.n, q.shape[0])
+        half = kv_cache[0]
+        key = (q.device, q.dtype, q.shape[1], q.shape[2], batch, max_q, tuple(half.shape),
+               tuple(half.stride()), plan.metadata.block_table_tensor.shape[1], q.stride(0),
+               out.stride(0), float(scale))
+        graph = self._cudnn_graphs.get(key)
+        if graph is None:
+            if plan.capturing:
+                return None
+            if q.stride(2) != 1 or q.stride(1) != q.shape[2] or out.stride(1) != out.shape[2]:
+                return None  # heads not packed in their rows: the Triton kernel
+            graph = self._cudnn_graphs[key] = CudnnPagedGraph(
+                dtype=q.dtype, num_heads=q.shape[1], head_dim=q.shape[2], batch=batch,
+                max_q=max_q, cache_shape=tuple(half.shape), cache_strides=tuple(half.stride()),
+                width=plan.metadata.block_table_tensor.shape[1], q_token_stride=q.stride(0),
+                o_token_stride=out.stride(0), scale=scale, device=q.device)
+        return graph
 
     def _warm_cudnn(self, q: torch.Tensor, kv_heads: int, scale: float, tokens: int) -> None:
         """cuDNN's plans for every padded length up to ``tokens`` (``warm_plans``), once per
@@ -494,7 +563,8 @@ class TritonPlan(AttentionPlan):
 
     __slots__ = ("slots", "triton", "workspace", "n", "decode_only", "varlen", "has_decode",
                  "balanced", "end", "max_q", "max_seq_len", "capturing", "checked", "cascade",
-                 "prefix", "_cascade_parts", "backend", "cudnn_reqs", "triton_prefill_rest")
+                 "prefix", "_cascade_parts", "backend", "cudnn_reqs", "triton_prefill_rest",
+                 "cudnn_paged", "mixed_graph", "_cudnn_inputs")
 
     def __init__(self, backend: TritonAttentionBackend, metadata, layout: AttentionLayout):
         super().__init__(metadata, layout)
@@ -514,6 +584,9 @@ class TritonPlan(AttentionPlan):
         self.backend = backend
         self.cudnn_reqs: tuple = ()  # (first row, query tokens) of cuDNN's requests
         self.triton_prefill_rest = True  # a request the paged prefill kernel still serves
+        self.cudnn_paged = False  # the prefill requests take cuDNN's paged attention
+        self.mixed_graph = bool(getattr(metadata, "mixed_graph", False))
+        self._cudnn_inputs = None
         if not self.triton or n == 0:
             return
         # cascade attention: a graph's baked decision, else the backend's for this step
@@ -522,7 +595,8 @@ class TritonPlan(AttentionPlan):
         if want is None:
             want = backend.use_cascade(n, self.prefix, layout)
         self.cascade = bool(want) and backend.cascade_capable(layout)
-        if getattr(metadata, "mixed_graph", False):
+        self.cudnn_paged = not self.cascade and backend.wants_cudnn_paged(layout)
+        if self.mixed_graph:
             # a mixed-step graph: the launches are sized by the capture's bounds (every row
             # may be a query row: num_actual_tokens; any request a decode) and the kernels
             # read the lengths on the device; the host lengths are the capture batch's
@@ -570,6 +644,17 @@ class TritonPlan(AttentionPlan):
                 self.cudnn_reqs = tuple((int(qsl_h[r]), int(q_lens[r]))
                                         for r in np.flatnonzero(take))
                 self.triton_prefill_rest = bool(((q_lens > 1) & ~take).any())
+
+    def cudnn_inputs(self, q: torch.Tensor, out: torch.Tensor) -> dict:
+        """The cuDNN paged launch's per-step inputs (:func:`cudnn_paged_inputs`, made at the
+        first layer on the device, shared by the others)."""
+        if self._cudnn_inputs is None:
+            md = self.metadata
+            batch, _ = declared_shape(self.n, q.shape[0])
+            self._cudnn_inputs = cudnn_paged_inputs(md.query_start_loc, md.seq_lens,
+                                                    md.block_table_tensor, self.n, batch,
+                                                    q.stride(0), out.stride(0))
+        return self._cudnn_inputs
 
     def cascade_parts(self, q: torch.Tensor, kv_cache: torch.Tensor) -> "_CascadeParts":
         """The step's cascade tensors (made at the first layer, shared by the others)."""
@@ -655,5 +740,6 @@ class _CascadeParts:
         self.suffix_lse = torch.empty(rows, heads, dtype=f32, device=dev)
 
 
-__all__ = ["AUTO_FRESH_PREFILL", "CASCADE", "FRESH_PREFILL_CHOICES", "CascadeConfig",
+__all__ = ["AUTO_FRESH_PREFILL", "AUTO_PAGED_PREFILL", "CASCADE", "FRESH_PREFILL_CHOICES",
+           "PAGED_PREFILL_CHOICES", "CascadeConfig",
            "TritonAttentionBackend", "TritonPlan"]

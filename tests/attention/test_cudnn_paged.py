@@ -1,0 +1,158 @@
+"""cuDNN's paged attention path (``pagedkv.attention.cudnn_paged``): the declared shapes and the
+per-step inputs by hand on the CPU, the backend's option and its fallback where the path is
+unavailable; natively (GPU, with the ``nvidia-cudnn-frontend`` package) the launch against the
+torch reference on NaN-poisoned caches, eager and replayed in a CUDA graph."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pagedkv.attention.cudnn_paged import (
+    cudnn_paged_available,
+    cudnn_paged_inputs,
+    declared_shape,
+    frontend,
+)
+from pagedkv.attention.torch_ref import paged_attention_ref
+from pagedkv.attention.triton_backend import TritonAttentionBackend
+from pagedkv.errors import ConfigError
+
+
+def test_declared_shape_by_hand():
+    assert declared_shape(1, 5) == (8, 1024)
+    assert declared_shape(8, 1024) == (8, 1024)
+    assert declared_shape(9, 1025) == (16, 2048)
+    assert declared_shape(200, 16384) == (256, 16384)
+    assert declared_shape(256, 9000) == (256, 16384)
+
+
+def test_inputs_by_hand():
+    """Four requests: a decode (1 token), a 3-token chunk after 4 cached, an empty one, a
+    5-token fresh prefill; declared for 8: only requests 1 and 3 get lengths, offsets are the
+    rows times the token stride, padding starts at the end, table rows past 4 are zero."""
+    qsl = torch.tensor([0, 1, 4, 4, 9], dtype=torch.int32)
+    seq = torch.tensor([10, 7, 0, 5], dtype=torch.int32)
+    table = torch.arange(12, dtype=torch.int32).view(4, 3) + 1
+    got = cudnn_paged_inputs(qsl, seq, table, 4, 8, q_token_stride=100, o_token_stride=7)
+    assert got["seq_q"].flatten().tolist() == [0, 3, 0, 5, 0, 0, 0, 0]
+    assert got["seq_kv"].flatten().tolist() == [0, 7, 0, 5, 0, 0, 0, 0]
+    assert got["q_off"].flatten().tolist() == [0, 100, 400, 400, 900, 900, 900, 900, 900]
+    assert got["o_off"].flatten().tolist() == [0, 7, 28, 28, 63, 63, 63, 63, 63]
+    t = got["table"]
+    assert t.shape == (8, 1, 3, 1) and t.dtype == torch.int32
+    assert t[:4, 0, :, 0].tolist() == table.tolist() and not t[4:].any()
+    for k in ("seq_q", "seq_kv", "q_off", "o_off"):
+        assert got[k].dtype == torch.int32
+    with pytest.raises(ConfigError):
+        cudnn_paged_inputs(qsl, seq, table, 4, 3, 1, 1)
+
+
+def test_backend_option_and_fallback():
+    with pytest.raises(ConfigError, match="paged_prefill"):
+        TritonAttentionBackend(paged_prefill="flash")
+    assert TritonAttentionBackend().paged_prefill in ("triton", "cudnn")
+    b = TritonAttentionBackend(paged_prefill="cudnn")
+    assert b.paged_prefill == "cudnn"
+    from pagedkv.attention.backend import AttentionLayout
+
+    cpu = AttentionLayout(4, 2, 16, torch.float32, torch.device("cpu"))
+    assert not cudnn_paged_available(torch.bfloat16, torch.device("cpu"), 128)
+    assert not b.wants_cudnn_paged(cpu)  # no CUDA here: the Triton / reference path
+
+
+def test_cpu_engine_with_cudnn_asked_matches_default(tiny_dir):
+    """Asked for where it cannot run (CPU), the backend serves prefills as the default does."""
+    from pagedkv import LLM, SamplingParams
+
+    path = tiny_dir("qwen3")
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [12] * 20]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outs = []
+    for mode in ("triton", "cudnn"):
+        llm = LLM(path, dtype="float32", device="cpu", max_num_seqs=4, max_model_len=64,
+                  num_gpu_blocks_override=64,
+                  attention_backend=TritonAttentionBackend(paged_prefill=mode))
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                   use_tqdm=False)])
+    assert outs[0] == outs[1]
+
+
+def _case(q_lens, ctx_lens, bs, H, HKV, D, dtype, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    seq = [c + n for c, n in zip(ctx_lens, q_lens)]
+    pages = [-(-s // bs) for s in seq]
+    nb = 1 + sum(pages) + 3
+    cache = torch.full((2, nb, bs, HKV, D), float("nan"), dtype=dtype)
+    perm = (torch.randperm(nb - 1, generator=g) + 1).tolist()
+    width = max(pages) + 2
+    table = torch.zeros(len(seq), width, dtype=torch.int32)
+    at = 0
+    for i, p in enumerate(pages):
+        table[i, :p] = torch.tensor(perm[at:at + p], dtype=torch.int32)
+        at += p
+    cache[:, 0] = 0  # the null block, and the owned pages' unwritten tails: zero (the runner's)
+    cache[:, table[table > 0].long()] = 0
+    for i, s in enumerate(seq):
+        pos = torch.arange(s)
+        slot = table[i, pos // bs].long() * bs + pos % bs
+        cache[0].view(-1, HKV, D)[slot] = torch.randn(s, HKV, D, generator=g).to(dtype)
+        cache[1].view(-1, HKV, D)[slot] = torch.randn(s, HKV, D, generator=g).to(dtype)
+    T = sum(q_lens)
+    # q as a view into a wider projection row (token stride > H D), like a fused qkv output
+    wide = torch.randn(T, (H + 2 * HKV) * D, generator=g).to(dtype)
+    q = wide[:, : H * D].view(T, H, D)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    return q, cache, table, qsl, torch.tensor(seq, dtype=torch.int32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cudnn_paged_matches_reference_gpu(dtype):
+    """Mixed requests (a decode, a fresh prefill, a chunk after context, an empty one; lengths
+    off the page size), pages of 16 in shuffled order, NaN in every page no request owns, q a
+    strided view: the prefill rows equal the fp32 reference, the decode / padding rows are
+    left alone; the same launch replayed in a CUDA graph."""
+    if frontend() is None:
+        pytest.skip("nvidia-cudnn-frontend not installed (or cuDNN < 9.5)")
+    from pagedkv.attention.cudnn_paged import CudnnPagedGraph
+
+    H, HKV, D, bs = 8, 2, 128, 16
+    q_lens, ctx = [1, 300, 77, 0, 129], [40, 0, 500, 0, 1]
+    q, cache, table, qsl, seq = (t.cuda() for t in _case(q_lens, ctx, bs, H, HKV, D, dtype))
+    n = len(q_lens)
+    batch, max_q = declared_shape(n, q.shape[0])
+    out = torch.full((q.shape[0], H, D), 7.0, dtype=dtype, device="cuda")
+    g = CudnnPagedGraph(dtype=dtype, num_heads=H, head_dim=D, batch=batch, max_q=max_q,
+                        cache_shape=tuple(cache[0].shape), cache_strides=tuple(cache[0].stride()),
+                        width=table.shape[1], q_token_stride=q.stride(0),
+                        o_token_stride=out.stride(0), scale=D ** -0.5, device=q.device)
+    inputs = cudnn_paged_inputs(qsl, seq, table, n, batch, q.stride(0), out.stride(0))
+    g(q, cache, out, inputs)
+    torch.cuda.synchronize()
+    md = SimpleNamespace(query_start_loc_cpu=qsl.cpu(), num_reqs=n, seq_lens_cpu=seq.cpu(),
+                         block_table_tensor=table)
+    ref = paged_attention_ref(q.float(), cache, md, D ** -0.5)
+    rows = torch.zeros(q.shape[0], dtype=torch.bool)
+    for r in range(n):
+        if q_lens[r] > 1:
+            rows[int(qsl[r]):int(qsl[r + 1])] = True
+    rows = rows.cuda()
+    torch.testing.assert_close(out[rows].float(), ref[rows].float(), atol=2e-2, rtol=2e-2)
+    assert (out[~rows] == 7.0).all()  # the decode row: the decode kernel's
+    # replayed in a CUDA graph (inputs made inside the capture)
+    out2 = torch.full_like(out, 7.0)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    cg = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        g(q, cache, out2, cudnn_paged_inputs(qsl, seq, table, n, batch, q.stride(0),
+                                             out2.stride(0)))
+        with torch.cuda.graph(cg, stream=s):
+            g(q, cache, out2, cudnn_paged_inputs(qsl, seq, table, n, batch, q.stride(0),
+                                                 out2.stride(0)))
+    torch.cuda.current_stream().wait_stream(s)
+    out2.fill_(7.0)
+    cg.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out2, out)
