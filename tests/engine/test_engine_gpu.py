@@ -389,18 +389,25 @@ def test_sliding_window_families_bf16_match_transformers(tiny_cache, family):
     assert max(margins) < 0.25 and exact >= 0.8 * len(margins)
 
 
+def _long_prompts_case(tiny_dir, seed: int):
+    """A 2,048-position tiny Qwen3, five prompts of 40-1,500 random token ids (chunked, mixed
+    steps under a 1,024-token budget) and greedy 8-token parameters with logprobs."""
+    import random
+
+    rng = random.Random(seed)
+    path = tiny_dir("qwen3", max_position_embeddings=2048)
+    prompts = [[rng.randrange(1, 500) for _ in range(n)] for n in (300, 1500, 700, 40, 1100)]
+    return path, prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                                         logprobs=1)
+
+
 def test_cudnn_fresh_prefill_engine_matches_triton(tiny_dir):
     """The engine with fresh prefills through cuDNN (``fresh_prefill="cudnn"``, from 256
     tokens here; fp16) against the paged Triton kernel alone: prompts of 300-1,500 token ids
     in chunked, mixed steps (a 1,024-token budget), greedy tokens and their logprobs."""
-    import random
-
     from pagedkv.attention.triton_backend import TritonAttentionBackend
 
-    rng = random.Random(3)
-    path = tiny_dir("qwen3", max_position_embeddings=2048)
-    prompts = [[rng.randrange(1, 500) for _ in range(n)] for n in (300, 1500, 700, 40, 1100)]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    path, prompts, params = _long_prompts_case(tiny_dir, 3)
     outs = {}
     for mode in ("triton", "cudnn"):
         backend = TritonAttentionBackend(fresh_prefill=mode, cudnn_min_query_len=256)
@@ -422,17 +429,12 @@ def test_cudnn_paged_prefill_engine_matches_triton(tiny_dir, mixed_graphs):
     token ids in chunked, mixed steps (a 1,024-token budget: chunks after cached context),
     with mixed-step CUDA graphs (the cuDNN launch captured) and eager; greedy tokens and
     their logprobs."""
-    import random
-
     from pagedkv.attention.cudnn_paged import frontend
     from pagedkv.attention.triton_backend import TritonAttentionBackend
 
     if frontend() is None:
         pytest.skip("nvidia-cudnn-frontend not installed (or cuDNN < 9.5)")
-    rng = random.Random(5)
-    path = tiny_dir("qwen3", max_position_embeddings=2048)
-    prompts = [[rng.randrange(1, 500) for _ in range(n)] for n in (300, 1500, 700, 40, 1100)]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    path, prompts, params = _long_prompts_case(tiny_dir, 5)
     outs = {}
     for mode in ("triton", "cudnn"):
         backend = TritonAttentionBackend(paged_prefill=mode)
