@@ -81,6 +81,7 @@ backend falls back to ``paged_attention_ref``, like the index layer's launchers 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -277,7 +278,7 @@ class TritonAttentionBackend(AttentionBackend):
             raise ConfigError(f"unknown paged_prefill {paged_prefill!r}; use one of "
                               f"{', '.join(PAGED_PREFILL_CHOICES)}")
         self.paged_prefill = AUTO_PAGED_PREFILL if paged_prefill == "auto" else paged_prefill
-        self._cudnn_graphs: dict = {}  # declared shape -> CudnnPagedGraph
+        self._cudnn_graphs: dict = {}  # declared shape -> CudnnPagedGraph (False: declined)
         if fresh_prefill not in FRESH_PREFILL_CHOICES:
             raise ConfigError(f"unknown fresh_prefill {fresh_prefill!r}; use one of "
                               f"{', '.join(FRESH_PREFILL_CHOICES)}")
@@ -485,12 +486,21 @@ class TritonAttentionBackend(AttentionBackend):
                 return None
             if q.stride(2) != 1 or q.stride(1) != q.shape[2] or out.stride(1) != out.shape[2]:
                 return None  # heads not packed in their rows: the Triton kernel
-            graph = self._cudnn_graphs[key] = CudnnPagedGraph(
-                dtype=q.dtype, num_heads=q.shape[1], head_dim=q.shape[2], batch=batch,
-                max_q=max_q, cache_shape=tuple(half.shape), cache_strides=tuple(half.stride()),
-                width=plan.metadata.block_table_tensor.shape[1], q_token_stride=q.stride(0),
-                o_token_stride=out.stride(0), scale=scale, device=q.device)
-        return graph
+            try:
+                graph = CudnnPagedGraph(
+                    dtype=q.dtype, num_heads=q.shape[1], head_dim=q.shape[2], batch=batch,
+                    max_q=max_q, cache_shape=tuple(half.shape),
+                    cache_strides=tuple(half.stride()),
+                    width=plan.metadata.block_table_tensor.shape[1],
+                    q_token_stride=q.stride(0), o_token_stride=out.stride(0), scale=scale,
+                    device=q.device)
+            except Exception as e:  # noqa: BLE001 - cuDNN declined the graph: Triton serves
+                warnings.warn(f"cuDNN's paged attention declined {key[4:6]} (requests, rows): "
+                              f"{type(e).__name__}: {str(e)[:300]}; the Triton kernel serves "
+                              "these steps", RuntimeWarning, stacklevel=2)
+                graph = False
+            self._cudnn_graphs[key] = graph
+        return graph or None
 
     def _warm_cudnn(self, q: torch.Tensor, kv_heads: int, scale: float, tokens: int) -> None:
         """cuDNN's plans for every padded length up to ``tokens`` (``warm_plans``), once per

@@ -442,7 +442,8 @@ def test_cudnn_paged_prefill_engine_matches_triton(tiny_dir, mixed_graphs):
                        num_gpu_blocks_override=1024, attention_backend=backend,
                        mixed_cuda_graphs=mixed_graphs)
         outs[mode] = llm.generate(prompts, params, use_tqdm=False)
-        assert bool(backend._cudnn_graphs) is (mode == "cudnn")  # the path ran
+        graphs = list(backend._cudnn_graphs.values())
+        assert bool(graphs) is (mode == "cudnn") and all(graphs)  # the path ran, none declined
     for a, b in zip(outs["triton"], outs["cudnn"]):
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
         # bf16: a near tie may flip; the tokens before it and the logprobs there must agree
