@@ -348,7 +348,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="the attention KV cache: auto (the model's dtype) or fp8 (e4m3)")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch_ref", "triton"])
+    p.add_argument("--attention-backend", default="auto",
+                   choices=["auto", "torch_ref", "triton", "triton+cudnn"])
     p.add_argument("--no-cascade", action="store_true",
                    help="the Triton backend without cascade (shared-prefix) attention")
     p.add_argument("--prefill-config", default=None, metavar="BM,BN,WARPS,STAGES,PACK",

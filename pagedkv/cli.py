@@ -213,7 +213,9 @@ def _engine_args(p: argparse.ArgumentParser, batched_tokens: int | None = None) 
     g.add_argument("--mixed-cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="also capture CUDA graphs of mixed prefill / decode steps (default: on; "
                         "--no-mixed-cuda-graphs runs them eagerly)")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch_ref", "triton"])
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch_ref", "triton", "triton+cudnn"],
+                   help="triton+cudnn: the Triton backend with prefills through cuDNN's paged "
+                        "attention (needs pagedkv[cudnn]; its own kernel where unavailable)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="worker processes, one per rank, each holding a shard of the model "

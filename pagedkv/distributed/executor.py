@@ -285,7 +285,7 @@ def build_tensor_parallel_engine(model_dir: str | None, tokenizer, config, ec, *
 
     world, dcp = ec.tensor_parallel_size, ec.decode_context_parallel_size
     check_tensor_parallel(config, world, dcp=dcp)
-    if dcp > 1 and (attention_backend == "triton" or (attention_backend == "auto"
+    if dcp > 1 and (attention_backend in ("triton", "triton+cudnn") or (attention_backend == "auto"
                                                       and device.type == "cuda")
                     or not isinstance(attention_backend, str)):
         from pagedkv.errors import ConfigError

@@ -71,14 +71,18 @@ from pagedkv.worker.model_runner import (
 )
 from pagedkv.worker.kv_caches import kv_block_bytes
 
-ATTENTION_BACKENDS = ("auto", "torch_ref", "triton")
+# "triton+cudnn": the Triton backend with its prefill requests through cuDNN's paged attention
+# where that runs (TritonAttentionBackend(paged_prefill="cudnn"): pip install pagedkv[cudnn])
+ATTENTION_BACKENDS = ("auto", "torch_ref", "triton", "triton+cudnn")
 
 PromptType = str | Sequence[int]
 
 
 def make_attention_backend(name: str | AttentionBackend, device: torch.device) -> AttentionBackend:
     """``"auto"``: the Triton backend on CUDA, the torch reference on CPU; ``"triton"`` needs
-    CUDA (or ``TRITON_INTERPRET=1``); an ``AttentionBackend`` instance is used as is."""
+    CUDA (or ``TRITON_INTERPRET=1``); ``"triton+cudnn"``: the Triton backend with
+    ``paged_prefill="cudnn"`` (its prefill requests through cuDNN's paged attention where
+    available, else its own kernel); an ``AttentionBackend`` instance is used as is."""
     if isinstance(name, AttentionBackend):
         return name
     if name not in ATTENTION_BACKENDS:
@@ -91,6 +95,8 @@ def make_attention_backend(name: str | AttentionBackend, device: torch.device) -
         return TorchRefBackend()
     from pagedkv.attention.triton_backend import TritonAttentionBackend
 
+    if name == "triton+cudnn":
+        return TritonAttentionBackend(paged_prefill="cudnn")
     return TritonAttentionBackend()
 
 

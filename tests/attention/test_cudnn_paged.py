@@ -156,3 +156,25 @@ def test_cudnn_paged_matches_reference_gpu(dtype):
     cg.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out2, out)
+
+
+def test_triton_cudnn_backend_name_and_cli():
+    """``attention_backend="triton+cudnn"``: the Triton backend asking for cuDNN's paged
+    prefills; the command line offers exactly the engine's names."""
+    import argparse
+
+    from pagedkv.cli import _engine_args
+    from pagedkv.engine.llm_engine import ATTENTION_BACKENDS, make_attention_backend
+
+    b = make_attention_backend("triton+cudnn", torch.device("cpu"))
+    assert isinstance(b, TritonAttentionBackend) and b.paged_prefill == "cudnn"
+    assert make_attention_backend("triton", torch.device("cpu")).paged_prefill in ("triton",
+                                                                                  "cudnn")
+    p = argparse.ArgumentParser()
+    _engine_args(p)
+    action = next(a for a in p._actions if a.dest == "attention_backend")
+    assert tuple(action.choices) == ATTENTION_BACKENDS
+    assert p.parse_args(["--attention-backend", "triton+cudnn"]).attention_backend == \
+        "triton+cudnn"
+    with pytest.raises(ConfigError, match="attention_backend"):
+        make_attention_backend("cudnn", torch.device("cpu"))
