@@ -19,6 +19,21 @@ OUT=${OUT:-/tmp/pagedkv-gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 cat COMMIT 2>/dev/null | tee "$OUT/env.txt"
 run() { local name=$1 t=$2; shift 2; echo "== $name"; timeout $t "$@" 2>&1 | grep -v -i warn | tee "$OUT/$name.log" | tail -${TAIL:-14}; }
+# ab_pairs PAIRS "WORKLOADS" "FLAGS" TXT: PAIRS rounds of each workload through bench_w1.py in
+# alternating processes, the defaults then FLAGS; one line a run (tok/s, start-up) in $OUT/TXT
+ab_pairs() {
+  local pairs=$1 workloads=$2 flags=$3 txt=$4 i w f
+  for i in $(seq 1 "$pairs"); do
+    for w in $workloads; do
+      for f in "" "$flags"; do
+        # shellcheck disable=SC2086
+        timeout 150 python3 bench/bench_w1.py --workload $w $f --json "$OUT/ab.json" > "$OUT/ab.log" 2>&1
+        echo "$w pair $i [$f]: $(python3 -c "import json; r=json.load(open('$OUT/ab.json')); print(round(r['pagedkv']['output_tokens_per_s']), 'startup_s', round(r.get('startup_s', -1), 1))" 2>/dev/null || tail -2 $OUT/ab.log)" | tee -a "$OUT/$txt"
+      done
+    done
+  done
+  rm -f "$OUT/ab.json" "$OUT/ab.log"
+}
 if [ -n "${PDL_AB:-}" ]; then  # programmatic dependent launch: the decode kernels off / on (bench_pdl_gpu.py), its GPU test, then W1 with PAGEDKV_PDL 0 / 1 (PDL_AB_WORKLOADS), alternating
   python3 -c "import torch, torch._inductor.config as c; print('torch', torch.__version__, 'inductor enable_pdl', getattr(c.triton, 'enable_pdl', 'absent'))" | tee "$OUT/pdl_env.txt"
   [ -z "${SKIP_PDL_BENCH:-}" ] && for tr in ${PDL_TRIGGERS:-early}; do
@@ -187,16 +202,7 @@ if [ -n "${CUDNN_PAGED:-}" ]; then  # cuDNN's paged attention for prefills (twen
   python3 -c "import cudnn; print('cudnn frontend', cudnn.__version__, 'backend', cudnn.backend_version())" | tee -a "$OUT/cudnn_paged.txt"
   [ -z "${SKIP_CUDNN_TESTS:-}" ] && TAIL=3 run cudnn_paged_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/attention/test_cudnn_paged.py tests/engine/test_engine_gpu.py -k "cudnn_paged"
   [ -z "${SKIP_CUDNN_BENCH:-}" ] && TAIL=24 run cudnn_paged_bench 200 python3 bench/bench_cudnn_paged_gpu.py --out "$OUT/cudnn_paged_bench.json"
-  for i in $(seq 1 ${CUDNN_PAIRS:-1}); do
-    for w in ${CUDNN_WORKLOADS:-w2 w3 w1}; do
-      for f in "" "--paged-prefill cudnn"; do
-        # shellcheck disable=SC2086
-        timeout 150 python3 bench/bench_w1.py --workload $w $f --json "$OUT/cp.json" > "$OUT/cp.log" 2>&1
-        echo "$w pair $i [$f]: $(python3 -c "import json; r=json.load(open('$OUT/cp.json')); print(round(r['pagedkv']['output_tokens_per_s']), 'startup_s', round(r.get('startup_s', -1), 1))" 2>/dev/null || tail -2 $OUT/cp.log)" | tee -a "$OUT/cudnn_paged.txt"
-      done
-    done
-  done
-  rm -f "$OUT/cp.json" "$OUT/cp.log"
+  ab_pairs "${CUDNN_PAIRS:-1}" "${CUDNN_WORKLOADS:-w2 w3 w1}" "--paged-prefill cudnn" cudnn_paged.txt
 fi
 if [ -n "${PREFILL_TILES:-}" ]; then  # 128-row prefill tiles in 4 warps (twenty-third session): the 8 x 2048 sweep, then W2 / W3 / W1 (TILES_WORKLOADS) in alternating processes, the default against the sweep's best 128 x * x 4-warp config (or TILES_CONFIG), TILES_PAIRS pairs; tok/s in tiles.txt
   [ -z "${SKIP_TILES_SWEEP:-}" ] && TAIL=32 run tiles_sweep 240 python3 bench/bench_attention_gpu.py --sweep --skip-decode --out "$OUT/tiles_sweep.json"
@@ -206,16 +212,7 @@ v = json.load(open('$OUT/tiles_sweep.json'))['prefill']['triton_variants']
 best = min((r['us'], k) for k, r in v.items() if 'us' in r and re.fullmatch(r'm128n\d+w4s\dp1', k))[1]
 print(','.join(re.fullmatch(r'm(\d+)n(\d+)w(\d+)s(\d+)p(\d+)', best).groups()))" 2>/dev/null || echo 128,64,4,3,1)}
   echo "tiles config: $cfg" | tee -a "$OUT/tiles.txt"
-  for i in $(seq 1 ${TILES_PAIRS:-1}); do
-    for w in ${TILES_WORKLOADS:-w2 w3 w1}; do
-      for f in "" "--prefill-config $cfg"; do
-        # shellcheck disable=SC2086
-        timeout 150 python3 bench/bench_w1.py --workload $w $f --json "$OUT/tl.json" > "$OUT/tl.log" 2>&1
-        echo "$w pair $i [$f]: $(python3 -c "import json; print(round(json.load(open('$OUT/tl.json'))['pagedkv']['output_tokens_per_s']))" 2>/dev/null || tail -2 $OUT/tl.log)" | tee -a "$OUT/tiles.txt"
-      done
-    done
-  done
-  rm -f "$OUT/tl.json" "$OUT/tl.log"
+  ab_pairs "${TILES_PAIRS:-1}" "${TILES_WORKLOADS:-w2 w3 w1}" "--prefill-config $cfg" tiles.txt
 fi
 if [ -n "${STARTUP:-}" ]; then  # LLM() start-up (CUDA-graph capture) with the default decode graphs against the former ones (--no-lpt-one-range), STARTUP_ROUNDS rounds; tok/s and startup_s in startup.txt
   for i in $(seq 1 ${STARTUP_ROUNDS:-2}); do
