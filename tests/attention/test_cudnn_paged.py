@@ -7,6 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedkv.attention.cudnn_paged import (
     cudnn_paged_available,
@@ -46,6 +48,41 @@ def test_inputs_by_hand():
         assert got[k].dtype == torch.int32
     with pytest.raises(ConfigError):
         cudnn_paged_inputs(qsl, seq, table, 4, 3, 1, 1)
+
+
+def _inputs_twin(q_lens, seq_lens, table, batch, q_stride, o_stride):
+    """The per-step inputs one request at a time (plain Python)."""
+    n = len(q_lens)
+    starts = [sum(q_lens[:r]) for r in range(n + 1)]
+    starts += [starts[-1]] * (batch - n)
+    seq_q = [q if q > 1 else 0 for q in q_lens] + [0] * (batch - n)
+    seq_kv = [s if q > 1 else 0 for q, s in zip(q_lens, seq_lens)] + [0] * (batch - n)
+    rows = [list(r) for r in table] + [[0] * len(table[0])] * (batch - n)
+    return seq_q, seq_kv, [x * q_stride for x in starts], [x * o_stride for x in starts], rows
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 30)), min_size=1, max_size=12),
+       st.integers(0, 4), st.integers(1, 300), st.integers(1, 300), st.integers(1, 6))
+def test_inputs_match_their_twin(reqs, extra, q_stride, o_stride, width):
+    """Random batches (decodes, empty requests, chunks after context, padding) against the
+    one-request-at-a-time twin."""
+    q_lens = [q for q, _ in reqs]
+    seq_lens = [q + c for q, c in reqs]
+    n = len(reqs)
+    batch = n + extra
+    table = [[(7 * r + c) % 97 + 1 for c in range(width)] for r in range(n)]
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    got = cudnn_paged_inputs(qsl, torch.tensor(seq_lens, dtype=torch.int32),
+                             torch.tensor(table, dtype=torch.int32), n, batch, q_stride,
+                             o_stride)
+    seq_q, seq_kv, q_off, o_off, rows = _inputs_twin(q_lens, seq_lens, table, batch,
+                                                     q_stride, o_stride)
+    assert got["seq_q"].flatten().tolist() == seq_q
+    assert got["seq_kv"].flatten().tolist() == seq_kv
+    assert got["q_off"].flatten().tolist() == q_off
+    assert got["o_off"].flatten().tolist() == o_off
+    assert got["table"][:, 0, :, 0].tolist() == rows
 
 
 def test_backend_option_and_fallback():
