@@ -358,7 +358,7 @@ def main(argv=None) -> int:
     p.add_argument("--paged-prefill", default=None, choices=["auto", "triton", "cudnn"],
                    help="the Triton backend's prefill requests: its paged kernel or cuDNN's "
                         "paged attention (TritonAttentionBackend(paged_prefill=...); A/B runs)")
-    p.add_argument("--fresh-prefill", default=None, choices=["auto", "triton", "varlen", "cudnn"],
+    p.add_argument("--fresh-prefill", default=None, choices=["auto", "triton", "varlen"],
                    help="the Triton backend's fresh-prefill path (TritonAttentionBackend"
                         "(fresh_prefill=...); A/B runs)")
     p.add_argument("--reduce-heads", type=int, default=None, metavar="N",

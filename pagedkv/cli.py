@@ -214,8 +214,9 @@ def _engine_args(p: argparse.ArgumentParser, batched_tokens: int | None = None) 
                    help="also capture CUDA graphs of mixed prefill / decode steps (default: on; "
                         "--no-mixed-cuda-graphs runs them eagerly)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch_ref", "triton", "triton+cudnn"],
-                   help="triton+cudnn: the Triton backend with prefills through cuDNN's paged "
-                        "attention (needs pagedkv[cudnn]; its own kernel where unavailable)")
+                   help="triton (auto's pick on CUDA) sends prefills through cuDNN's paged "
+                        "attention where pagedkv[cudnn] is installed, else its own kernel; "
+                        "triton+cudnn names that explicitly")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="worker processes, one per rank, each holding a shard of the model "

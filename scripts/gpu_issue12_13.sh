@@ -11,7 +11,7 @@
 # the decode reduce's heads per program (mixed lengths, W1 4 vs 1 twice), with PREFILL_AB=1
 # (OLD_TREE=DIR) the prefill kernel's sweeps and W3 / W2 against an older tree's, with DECODE_AB=1
 # the decode kernel against the older tree's, with FLAGS_AB=1 (AB_FLAGS, AB_ENV, AB_WORKLOADS, AB_PAIRS) bench_w1.py's defaults against extra flags,
-# with HOST_W3=1 W3's host phases and a profiler window of its prefill-like steps, with CUDNN_AB=1 the cuDNN fresh-prefill path's GPU tests, bench and W2 A/B, with CUDNN_PROF=1 its layer and W2-step profiles, with W3_DIAG=1 W3's compiles and host phases in a first run (and the first user generate's step times), with ARGMAX=1 the greedy argmax bench and tests, with HOSTCPU=1 the host's CPU quota, throttling and per-core speed, with DECODE_POLICY=1 the decode launch policies (flat split, longest-first one range) on mixed lengths and in W1 A/B rounds, with SPLITK_GATE_UP=1 the split-K gate/up projection (kernel sweep, GPU tests, W1 A/B), with FLAT_FLOOR=1 the flat split's batch floor on small batches.  With SPLITK_ROWS=1 split-K o / down at 128-256 rows. With SMALL_FUSED=1 the default fused reduce of small batches against the reduce launches. With FUSED_REDUCE=1 the decode split kernel merging its own ranges (tests, B1-B256 kernel times, W1 A/B). With READ_FLOOR=1 the read floor of the decode anchors' bytes. With LM_HEAD=1 the fused LM head + argmax (sweep, tests, W1/W3 A/B). With BAL_EXCESS=1 the balanced rule's excess bound (decode kernel on nearly equal lengths, W2 A/B). With STARTUP=1 LLM() start-up time, default decode graphs against --no-lpt-one-range. With CUDNN_PAGED=1 cuDNN's paged prefill path (frontend from .whl/cudnn_fe; tests, kernel bench, W2/W3/W1 A/B rounds). With PREFILL_TILES=1 the 128-row 4-warp prefill tiles (sweep, W2/W3/W1 A/B). With WS_PROBE=1 the warp-specialized paged prefill probe (its GPU test, then bench_ws_prefill_gpu.py). Logs/JSON under $OUT. SKIP_* skip single steps; the default sections run only when no section is toggled (or with DEFAULTS=1), ONLY=1 skips them always;
+# with HOST_W3=1 W3's host phases and a profiler window of its prefill-like steps, with W3_DIAG=1 W3's compiles and host phases in a first run (and the first user generate's step times), with ARGMAX=1 the greedy argmax bench and tests, with HOSTCPU=1 the host's CPU quota, throttling and per-core speed, with DECODE_POLICY=1 the decode launch policies (flat split, longest-first one range) on mixed lengths and in W1 A/B rounds, with SPLITK_GATE_UP=1 the split-K gate/up projection (kernel sweep, GPU tests, W1 A/B), with FLAT_FLOOR=1 the flat split's batch floor on small batches.  With SPLITK_ROWS=1 split-K o / down at 128-256 rows. With SMALL_FUSED=1 the default fused reduce of small batches against the reduce launches. With FUSED_REDUCE=1 the decode split kernel merging its own ranges (tests, B1-B256 kernel times, W1 A/B). With READ_FLOOR=1 the read floor of the decode anchors' bytes. With LM_HEAD=1 the fused LM head + argmax (sweep, tests, W1/W3 A/B). With BAL_EXCESS=1 the balanced rule's excess bound (decode kernel on nearly equal lengths, W2 A/B). With STARTUP=1 LLM() start-up time, default decode graphs against --no-lpt-one-range. With CUDNN_PAGED=1 cuDNN's paged prefill path, the default since the twenty-fourth session (frontend from .whl/cudnn_fe; tests, kernel bench, W2/W3/W1 A/B rounds against --paged-prefill triton). With PREFILL_TILES=1 the 128-row 4-warp prefill tiles (sweep, W2/W3/W1 A/B). With WS_PROBE=1 the warp-specialized paged prefill probe (its GPU test, then bench_ws_prefill_gpu.py). Logs/JSON under $OUT. SKIP_* skip single steps; the default sections run only when no section is toggled (or with DEFAULTS=1), ONLY=1 skips them always;
 # more than ~550 s of steps needs two calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,25 +55,6 @@ fi
 if [ -n "${W3_STEPS_AB:-}" ]; then  # W3 with per-step wall times (bench_w1.py --step-times, two timed runs), this tree and OLD_TREE's
   TAIL=8 run w3_steps_new 200 python3 bench/bench_w1.py --workload w3 --step-times --repeat 2 --json "$OUT/w3_steps_new.json"
   [ -n "${OLD_TREE:-}" ] && TAIL=8 run w3_steps_old 200 sh -c "cd $OLD_TREE && PYTHONPATH=. python3 bench/bench_w1.py --workload w3 --step-times --repeat 2 --json $OUT/w3_steps_old.json"
-fi
-if [ -n "${CUDNN_AB:-}" ]; then  # long fresh prefills through cuDNN: its GPU tests, the layer bench, then W2 (and W1 with CUDNN_AB_W1=1) with --fresh-prefill cudnn / triton alternating, CUDNN_AB_PAIRS pairs
-  TAIL=4 run cudnn_tests 200 python3 -m pytest -q -p no:cacheprovider -p no:logging -m gpu tests/kernels/test_kernel_heads_first.py \
-    tests/attention/test_triton_backend.py tests/engine/test_engine_gpu.py -k "heads_first or cudnn or fresh_prefill"
-  TAIL=8 run cudnn_bench 120 python3 bench/bench_cudnn_prefill_gpu.py --out "$OUT/cudnn_prefill.json"
-  for w in w2 ${CUDNN_AB_W1:+w1}; do
-    for i in $(seq 1 ${CUDNN_AB_PAIRS:-2}); do
-      for m in cudnn triton; do
-        TAIL=3 run ${w}_${m}_$i 150 python3 bench/bench_w1.py --workload $w --step-times --fresh-prefill $m --json "$OUT/${w}_${m}_$i.json"
-      done
-    done
-  done
-fi
-if [ -n "${CUDNN_PROF:-}" ]; then  # where the cuDNN fresh-prefill path's time goes: the layer bench's profiler over CUDNN_PROF_CASE per mode, then W2 prefill-like steps (window CUDNN_PROF_WINDOWS) under the profiler with --fresh-prefill cudnn / triton (tables tarred)
-  TAIL=40 run cudnn_layer_prof 150 python3 bench/bench_cudnn_prefill_gpu.py --profile ${CUDNN_PROF_CASE:-w2_step}
-  for m in cudnn triton; do
-    TAIL=30 run prof_w2_$m 240 python3 bench/profile_w1_gpu.py --workload w2 --fresh-prefill $m --no-trace-files --windows ${CUDNN_PROF_WINDOWS:-10:12} --out "$OUT/prof_w2_$m"
-  done
-  tar czf "$OUT/prof_w2.tgz" -C "$OUT" prof_w2_cudnn prof_w2_triton && rm -rf "$OUT/prof_w2_cudnn" "$OUT/prof_w2_triton"
 fi
 if [ -n "${W3_DIAG:-}" ]; then  # W3's first run in a process: Triton compiles / recompiles and host phases per step (no profiler)
   TAIL=40 run w3_diag 200 python3 bench/profile_w1_gpu.py --workload w3 --log-compiles --skip-profile --phases --out "$OUT/w3_diag"
@@ -195,14 +176,14 @@ if [ -n "${WS_PROBE:-}" ]; then  # Triton 3.6 warp specialization on a paged cau
   TAIL=3 run ws_probe_tests 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_ws_prefill_probe.py
   TAIL=30 run ws_probe 240 python3 bench/bench_ws_prefill_gpu.py --out "$OUT/ws_prefill.json"
 fi
-if [ -n "${CUDNN_PAGED:-}" ]; then  # cuDNN's paged attention for prefills (twenty-third session, opt-in paged_prefill="cudnn"): the carried frontend (.whl/cudnn_fe: scripts/cudnn_wheels.sh) into a side dir, its GPU tests, the kernel bench, then CUDNN_PAIRS rounds of CUDNN_WORKLOADS (w2 w3 w1) in alternating processes; tok/s in cudnn_paged.txt
+if [ -n "${CUDNN_PAGED:-}" ]; then  # cuDNN's paged attention for prefills (twenty-third session; the default paged_prefill since the twenty-fourth): the carried frontend (.whl/cudnn_fe: scripts/cudnn_wheels.sh) into a side dir, its GPU tests, the kernel bench, then CUDNN_PAIRS rounds of CUDNN_WORKLOADS (w2 w3 w1) in alternating processes, the defaults against --paged-prefill triton; tok/s in cudnn_paged.txt
   side=${TMPDIR:-/tmp}/pagedkv-cudnn-fe
   rm -rf "$side"; python3 -m pip install -q --no-index --no-deps --target "$side" .whl/cudnn_fe/*.whl 2>/dev/null
   export PYTHONPATH=$PYTHONPATH:$side
   python3 -c "import cudnn; print('cudnn frontend', cudnn.__version__, 'backend', cudnn.backend_version())" | tee -a "$OUT/cudnn_paged.txt"
   [ -z "${SKIP_CUDNN_TESTS:-}" ] && TAIL=3 run cudnn_paged_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/attention/test_cudnn_paged.py tests/engine/test_engine_gpu.py -k "cudnn_paged"
   [ -z "${SKIP_CUDNN_BENCH:-}" ] && TAIL=24 run cudnn_paged_bench 200 python3 bench/bench_cudnn_paged_gpu.py --out "$OUT/cudnn_paged_bench.json"
-  ab_pairs "${CUDNN_PAIRS:-1}" "${CUDNN_WORKLOADS:-w2 w3 w1}" "--paged-prefill cudnn" cudnn_paged.txt
+  ab_pairs "${CUDNN_PAIRS:-1}" "${CUDNN_WORKLOADS:-w2 w3 w1}" "--paged-prefill triton" cudnn_paged.txt
 fi
 if [ -n "${PREFILL_TILES:-}" ]; then  # 128-row prefill tiles in 4 warps (twenty-third session): the 8 x 2048 sweep, then W2 / W3 / W1 (TILES_WORKLOADS) in alternating processes, the default against the sweep's best 128 x * x 4-warp config (or TILES_CONFIG), TILES_PAIRS pairs; tok/s in tiles.txt
   [ -z "${SKIP_TILES_SWEEP:-}" ] && TAIL=32 run tiles_sweep 240 python3 bench/bench_attention_gpu.py --sweep --skip-decode --out "$OUT/tiles_sweep.json"

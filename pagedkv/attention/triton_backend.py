@@ -12,17 +12,7 @@
        * a batch of fresh prefills only (every request's ``seq_len == query_len``) ->
          ``varlen_prefill_attention`` (torch's varlen flash kernel) where ``fresh_prefill``
          selects it and it is available (CUDA, bf16/fp16);
-       * with ``fresh_prefill="cudnn"`` (where cuDNN's attention runs: CUDA, bf16/fp16,
-         ``pagedkv.attention.cudnn_prefill``), the fresh requests of at least
-         ``cudnn_min_query_len`` tokens of any eager step, mixed ones included ->
-         ``cudnn_prefill_attention``, one call per request over its K/V read back from the
-         cache by the step's slots, padded to a multiple of 512 tokens (one cuDNN plan per
-         padded length, built for every length up to the step's tokens the first time a
-         layout and scale take the path); the paged prefill kernel skips them
-         (``skip_fresh_from``). Not on layers with a sliding window, a logit soft cap or
-         sinks, not over an FP8 cache, not in CUDA graphs (a mixed-step graph's plan serves
-         every request with the Triton kernels);
-       * with ``paged_prefill="cudnn"`` (where cuDNN's paged attention runs:
+       * with ``paged_prefill="cudnn"`` (the default where cuDNN's paged attention runs:
          ``pagedkv.attention.cudnn_paged``), every request with more than one query token,
          fresh or after cached context, eager or in a mixed-step CUDA graph -> one cuDNN
          graph launch over the paged cache (the decode kernel keeps the single-token rows).
@@ -100,12 +90,6 @@ from pagedkv.attention.cudnn_paged import (
     cudnn_paged_inputs,
     declared_shape,
 )
-from pagedkv.attention.cudnn_prefill import (
-    cudnn_prefill_attention,
-    cudnn_prefill_available_for,
-    padded_len,
-    warm_plans,
-)
 from pagedkv.attention.merge_states import _merge_kernel, merge_attention_states
 from pagedkv.attention.torch_ref import paged_attention_ref
 from pagedkv.attention.triton_decode import (
@@ -128,13 +112,16 @@ from pagedkv.kernels._common import cdiv, use_triton
 from pagedkv.kernels.fp8_kv import is_fp8_kv
 from pagedkv.kernels.reshape_and_cache import reshape_and_cache
 
-FRESH_PREFILL_CHOICES = ("auto", "triton", "varlen", "cudnn")
+FRESH_PREFILL_CHOICES = ("auto", "triton", "varlen")
 PAGED_PREFILL_CHOICES = ("auto", "triton", "cudnn")
 # What "auto" picks for requests of more than one query token (H200, bf16, block 16,
 # bench/bench_cudnn_paged_gpu.py): cuDNN over the paged cache 329 us on 8 x 2,048 causal (418
 # TFLOP/s) against the Triton kernel's 433; a W2-like step (7,000 + 6,500 fresh + 2,860 after
-# 4,000) 1,073 against 1,360 us. Not yet measured end to end: opt-in.
-AUTO_PAGED_PREFILL = "triton"
+# 4,000) 1,073 against 1,360 us. End to end (bench_w1.py, alternating processes, 3 pairs over
+# two leases): W2 3,824 / 3,842 / 3,847 against 3,721 / 3,759 / 3,751, W3 50,495 / 50,902 /
+# 50,447 against 51,004 / 50,011 / 48,425. Where the frontend is not installed (or cuDNN
+# declines a layout), the Triton kernel serves: ``wants_cudnn_paged``.
+AUTO_PAGED_PREFILL = "cudnn"
 # What "auto" picks for batches of fresh prefills on CUDA (bf16/fp16). Measured on the H200
 # (bench/bench_attention_gpu.py, 8 x 2048 causal, 16 q / 8 KV heads, head_dim 128, bf16,
 # 7ad6768): the paged Triton kernel 512 us (269 TFLOP/s; 477 with two query heads a program);
@@ -142,12 +129,6 @@ AUTO_PAGED_PREFILL = "triton"
 # requires (it has no enable_gqa), 500 us (275) for its kernel alone. The Triton kernel wins
 # as the backend can call them.
 AUTO_FRESH_PREFILL = "triton"
-# fresh_prefill="cudnn": fresh requests of at least this many query tokens take cuDNN, one
-# call a request. On the H200 one request fills the device from about this length (cuDNN
-# alone: 283 TFLOP/s at 2,048 tokens, 538 at 7,168), while one paged launch serves many short
-# prompts better (bench/bench_cudnn_prefill_gpu.py: 8 x 2,048 579 us paged against 1,197 us
-# with cuDNN from 256 tokens; W1's prompts, 100-1,024 tokens, stay on the paged kernel).
-CUDNN_MIN_QUERY_LEN = 4096
 # The graph variant of cascade steps (see the module docstring).
 CASCADE = "cascade"
 # Copy bandwidth of the H200 (PERF.md): turns the shared-prefix bytes cascade saves into time.
@@ -236,15 +217,13 @@ class TritonAttentionBackend(AttentionBackend):
     Args:
         fresh_prefill: fresh prefills (no cached context): ``"triton"`` (the paged prefill
             kernel), ``"varlen"`` (batches of fresh prefills only: torch's varlen flash
-            attention where available, else the Triton kernel), ``"cudnn"`` (the fresh
-            requests of at least ``cudnn_min_query_len`` tokens of any eager step: cuDNN's
-            fused attention, one call a request, where available, else the Triton kernel)
-            or ``"auto"`` (the faster one on the H200: ``AUTO_FRESH_PREFILL``).
-        cudnn_min_query_len: see ``fresh_prefill="cudnn"``.
+            attention where available, else the Triton kernel) or ``"auto"`` (the faster
+            one on the H200: ``AUTO_FRESH_PREFILL``). Requests that ``paged_prefill`` gives
+            to cuDNN take it whatever this says.
         paged_prefill: requests of more than one query token: ``"triton"`` (the paged prefill
             kernel), ``"cudnn"`` (cuDNN's fused attention over the paged cache where available:
-            ``pagedkv.attention.cudnn_paged``; takes precedence over ``fresh_prefill``) or
-            ``"auto"`` (``AUTO_PAGED_PREFILL``).
+            ``pagedkv.attention.cudnn_paged``, else the Triton kernel; takes precedence
+            over ``fresh_prefill``) or ``"auto"`` (``AUTO_PAGED_PREFILL``: cuDNN).
         decode_config / prefill_config: launch parameters (default per device).
         cascade: when to take cascade attention (:class:`CascadeConfig`); None: never.
     """
@@ -258,8 +237,8 @@ class TritonAttentionBackend(AttentionBackend):
     def supports_mixed_cuda_graphs(self) -> bool:
         """Mixed-step graphs run every prefill through the paged Triton kernel, so only where
         fresh prefills take it anyway (``fresh_prefill="triton"``, the default): a backend
-        asked for the varlen or cuDNN fresh-prefill path keeps its mixed steps eager, where
-        that path runs."""
+        asked for the varlen fresh-prefill path keeps its mixed steps eager, where that path
+        runs (cuDNN's paged launch runs inside mixed graphs)."""
         return self.fresh_prefill == "triton"
 
     def wants_cudnn_paged(self, layout: AttentionLayout) -> bool:
@@ -272,22 +251,20 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self, *, fresh_prefill: str = "auto", decode_config: DecodeConfig | None = None,
                  prefill_config: PrefillConfig | None = None,
                  cascade: CascadeConfig | None = CascadeConfig(),
-                 cudnn_min_query_len: int = CUDNN_MIN_QUERY_LEN,
                  paged_prefill: str = "auto"):
         if paged_prefill not in PAGED_PREFILL_CHOICES:
             raise ConfigError(f"unknown paged_prefill {paged_prefill!r}; use one of "
                               f"{', '.join(PAGED_PREFILL_CHOICES)}")
         self.paged_prefill = AUTO_PAGED_PREFILL if paged_prefill == "auto" else paged_prefill
         self._cudnn_graphs: dict = {}  # declared shape -> CudnnPagedGraph (False: declined)
+        if fresh_prefill == "cudnn":
+            raise ConfigError("fresh_prefill='cudnn' (one cuDNN call per fresh request over "
+                              "gathered K/V) was replaced by paged_prefill='cudnn', cuDNN over "
+                              "the paged cache, which 'auto' picks where the frontend is "
+                              "installed")
         if fresh_prefill not in FRESH_PREFILL_CHOICES:
             raise ConfigError(f"unknown fresh_prefill {fresh_prefill!r}; use one of "
                               f"{', '.join(FRESH_PREFILL_CHOICES)}")
-        if (isinstance(cudnn_min_query_len, bool) or not isinstance(cudnn_min_query_len, int)
-                or cudnn_min_query_len < 2):
-            raise ConfigError(f"cudnn_min_query_len must be an int >= 2, got "
-                              f"{cudnn_min_query_len!r}")
-        self.cudnn_min_query_len = cudnn_min_query_len
-        self._cudnn_warm: dict = {}  # (device, dtype, H, Hkv, D, scale) -> plans built up to
         if cascade is not None and not isinstance(cascade, CascadeConfig):
             raise ConfigError(f"cascade must be a CascadeConfig or None, got {cascade!r}")
         self.fresh_prefill = AUTO_FRESH_PREFILL if fresh_prefill == "auto" else fresh_prefill
@@ -452,19 +429,8 @@ class TritonAttentionBackend(AttentionBackend):
         if graph is not None:
             graph(q, kv_cache, out, plan.cudnn_inputs(q, out))
             return out
-        # cuDNN's fresh requests (not for sinks, not over an FP8 cache)
-        skip_fresh = 0
-        if plan.cudnn_reqs and sinks is None and not is_fp8_kv(kv_cache.dtype):
-            skip_fresh = self.cudnn_min_query_len
-            self._warm_cudnn(q, kv_cache.shape[3], scale, plan.end)
-            for row, num in plan.cudnn_reqs:
-                cudnn_prefill_attention(q, row, num, kv_cache, plan.slots[row:row + num],
-                                        scale, out)
-            if not plan.triton_prefill_rest:
-                return out
         paged_prefill_attention(q, kv_cache, table, qsl, seq_lens, n, scale, out,
                                 num_tokens=plan.end, skip_decode=plan.has_decode,
-                                skip_fresh_from=skip_fresh,
                                 config=self.prefill_config, check=check,
                                 sliding_window=window, logits_soft_cap=cap, sinks=sinks,
                                 **scales)
@@ -501,15 +467,6 @@ class TritonAttentionBackend(AttentionBackend):
                 graph = False
             self._cudnn_graphs[key] = graph
         return graph or None
-
-    def _warm_cudnn(self, q: torch.Tensor, kv_heads: int, scale: float, tokens: int) -> None:
-        """cuDNN's plans for every padded length up to ``tokens`` (``warm_plans``), once per
-        layout and scale: the engine's warm-up step of a full budget builds them all."""
-        key = (q.device, q.dtype, q.shape[1], kv_heads, q.shape[2], float(scale))
-        done = self._cudnn_warm.get(key, 0)
-        if tokens > done:
-            warm_plans(q, kv_heads, scale, max(done + 1, self.cudnn_min_query_len), tokens)
-            self._cudnn_warm[key] = padded_len(tokens)
 
     def _side_stream(self, device: torch.device):
         """The stream of the cascade prefix launch on ``device`` (one per backend and device),
@@ -573,8 +530,7 @@ class TritonPlan(AttentionPlan):
 
     __slots__ = ("slots", "triton", "workspace", "n", "decode_only", "varlen", "has_decode",
                  "balanced", "end", "max_q", "max_seq_len", "capturing", "checked", "cascade",
-                 "prefix", "_cascade_parts", "backend", "cudnn_reqs", "triton_prefill_rest",
-                 "cudnn_paged", "mixed_graph", "_cudnn_inputs")
+                 "prefix", "_cascade_parts", "backend", "cudnn_paged", "mixed_graph", "_cudnn_inputs")
 
     def __init__(self, backend: TritonAttentionBackend, metadata, layout: AttentionLayout):
         super().__init__(metadata, layout)
@@ -592,8 +548,6 @@ class TritonPlan(AttentionPlan):
         self.prefix = 0
         self._cascade_parts = None
         self.backend = backend
-        self.cudnn_reqs: tuple = ()  # (first row, query tokens) of cuDNN's requests
-        self.triton_prefill_rest = True  # a request the paged prefill kernel still serves
         self.cudnn_paged = False  # the prefill requests take cuDNN's paged attention
         self.mixed_graph = bool(getattr(metadata, "mixed_graph", False))
         self._cudnn_inputs = None
@@ -647,13 +601,6 @@ class TritonPlan(AttentionPlan):
                        and varlen_available_for(layout.dtype, dev)
                        and np.array_equal(seq_h, q_lens))
         self.has_decode = bool((q_lens == 1).any())
-        if (backend.fresh_prefill == "cudnn" and not self.cascade and not self.capturing
-                and layout.sliding_window is None and layout.logits_soft_cap is None):
-            take = (seq_h == q_lens) & (q_lens >= backend.cudnn_min_query_len)
-            if take.any() and cudnn_prefill_available_for(layout.dtype, dev, layout.head_dim):
-                self.cudnn_reqs = tuple((int(qsl_h[r]), int(q_lens[r]))
-                                        for r in np.flatnonzero(take))
-                self.triton_prefill_rest = bool(((q_lens > 1) & ~take).any())
 
     def cudnn_inputs(self, q: torch.Tensor, out: torch.Tensor) -> dict:
         """The cuDNN paged launch's per-step inputs (:func:`cudnn_paged_inputs`, made at the

@@ -204,7 +204,7 @@ KV_SPLIT_GRANULE_TOKENS = 16
 KV_SPLIT_GRANULE = tl.constexpr(KV_SPLIT_GRANULE_TOKENS)
 
 
-@triton.jit(do_not_specialize=["num_reqs", "skip_decode", "window", "kv_splits", "skip_fresh"])
+@triton.jit(do_not_specialize=["num_reqs", "skip_decode", "window", "kv_splits"])
 def _prefill_kernel(
     q_ptr, q_s0, q_s1,
     k_ptr, v_ptr, c_sb, c_st, c_sh,
@@ -237,7 +237,6 @@ def _prefill_kernel(
     PACK: tl.constexpr = 1,
     OFF32: tl.constexpr = False,
     PDL: tl.constexpr = 0,
-    skip_fresh=0,
 ):
     pdl_prologue(PDL)
     p = tl.program_id(0)
@@ -263,8 +262,6 @@ def _prefill_kernel(
     j = n_qt - 1 - j  # last tile (most keys) first
     seq_len = tl.load(seq_ptr + r)
     ctx = seq_len - q_len
-    if (skip_fresh != 0) & (ctx == 0) & (q_len >= skip_fresh):
-        return
 
     # tile rows: BLOCK_M query tokens x PACK heads, token-major (row i: token i // PACK,
     # head h PACK + i % PACK)
@@ -385,7 +382,6 @@ def paged_prefill_attention(
     *,
     num_tokens: int | None = None,
     skip_decode: bool = False,
-    skip_fresh_from: int = 0,
     config: PrefillConfig | None = None,
     check: bool = True,
     sliding_window: int | None = None,
@@ -409,9 +405,6 @@ def paged_prefill_attention(
         num_reqs: host int. scale: softmax scale.
         num_tokens: host upper bound of ``query_start_loc[num_reqs]`` (default ``T``).
         skip_decode: leave requests with exactly one query token alone.
-        skip_fresh_from: M > 0: leave fresh requests (no cached context, ``seq_len ==
-            query_len``) of at least M query tokens alone (the cuDNN fresh-prefill path
-            serves them); 0: off.
         config: launch parameters; default per device.
         check: validate the arguments (False: the caller validated the same shapes already).
         sliding_window: W: a query at ``p`` sees keys ``p - W < k <= p`` (blocks before a
@@ -436,13 +429,8 @@ def paged_prefill_attention(
     """
     fn = "paged_prefill_attention"
     splits = _check_kv_splits(fn, kv_splits, causal, out, lse, q)
-    if isinstance(skip_fresh_from, bool) or not isinstance(skip_fresh_from, int) \
-            or skip_fresh_from < 0:
-        raise ConfigError(f"{fn}: skip_fresh_from must be a host int >= 0, got "
-                          f"{skip_fresh_from!r}")
-    if splits > 1 and (sinks is not None or skip_decode or skip_fresh_from):
-        raise ConfigError(f"{fn}: kv_splits > 1 takes no sinks, no skip_decode and no "
-                          "skip_fresh_from")
+    if splits > 1 and (sinks is not None or skip_decode):
+        raise ConfigError(f"{fn}: kv_splits > 1 takes no sinks and no skip_decode")
     out_rows = out if splits == 1 else out[0]  # one split's [T, H, D] for the shared checks
     lse_rows = lse if lse is None or splits == 1 else lse[0]
     if check:
@@ -470,7 +458,6 @@ def paged_prefill_attention(
     if not use_triton(_prefill_kernel, q):
         return paged_prefill_attention_ref(q, kv_cache, block_table, query_start_loc, seq_lens,
                                            num_reqs, scale, out, skip_decode=skip_decode,
-                                           skip_fresh_from=skip_fresh_from,
                                            sliding_window=sliding_window,
                                            logits_soft_cap=logits_soft_cap, sinks=sinks,
                                            causal=causal, lse=lse, kv_splits=splits,
@@ -499,7 +486,7 @@ def paged_prefill_attention(
         Q_FP16=fp8 and q.dtype == torch.bfloat16,
         o_split=0 if splits == 1 else out.stride(0),
         lse_split=0 if splits == 1 else lse.stride(0), PACK=pack,
-        OFF32=offsets_fit_int32(k_cache), skip_fresh=skip_fresh_from,
+        OFF32=offsets_fit_int32(k_cache),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_launch_args(_prefill_kernel, q.device),
     )
@@ -548,7 +535,6 @@ def paged_prefill_attention_ref(
     *,
     num_tokens: int | None = None,
     skip_decode: bool = False,
-    skip_fresh_from: int = 0,
     config: PrefillConfig | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
@@ -574,9 +560,7 @@ def paged_prefill_attention_ref(
     qsl = [int(x) for x in query_start_loc[: num_reqs + 1].cpu()]
     lens = seq_lens[:num_reqs].cpu()
     keep = [r for r in range(num_reqs)
-            if qsl[r + 1] > qsl[r] and not (skip_decode and qsl[r + 1] - qsl[r] == 1)
-            and not (skip_fresh_from and int(lens[r]) == qsl[r + 1] - qsl[r]
-                     and qsl[r + 1] - qsl[r] >= skip_fresh_from)]
+            if qsl[r + 1] > qsl[r] and not (skip_decode and qsl[r + 1] - qsl[r] == 1)]
     if not keep:
         return out
     rows = torch.cat([torch.arange(qsl[r], qsl[r + 1]) for r in keep]).to(q.device)

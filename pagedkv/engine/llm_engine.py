@@ -71,8 +71,10 @@ from pagedkv.worker.model_runner import (
 )
 from pagedkv.worker.kv_caches import kv_block_bytes
 
-# "triton+cudnn": the Triton backend with its prefill requests through cuDNN's paged attention
-# where that runs (TritonAttentionBackend(paged_prefill="cudnn"): pip install pagedkv[cudnn])
+# "triton": the Triton backend, its prefill requests through cuDNN's paged attention where the
+# frontend is installed (pip install pagedkv[cudnn]; TritonAttentionBackend's paged_prefill
+# "auto"), else through its own kernel; "triton+cudnn": the same with paged_prefill="cudnn" asked
+# for explicitly
 ATTENTION_BACKENDS = ("auto", "torch_ref", "triton", "triton+cudnn")
 
 PromptType = str | Sequence[int]
@@ -80,9 +82,11 @@ PromptType = str | Sequence[int]
 
 def make_attention_backend(name: str | AttentionBackend, device: torch.device) -> AttentionBackend:
     """``"auto"``: the Triton backend on CUDA, the torch reference on CPU; ``"triton"`` needs
-    CUDA (or ``TRITON_INTERPRET=1``); ``"triton+cudnn"``: the Triton backend with
-    ``paged_prefill="cudnn"`` (its prefill requests through cuDNN's paged attention where
-    available, else its own kernel); an ``AttentionBackend`` instance is used as is."""
+    CUDA (or ``TRITON_INTERPRET=1``) and sends its prefill requests through cuDNN's paged
+    attention where the frontend is installed (``paged_prefill="auto"``), else through its own
+    kernel; ``"triton+cudnn"``: the Triton backend with ``paged_prefill="cudnn"`` named
+    explicitly; an ``AttentionBackend`` instance is used as is (e.g.
+    ``TritonAttentionBackend(paged_prefill="triton")``: Triton kernels only)."""
     if isinstance(name, AttentionBackend):
         return name
     if name not in ATTENTION_BACKENDS:

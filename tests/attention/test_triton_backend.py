@@ -125,32 +125,15 @@ def test_backend_errors(kernel_device):
 # ---- native GPU
 
 
-def test_cudnn_padded_len_by_hand():
-    """cuDNN's requests run padded to multiples of 512 tokens (one plan per multiple)."""
-    from pagedkv.attention.cudnn_prefill import padded_len
-
-    assert [padded_len(n) for n in (1, 511, 512, 513, 4096, 7000, 16384)] == \
-        [512, 512, 512, 1024, 4096, 7168, 16384]
-
-
-def test_cudnn_choice_without_cudnn_serves_everything_with_triton(kernel_device):
-    """``fresh_prefill="cudnn"`` where cuDNN cannot run (CPU): no runs, the paged kernels
-    serve every row, exact against the reference."""
-    from pagedkv.attention.backend import AttentionLayout
-
-    backend = TritonAttentionBackend(fresh_prefill="cudnn", cudnn_min_query_len=4)
-    reqs = [(0, 12), (5, 1), (0, 6), (9, 6)]
-    check(reqs, backend=backend, block_size=4, device=kernel_device, pad_tokens=2, seed=7)
-    a = make_case(reqs, block_size=4, device=kernel_device, seed=7)
-    plan = backend.plan(a["meta"], AttentionLayout.of(a["q"], a["cache"]))
-    assert plan.cudnn_reqs == () and plan.triton_prefill_rest
-    for bad in (1, True, 3.0):
-        with pytest.raises(ConfigError, match="cudnn_min_query_len"):
-            TritonAttentionBackend(cudnn_min_query_len=bad)
+def test_fresh_prefill_cudnn_is_gone():
+    """The per-request cuDNN path over gathered K/V was replaced by cuDNN over the paged cache
+    (``paged_prefill``): asking for it is a ConfigError that names the replacement."""
+    with pytest.raises(ConfigError, match="paged_prefill='cudnn'"):
+        TritonAttentionBackend(fresh_prefill="cudnn")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fresh_prefill", ["triton", "varlen", "cudnn"])
+@pytest.mark.parametrize("fresh_prefill", ["triton", "varlen"])
 @pytest.mark.parametrize("block_size", [16, 3])
 def test_mixed_batch_gpu_bf16(fresh_prefill, block_size):
     reqs = [(300, 1), (0, 513), (1200, 1), (700, 260), (0, 1), (5000, 1), (64, 64)]
@@ -160,42 +143,7 @@ def test_mixed_batch_gpu_bf16(fresh_prefill, block_size):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused", [False, True])
-def test_cudnn_fresh_requests_in_a_mixed_batch_gpu_bf16(fused):
-    """cuDNN serves requests 0, 1, 3 and 6 (fresh, >= 256 tokens here) among decode rows, a
-    chunk with context and a fresh request below the threshold (Triton's); padded to 512,
-    1,024, 1,024 and 2,048 rows (request 6's padding past the step's rows: a copy), with the
-    step's K/V given or already in the cache (``fused``: k = v = None): the reference's
-    output; the H200 has cuDNN's attention (the path must not fall back silently)."""
-    from pagedkv.attention.backend import AttentionLayout
-    from pagedkv.attention.cudnn_prefill import cudnn_prefill_available_for
-    from pagedkv.kernels.reshape_and_cache import reshape_and_cache
-
-    assert cudnn_prefill_available_for(torch.bfloat16, torch.device("cuda"), 128)
-    reqs = [(0, 300), (0, 600), (50, 1), (0, 700), (100, 40), (0, 255), (0, 2000)]
-    kw = dict(block_size=16, num_heads=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
-              device="cuda", pad_tokens=5, padded_reqs=2, seed=8)
-    backend = TritonAttentionBackend(fresh_prefill="cudnn", cudnn_min_query_len=256)
-    a = make_case(reqs, **kw)
-    plan = backend.plan(a["meta"], AttentionLayout.of(a["q"], a["cache"]))
-    assert plan.cudnn_reqs == ((0, 300), (300, 600), (901, 700), (1896, 2000))
-    assert plan.triton_prefill_rest
-    if not fused:
-        check(reqs, backend=backend, **kw)
-        return
-    a, _, b, ref = both(reqs, backend=backend, **kw)  # ref and the written cache
-    c = make_case(reqs, **kw)
-    reshape_and_cache(c["k"], c["v"], c["cache"][0], c["cache"][1],
-                      c["meta"].slot_mapping[:c["meta"].num_actual_tokens])
-    plan = backend.plan(c["meta"], AttentionLayout.of(c["q"], c["cache"]))
-    out = backend.forward(0, c["q"], None, None, c["cache"], plan, c["scale"])
-    n = sum(ql for _, ql in reqs)
-    torch.testing.assert_close(out.float().cpu()[:n], ref.float().cpu()[:n], atol=2e-2, rtol=2e-2)
-    assert torch.all(out[n:] == 0)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fresh_prefill", ["triton", "varlen", "cudnn"])
+@pytest.mark.parametrize("fresh_prefill", ["triton", "varlen"])
 def test_fresh_prefill_gpu_bf16(fresh_prefill):
     check([(0, 1000), (0, 1), (0, 257), (0, 2048), (0, 4500)],
           backend=TritonAttentionBackend(fresh_prefill=fresh_prefill), block_size=16,

@@ -57,38 +57,6 @@ def test_prefill_skip_decode_leaves_decode_rows(kernel_device):
     assert_rows_untouched(out, rows_of(case, lambda ql: ql == 1))
 
 
-def _rows_where(reqs, pred) -> list[int]:
-    """Query rows of the requests ``(context, query_len)`` with ``pred(context, query_len)``."""
-    out, start = [], 0
-    for ctx, ql in reqs:
-        if pred(ctx, ql):
-            out.extend(range(start, start + ql))
-        start += ql
-    return out
-
-
-def test_prefill_skip_fresh_leaves_long_fresh_rows(kernel_device):
-    """``skip_fresh_from=9``: the fresh requests of >= 9 tokens (the cuDNN path's) keep their
-    poisoned rows, a fresh one of 6 tokens and the chunks with context are served, and the
-    twin leaves exactly the same rows."""
-    reqs = [(0, 20), (13, 5), (0, 6), (4, 1), (0, 9), (30, 17), (0, 1)]
-    case = make_case(reqs, block_size=3, device=kernel_device, write_new=True, seed=6)
-    kw = dict(skip_decode=True, skip_fresh_from=9)
-    out = run_prefill(case, **kw)
-    served = _rows_where(reqs, lambda c, q: q > 1 and not (c == 0 and q >= 9))
-    assert_rows_close(out, reference(case), served, TOL[torch.float32])
-    assert_rows_untouched(out, _rows_where(reqs, lambda c, q: q == 1 or (c == 0 and q >= 9)))
-    m = case["meta"]
-    twin = poisoned_out(case)
-    paged_prefill_attention_ref(case["q"], case["cache"], m.block_table_tensor,
-                                m.query_start_loc, m.seq_lens, m.num_reqs, case["scale"], twin,
-                                **kw)
-    torch.testing.assert_close(out.nan_to_num(7.0), twin.nan_to_num(7.0), atol=1e-4, rtol=1e-4)
-    for bad in (-1, True, 2.5):
-        with pytest.raises(ConfigError, match="skip_fresh_from"):
-            run_prefill(case, skip_fresh_from=bad)
-
-
 def test_prefill_fp16_and_odd_head_dim(kernel_device):
     case = make_case([(5, 18), (0, 9)], block_size=5, head_dim=24, dtype=torch.float16,
                      device=kernel_device, write_new=True, seed=3)

@@ -401,27 +401,6 @@ def _long_prompts_case(tiny_dir, seed: int):
                                          logprobs=1)
 
 
-def test_cudnn_fresh_prefill_engine_matches_triton(tiny_dir):
-    """The engine with fresh prefills through cuDNN (``fresh_prefill="cudnn"``, from 256
-    tokens here; fp16) against the paged Triton kernel alone: prompts of 300-1,500 token ids
-    in chunked, mixed steps (a 1,024-token budget), greedy tokens and their logprobs."""
-    from pagedkv.attention.triton_backend import TritonAttentionBackend
-
-    path, prompts, params = _long_prompts_case(tiny_dir, 3)
-    outs = {}
-    for mode in ("triton", "cudnn"):
-        backend = TritonAttentionBackend(fresh_prefill=mode, cudnn_min_query_len=256)
-        llm = _gpu_llm(path, dtype="float16", max_num_batched_tokens=1024, max_model_len=2048,
-                       num_gpu_blocks_override=1024, attention_backend=backend)
-        outs[mode] = llm.generate(prompts, params,
-                                  use_tqdm=False)
-        assert bool(backend._cudnn_warm) is (mode == "cudnn")  # the path ran (plans built)
-    for a, b in zip(outs["triton"], outs["cudnn"]):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for la, lb, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids):
-            assert abs(la[t].logprob - lb[t].logprob) < 2e-2
-
-
 @pytest.mark.parametrize("mixed_graphs", [True, False])
 def test_cudnn_paged_prefill_engine_matches_triton(tiny_dir, mixed_graphs):
     """The engine with every prefill request through cuDNN's paged attention

@@ -70,14 +70,16 @@ def test_mixed_padded_sizes_and_capture_inputs(tiny_dir, kernel_device):
 
 def test_which_runners_capture_mixed_steps(tiny_dir, monkeypatch):
     """Full attention through the Triton backend: yes; the torch reference backend, a
-    sliding window, a Triton backend asked for the varlen or cuDNN fresh-prefill path (the
-    graphs would silently run the Triton kernel instead), or no CUDA: no."""
+    sliding window, a Triton backend asked for the varlen fresh-prefill path (the graphs
+    would silently run the Triton kernel instead), or no CUDA: no. cuDNN's paged prefill
+    launch is captured in them: yes."""
     from pagedkv.worker.model_runner import ModelRunner
 
     monkeypatch.setattr(ModelRunner, "cuda_graphs_supported", lambda self: True)
     assert _llm(tiny_dir("qwen3"), "cpu").runner.mixed_cuda_graphs_supported()
-    for mode, graphs in (("auto", True), ("triton", True), ("varlen", False), ("cudnn", False)):
-        backend = TritonAttentionBackend(cascade=TINY, fresh_prefill=mode)
+    for kw, graphs in ((dict(fresh_prefill="auto"), True), (dict(fresh_prefill="triton"), True),
+                       (dict(fresh_prefill="varlen"), False), (dict(paged_prefill="cudnn"), True)):
+        backend = TritonAttentionBackend(cascade=TINY, **kw)
         assert backend.supports_mixed_cuda_graphs is graphs
         assert _llm(tiny_dir("qwen3"), "cpu", attention_backend=backend
                     ).runner.mixed_cuda_graphs_supported() is graphs
