@@ -39,7 +39,11 @@ groups=${SUITE_GROUPS:-kernels engine}
 # A test that failed under the 4 workers is run again alone, one process, one test at a time
 # (T3 seconds in all, default 150; RERUN=0 skips): the log then tells a failure that needs the
 # load (seen in the twenty-first and twenty-second sessions) from one that does not.
-failed=$(cat "$OUT"/suite_*.log 2>/dev/null | sed -n 's/^FAILED \([^ ]*\).*/\1/p' | sort -u)
+# (from the summary's "FAILED id" lines and from -v's "[gwN] [ p%] FAILED id" lines: a group
+# whose pytest hangs at exit, as one did in inductor's compile-worker shutdown in the
+# twenty-fourth session, prints no summary)
+failed=$(cat "$OUT"/suite_*.log 2>/dev/null | grep -oE '(^|\] )(FAILED|ERROR) tests/[^ ]*' \
+  | sed -E 's/.*(FAILED|ERROR) //' | sort -u)
 if [ -n "$failed" ] && [ "${RERUN:-1}" != 0 ]; then
   echo "== the failed tests again, alone" | tee "$OUT/suite_reruns.log"
   end=$(( $(date +%s) + ${T3:-150} ))
