@@ -278,12 +278,16 @@ class EngineCoreClient:
     child could not build); ``start()`` (in the event loop) attaches the loop and starts the
     reader thread. ``on_step(gauges, outputs)`` runs on the loop after every step message
     (metrics). ``max_waiting``: refuse requests (``EngineOverloadedError``) while this many
-    have produced no token yet."""
+    have produced no token yet. ``engine_module``: the module the child runs
+    (``python -m MODULE ADDRESS``); another one must speak the same pipe protocol (a stand-in
+    engine for the front's CPU benchmark, ``bench/synthetic_engine.py``)."""
 
     def __init__(self, spec: EngineSpec, *, max_waiting: int | None = None,
                  on_step: Callable[[dict, list[RequestOutput]], None] | None = None,
-                 start_timeout: float = 600.0) -> None:
+                 start_timeout: float = 600.0,
+                 engine_module: str = "pagedkv.entrypoints.engine_core") -> None:
         self.spec = spec
+        self.engine_module = engine_module
         self.max_waiting = max_waiting
         self.on_step = on_step
         self.start_timeout = start_timeout
@@ -321,7 +325,7 @@ class EngineCoreClient:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "pagedkv.entrypoints.engine_core", address],
+            [sys.executable, "-m", self.engine_module, address],
             env=env, stdin=subprocess.DEVNULL)
         accepted: list = []
 
@@ -546,9 +550,9 @@ class EngineCoreClient:
                     fut.set_exception(EngineDeadError(msg[1]))
 
 
-def _child_main(address: str) -> None:
+def _child_main(address: str, main: Callable[[EngineSpec, Any], None] = engine_main) -> None:
     """``python -m pagedkv.entrypoints.engine_core ADDRESS``: connect to the front, receive
-    the ``EngineSpec``, run :func:`engine_main`."""
+    the ``EngineSpec``, run ``main(spec, conn)`` (:func:`engine_main`)."""
     from multiprocessing.connection import Client
 
     key = bytes.fromhex(os.environ.pop("PAGEDKV_ENGINE_AUTHKEY"))
@@ -557,7 +561,7 @@ def _child_main(address: str) -> None:
         spec = conn.recv()
     except EOFError:
         return
-    engine_main(spec, conn)
+    main(spec, conn)
 
 
 if __name__ == "__main__":

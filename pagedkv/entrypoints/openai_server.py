@@ -576,15 +576,17 @@ def make_server(llm, *, model_name: str | None = None, api_key: str | None = Non
 
 
 def make_process_server(spec, *, model_name: str | None = None, api_key: str | None = None,
-                        max_waiting: int | None = None, drain_timeout: float = 30.0):
+                        max_waiting: int | None = None, drain_timeout: float = 30.0,
+                        engine_module: str = "pagedkv.entrypoints.engine_core"):
     """``(app, EngineCoreClient, OpenAIServing)`` with the engine in its own process
-    (``pagedkv.entrypoints.engine_core``): the process is started here and this returns once
-    its engine is built (or raises what stopped it)."""
+    (``python -m engine_module``, ``pagedkv.entrypoints.engine_core``): the process is
+    started here and this returns once its engine is built (or raises what stopped it)."""
     from pagedkv.entrypoints.engine_core import EngineCoreClient
 
     name = model_name or spec.shape or spec.model
     metrics = ServingMetrics(name)
-    client = EngineCoreClient(spec, max_waiting=max_waiting, on_step=metrics.observe)
+    client = EngineCoreClient(spec, max_waiting=max_waiting, on_step=metrics.observe,
+                              engine_module=engine_module)
     client.start_process()
     serving = OpenAIServing(client, name, client.tokenizer, client.chat_template, metrics)
     return build_app(serving, api_key=api_key, drain_timeout=drain_timeout), client, serving
