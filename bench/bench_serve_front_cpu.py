@@ -195,8 +195,10 @@ async def _front(args) -> list[dict]:
             if prof is not None:
                 prof.enable()
             t0, cpu0 = time.perf_counter(), time.process_time()
+            steps0 = client.last_gauges.get("synthetic_steps", 0)
             res = await _run_client(port, args, args.streams, args.tokens)
             cpu = time.process_time() - cpu0
+            steps = client.last_gauges.get("synthetic_steps", 0) - steps0
             if prof is not None:
                 prof.disable()
             wall = time.perf_counter() - t0
@@ -205,6 +207,7 @@ async def _front(args) -> list[dict]:
                 "round": r, "streams": args.streams, "tokens_per_stream": args.tokens,
                 "step_ms": args.step_ms,
                 "offered_tok_s": args.streams * 1e3 / args.step_ms if args.step_ms else None,
+                "engine_steps_per_s": steps / res["wall_s"],
                 "delivered_tok_s": tok / res["wall_s"], "tokens": tok, "client_wall_s":
                 res["wall_s"], "chunks_per_token": res["chunks"] / tok if tok else None,
                 "front_cpu_s": cpu, "front_cpu_share": cpu / wall,
@@ -215,7 +218,8 @@ async def _front(args) -> list[dict]:
             }
             rows.append(row)
             print(f"round {r}: {row['delivered_tok_s']:,.0f} tok/s delivered "
-                  f"(offered {row['offered_tok_s'] or 0:,.0f}), "
+                  f"(offered {row['offered_tok_s'] or 0:,.0f}; engine "
+                  f"{row['engine_steps_per_s']:.0f} steps/s), "
                   f"{row['chunks_per_token']:.3f} chunks/token, front CPU "
                   f"{row['front_us_per_token']:.1f} us/token {row['front_us_per_chunk']:.1f} "
                   f"us/chunk ({100 * row['front_cpu_share']:.0f}% of a core), client CPU "

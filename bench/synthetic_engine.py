@@ -12,6 +12,8 @@ Token ``k`` of every request is id ``synthetic_token(k)``; its text is ``" t<id>
 synthetic word-level tokenizer of a ``--shape`` server decodes), so a client can check the
 text it got. Configured by the environment variable ``PAGEDKV_SYNTHETIC_ENGINE`` (JSON:
 ``step_ms``, ``vocab_size``, ``max_model_len``), which the front's environment passes on.
+Its gauges count the steps it made (``synthetic_steps``): on a loaded machine it may step
+slower than asked.
 """
 
 from __future__ import annotations
@@ -53,13 +55,13 @@ def synthetic_engine_main(spec, conn) -> None:
         default_params=SamplingParams(), sizing="synthetic engine (no model)",
         model_name=spec.shape or spec.model, num_blocks=1, pid=os.getpid())))
     reqs: dict[str, list] = {}  # id -> [max_tokens, generated, t_sched, t_first]
-    tokens = 0
+    tokens = steps = 0
     texts = [synthetic_text(k, vocab) for k in range(int(cfg["max_model_len"]))]
 
     def gauges() -> dict:
         return dict(running=len(reqs), waiting=0, kv_usage=0.0, queries=0, hits=0,
                     preemptions=0, tokens=tokens, failed=0, group_usage=None, free_blocks=1,
-                    num_blocks=1, unfinished=bool(reqs))
+                    num_blocks=1, unfinished=bool(reqs), synthetic_steps=steps)
 
     next_step = time.monotonic()
     try:
@@ -97,6 +99,7 @@ def synthetic_engine_main(spec, conn) -> None:
                     "length" if done else None, None, r[2], r[3], now, now if done else None,
                     0, 0)))
             tokens += len(deltas)
+            steps += 1
             conn.send(("outs", deltas, gauges()))
             next_step += step_s
             if next_step < now:  # fell behind (a loaded machine): keep the period from now

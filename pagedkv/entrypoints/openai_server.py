@@ -585,12 +585,12 @@ def make_process_server(spec, *, model_name: str | None = None, api_key: str | N
 
     name = model_name or spec.shape or spec.model
     metrics = ServingMetrics(name)
-    client = EngineCoreClient(spec, max_waiting=max_waiting, on_step=metrics.observe,
+    client = EngineCoreClient(spec, max_waiting=max_waiting, on_step=metrics.observe_deltas,
                               engine_module=engine_module)
     client.start_process()
     serving = OpenAIServing(client, name, client.tokenizer, client.chat_template, metrics)
     return build_app(serving, api_key=api_key, drain_timeout=drain_timeout), client, serving
 
 
-__all__ = ["APIError", "OpenAIServing", "build_app", "make_process_server", "make_server",
+__all__ = ["APIError", "ChunkFormat", "OpenAIServing", "build_app", "make_process_server", "make_server",
            "sampling_params_from"]
