@@ -128,10 +128,34 @@ async def _client(port: int, streams: int, tokens: int, prompt_len: int) -> dict
     return {"wall_s": wall, "client_cpu_s": cpu, "results": results}
 
 
+def _bench_serve_client(args) -> dict:
+    """``--client bench-serve``: ``pagedkv bench serve``'s own client (httpx, one JSON parse
+    per event), all requests at once; tokens from its usage chunks, text not checked."""
+    from pagedkv.entrypoints.bench_serve import run_serve_bench
+
+    prompts = [[(i * 31 + j) % 1000 + 1 for j in range(args.prompt_len)]
+               for i in range(args.streams)]
+    cpu0 = time.process_time()
+    r = asyncio.run(run_serve_bench(f"http://127.0.0.1:{args.port}", MODEL, prompts,
+                                    [args.tokens] * args.streams))
+    if r.failed:
+        raise RuntimeError(f"{r.failed} requests failed")
+    itl = r.itl_ms
+    return {"wall_s": r.wall_s, "client_cpu_s": time.process_time() - cpu0,
+            "tokens": r.total_output_tokens,
+            "chunks": None, "reads": None, "text_ok": True,
+            "finish_ok": r.completed == args.streams, "ttft_ms_p50": r.ttft_ms["p50"],
+            "itl_ms_mean": itl["mean"]}
+
+
 def client_main(args) -> None:
     import base64
     import pickle
 
+    if args.client == "bench-serve":
+        summary = _bench_serve_client(args)
+        sys.stdout.write(base64.b64encode(pickle.dumps(summary)).decode() + "\n")
+        return
     out = asyncio.run(_client(args.port, args.streams, args.tokens, args.prompt_len))
     checked = [_check(r, args.tokens, args.vocab_size) for r in out["results"]]
     summary = {
@@ -157,7 +181,7 @@ async def _run_client(port: int, args, streams: int, tokens: int) -> dict:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, os.path.abspath(__file__), "client", "--port", str(port),
         "--streams", str(streams), "--tokens", str(tokens), "--prompt-len",
-        str(args.prompt_len), "--vocab-size", str(args.vocab_size),
+        str(args.prompt_len), "--vocab-size", str(args.vocab_size), "--client", args.client,
         stdout=asyncio.subprocess.PIPE, env=dict(os.environ, PYTHONPATH=ROOT))
     out, _ = await proc.communicate()
     if proc.returncode != 0:
@@ -209,10 +233,11 @@ async def _front(args) -> list[dict]:
                 "offered_tok_s": args.streams * 1e3 / args.step_ms if args.step_ms else None,
                 "engine_steps_per_s": steps / res["wall_s"],
                 "delivered_tok_s": tok / res["wall_s"], "tokens": tok, "client_wall_s":
-                res["wall_s"], "chunks_per_token": res["chunks"] / tok if tok else None,
+                res["wall_s"], "chunks_per_token": res["chunks"] / tok if tok and res["chunks"] else None,
                 "front_cpu_s": cpu, "front_cpu_share": cpu / wall,
                 "front_us_per_token": 1e6 * cpu / tok if tok else None,
                 "front_us_per_chunk": 1e6 * cpu / res["chunks"] if res["chunks"] else None,
+                "client": args.client,
                 "client_cpu_s": res["client_cpu_s"], "ttft_ms_p50": res["ttft_ms_p50"],
                 "text_ok": res["text_ok"], "finish_ok": res["finish_ok"],
             }
@@ -220,8 +245,8 @@ async def _front(args) -> list[dict]:
             print(f"round {r}: {row['delivered_tok_s']:,.0f} tok/s delivered "
                   f"(offered {row['offered_tok_s'] or 0:,.0f}; engine "
                   f"{row['engine_steps_per_s']:.0f} steps/s), "
-                  f"{row['chunks_per_token']:.3f} chunks/token, front CPU "
-                  f"{row['front_us_per_token']:.1f} us/token {row['front_us_per_chunk']:.1f} "
+                  f"{_f(row['chunks_per_token'], '.3f')} chunks/token, front CPU "
+                  f"{row['front_us_per_token']:.1f} us/token {_f(row['front_us_per_chunk'], '.1f')} "
                   f"us/chunk ({100 * row['front_cpu_share']:.0f}% of a core), client CPU "
                   f"{row['client_cpu_s']:.2f} s, text ok {row['text_ok']}, finish ok "
                   f"{row['finish_ok']}", flush=True)
@@ -234,6 +259,10 @@ async def _front(args) -> list[dict]:
         prof.dump_stats(args.profile)
         pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile_top)
     return rows
+
+
+def _f(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
 
 
 def main(argv=None) -> int:
@@ -250,6 +279,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-top", type=int, default=35)
     ap.add_argument("--json", default=None, help="write the rounds to this file")
     ap.add_argument("--port", type=int, default=0, help="(client mode) the front's port")
+    ap.add_argument("--client", default="raw", choices=["raw", "bench-serve"],
+                    help="raw asyncio sockets (cheapest) or pagedkv bench serve's httpx client")
     args = ap.parse_args(argv)
     if args.mode == "client":
         client_main(args)
