@@ -220,9 +220,11 @@ async def _front(args) -> list[dict]:
                 prof.enable()
             t0, cpu0 = time.perf_counter(), time.process_time()
             steps0 = client.last_gauges.get("synthetic_steps", 0)
+            send0 = client.last_gauges.get("synthetic_send_s", 0.0)
             res = await _run_client(port, args, args.streams, args.tokens)
             cpu = time.process_time() - cpu0
             steps = client.last_gauges.get("synthetic_steps", 0) - steps0
+            send_s = client.last_gauges.get("synthetic_send_s", 0.0) - send0
             if prof is not None:
                 prof.disable()
             wall = time.perf_counter() - t0
@@ -232,6 +234,7 @@ async def _front(args) -> list[dict]:
                 "step_ms": args.step_ms,
                 "offered_tok_s": args.streams * 1e3 / args.step_ms if args.step_ms else None,
                 "engine_steps_per_s": steps / res["wall_s"],
+                "engine_send_ms_per_step": 1e3 * send_s / steps if steps else None,
                 "delivered_tok_s": tok / res["wall_s"], "tokens": tok, "client_wall_s":
                 res["wall_s"], "chunks_per_token": res["chunks"] / tok if tok and res["chunks"] else None,
                 "front_cpu_s": cpu, "front_cpu_share": cpu / wall,
@@ -244,7 +247,8 @@ async def _front(args) -> list[dict]:
             rows.append(row)
             print(f"round {r}: {row['delivered_tok_s']:,.0f} tok/s delivered "
                   f"(offered {row['offered_tok_s'] or 0:,.0f}; engine "
-                  f"{row['engine_steps_per_s']:.0f} steps/s), "
+                  f"{row['engine_steps_per_s']:.0f} steps/s, "
+                  f"{_f(row['engine_send_ms_per_step'], '.2f')} ms/step sending), "
                   f"{_f(row['chunks_per_token'], '.3f')} chunks/token, front CPU "
                   f"{row['front_us_per_token']:.1f} us/token {_f(row['front_us_per_chunk'], '.1f')} "
                   f"us/chunk ({100 * row['front_cpu_share']:.0f}% of a core), client CPU "

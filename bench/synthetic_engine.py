@@ -12,8 +12,9 @@ Token ``k`` of every request is id ``synthetic_token(k)``; its text is ``" t<id>
 synthetic word-level tokenizer of a ``--shape`` server decodes), so a client can check the
 text it got. Configured by the environment variable ``PAGEDKV_SYNTHETIC_ENGINE`` (JSON:
 ``step_ms``, ``vocab_size``, ``max_model_len``), which the front's environment passes on.
-Its gauges count the steps it made (``synthetic_steps``): on a loaded machine it may step
-slower than asked.
+Its gauges count the steps it made (``synthetic_steps``: on a loaded machine it may step
+slower than asked) and the seconds its step messages took to send (``synthetic_send_s``: a
+front that does not read fast enough blocks the engine there).
 """
 
 from __future__ import annotations
@@ -56,12 +57,14 @@ def synthetic_engine_main(spec, conn) -> None:
         model_name=spec.shape or spec.model, num_blocks=1, pid=os.getpid())))
     reqs: dict[str, list] = {}  # id -> [max_tokens, generated, t_sched, t_first]
     tokens = steps = 0
+    blocked = 0.0  # seconds spent in conn.send of step messages (the front not reading)
     texts = [synthetic_text(k, vocab) for k in range(int(cfg["max_model_len"]))]
 
     def gauges() -> dict:
         return dict(running=len(reqs), waiting=0, kv_usage=0.0, queries=0, hits=0,
                     preemptions=0, tokens=tokens, failed=0, group_usage=None, free_blocks=1,
-                    num_blocks=1, unfinished=bool(reqs), synthetic_steps=steps)
+                    num_blocks=1, unfinished=bool(reqs), synthetic_steps=steps,
+                    synthetic_send_s=blocked)
 
     next_step = time.monotonic()
     try:
@@ -100,7 +103,9 @@ def synthetic_engine_main(spec, conn) -> None:
                     0, 0)))
             tokens += len(deltas)
             steps += 1
+            t_send = time.monotonic()
             conn.send(("outs", deltas, gauges()))
+            blocked += time.monotonic() - t_send
             next_step += step_s
             if next_step < now:  # fell behind (a loaded machine): keep the period from now
                 next_step = now + step_s
