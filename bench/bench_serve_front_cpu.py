@@ -21,7 +21,9 @@ client's wall time), the offered rate (streams x steps/s), SSE chunks with text 
 lagging stream skips to its newest output: fewer, larger chunks), and the front process's CPU
 time (all its threads: event loop, reader thread) per delivered token and per chunk.
 ``--profile FILE`` runs the front's event loop thread under cProfile for the measured rounds
-and prints the top functions.
+and prints the top functions. The front calls ``tune_gc_for_serving`` as ``pagedkv serve``
+does (``--default-gc``: Python's collector settings); its seconds in the collector are
+reported too.
 
 Usage (2-core machine; the numbers are only comparable on one machine, run alone):
     .venv/bin/python bench/bench_serve_front_cpu.py --streams 256 --tokens 256 --step-ms 10
@@ -189,17 +191,39 @@ async def _run_client(port: int, args, streams: int, tokens: int) -> dict:
     return pickle.loads(base64.b64decode(out.strip().splitlines()[-1]))
 
 
+class _GCTimer:
+    """Seconds the front spends in the garbage collector (``gc.callbacks``), by generation."""
+
+    def __init__(self) -> None:
+        import gc
+
+        self.seconds = [0.0, 0.0, 0.0]
+        self.count = [0, 0, 0]
+        self._t0 = 0.0
+        gc.callbacks.append(self._cb)
+
+    def _cb(self, phase, info) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            g = info["generation"]
+            self.seconds[g] += time.perf_counter() - self._t0
+            self.count[g] += 1
+
+
 async def _front(args) -> list[dict]:
     import uvicorn
 
     from bench.synthetic_engine import ENV
     from pagedkv.entrypoints.engine_core import EngineSpec
-    from pagedkv.entrypoints.openai_server import make_process_server
+    from pagedkv.entrypoints.openai_server import make_process_server, tune_gc_for_serving
 
     os.environ[ENV] = json.dumps({"step_ms": args.step_ms, "vocab_size": args.vocab_size,
                                   "max_model_len": max(4096, args.tokens + args.prompt_len + 1)})
     app, client, _ = make_process_server(EngineSpec(shape=MODEL), model_name=MODEL,
                                          engine_module="bench.synthetic_engine")
+    if not args.default_gc:  # what pagedkv serve does once its app is built
+        tune_gc_for_serving()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     task = asyncio.create_task(server.serve())
     while not server.started:
@@ -209,6 +233,7 @@ async def _front(args) -> list[dict]:
     port = server.servers[0].sockets[0].getsockname()[1]
     rows = []
     prof = None
+    gct = _GCTimer()
     try:
         await _run_client(port, args, min(16, args.streams), 16)  # warm-up
         if args.profile:
@@ -219,11 +244,14 @@ async def _front(args) -> list[dict]:
             if prof is not None:
                 prof.enable()
             t0, cpu0 = time.perf_counter(), time.process_time()
+            gc0, gcn0 = list(gct.seconds), list(gct.count)
             steps0 = client.last_gauges.get("synthetic_steps", 0)
             send0 = client.last_gauges.get("synthetic_send_s", 0.0)
             res = await _run_client(port, args, args.streams, args.tokens)
             cpu = time.process_time() - cpu0
             steps = client.last_gauges.get("synthetic_steps", 0) - steps0
+            gc_s = [b - a for a, b in zip(gc0, gct.seconds)]
+            gc_n = [b - a for a, b in zip(gcn0, gct.count)]
             send_s = client.last_gauges.get("synthetic_send_s", 0.0) - send0
             if prof is not None:
                 prof.disable()
@@ -240,7 +268,8 @@ async def _front(args) -> list[dict]:
                 "front_cpu_s": cpu, "front_cpu_share": cpu / wall,
                 "front_us_per_token": 1e6 * cpu / tok if tok else None,
                 "front_us_per_chunk": 1e6 * cpu / res["chunks"] if res["chunks"] else None,
-                "client": args.client,
+                "client": args.client, "front_gc_s_by_generation": gc_s,
+                "front_gc_collections": gc_n,
                 "client_cpu_s": res["client_cpu_s"], "ttft_ms_p50": res["ttft_ms_p50"],
                 "text_ok": res["text_ok"], "finish_ok": res["finish_ok"],
             }
@@ -252,7 +281,7 @@ async def _front(args) -> list[dict]:
                   f"{_f(row['chunks_per_token'], '.3f')} chunks/token, front CPU "
                   f"{row['front_us_per_token']:.1f} us/token {_f(row['front_us_per_chunk'], '.1f')} "
                   f"us/chunk ({100 * row['front_cpu_share']:.0f}% of a core), client CPU "
-                  f"{row['client_cpu_s']:.2f} s, text ok {row['text_ok']}, finish ok "
+                  f"{row['client_cpu_s']:.2f} s, front GC {sum(gc_s):.3f} s, text ok {row['text_ok']}, finish ok "
                   f"{row['finish_ok']}", flush=True)
     finally:
         server.should_exit = True
@@ -282,6 +311,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default=None, help="cProfile the front's loop into FILE")
     ap.add_argument("--profile-top", type=int, default=35)
     ap.add_argument("--json", default=None, help="write the rounds to this file")
+    ap.add_argument("--default-gc", action="store_true",
+                    help="keep Python's collector settings (no tune_gc_for_serving)")
     ap.add_argument("--port", type=int, default=0, help="(client mode) the front's port")
     ap.add_argument("--client", default="raw", choices=["raw", "bench-serve"],
                     help="raw asyncio sockets (cheapest) or pagedkv bench serve's httpx client")

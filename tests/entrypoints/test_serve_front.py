@@ -207,3 +207,33 @@ def test_metrics_from_deltas_equal_metrics_from_snapshots(runs, rnd):
 def test_snapshot_types():
     out = _DeltaStream("r", None, [1], 0.0).fold([_delta("r", 0, [1], "x")])
     assert isinstance(out, RequestOutput) and isinstance(out.outputs[0], CompletionOutput)
+
+
+def test_tune_gc_for_serving_in_a_fresh_process():
+    """Process-wide, so checked in a child: startup objects frozen, gen0 threshold raised (never
+    lowered), a bad threshold a ValueError."""
+    import subprocess
+    import sys
+
+    code = (
+        "import gc\n"
+        "from pagedkv.entrypoints.openai_server import tune_gc_for_serving, "
+        "SERVING_GC_GEN0_THRESHOLD\n"
+        "g1, g2 = gc.get_threshold()[1:]\n"
+        "tune_gc_for_serving()\n"
+        "assert gc.get_freeze_count() > 0\n"
+        "assert gc.get_threshold() == (SERVING_GC_GEN0_THRESHOLD, g1, g2), gc.get_threshold()\n"
+        "gc.set_threshold(50000, g1, g2)\n"
+        "tune_gc_for_serving()\n"
+        "assert gc.get_threshold()[0] == 50000\n"
+        "for bad in (0, -5, 1.5, '10'):\n"
+        "    try:\n"
+        "        tune_gc_for_serving(bad)\n"
+        "    except ValueError:\n"
+        "        pass\n"
+        "    else:\n"
+        "        raise AssertionError(bad)\n"
+        "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
