@@ -155,7 +155,14 @@ def client_main(args) -> None:
     import pickle
 
     if args.client == "bench-serve":
-        summary = _bench_serve_client(args)
+        if args.profile_client:
+            import cProfile
+
+            prof = cProfile.Profile()
+            summary = prof.runcall(_bench_serve_client, args)
+            prof.dump_stats(args.profile_client)
+        else:
+            summary = _bench_serve_client(args)
         sys.stdout.write(base64.b64encode(pickle.dumps(summary)).decode() + "\n")
         return
     out = asyncio.run(_client(args.port, args.streams, args.tokens, args.prompt_len))
@@ -184,6 +191,7 @@ async def _run_client(port: int, args, streams: int, tokens: int) -> dict:
         sys.executable, os.path.abspath(__file__), "client", "--port", str(port),
         "--streams", str(streams), "--tokens", str(tokens), "--prompt-len",
         str(args.prompt_len), "--vocab-size", str(args.vocab_size), "--client", args.client,
+        *(["--profile-client", args.profile_client] if args.profile_client else []),
         stdout=asyncio.subprocess.PIPE, env=dict(os.environ, PYTHONPATH=ROOT))
     out, _ = await proc.communicate()
     if proc.returncode != 0:
@@ -311,6 +319,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default=None, help="cProfile the front's loop into FILE")
     ap.add_argument("--profile-top", type=int, default=35)
     ap.add_argument("--json", default=None, help="write the rounds to this file")
+    ap.add_argument("--profile-client", default=None,
+                    help="(--client bench-serve) cProfile the client into FILE")
     ap.add_argument("--default-gc", action="store_true",
                     help="keep Python's collector settings (no tune_gc_for_serving)")
     ap.add_argument("--port", type=int, default=0, help="(client mode) the front's port")
