@@ -272,7 +272,8 @@ async def _front(args) -> list[dict]:
                 "engine_steps_per_s": steps / res["wall_s"],
                 "engine_send_ms_per_step": 1e3 * send_s / steps if steps else None,
                 "delivered_tok_s": tok / res["wall_s"], "tokens": tok, "client_wall_s":
-                res["wall_s"], "chunks_per_token": res["chunks"] / tok if tok and res["chunks"] else None,
+                res["wall_s"],
+                "chunks_per_token": res["chunks"] / tok if tok and res["chunks"] else None,
                 "front_cpu_s": cpu, "front_cpu_share": cpu / wall,
                 "front_us_per_token": 1e6 * cpu / tok if tok else None,
                 "front_us_per_chunk": 1e6 * cpu / res["chunks"] if res["chunks"] else None,
@@ -287,9 +288,11 @@ async def _front(args) -> list[dict]:
                   f"{row['engine_steps_per_s']:.0f} steps/s, "
                   f"{_f(row['engine_send_ms_per_step'], '.2f')} ms/step sending), "
                   f"{_f(row['chunks_per_token'], '.3f')} chunks/token, front CPU "
-                  f"{row['front_us_per_token']:.1f} us/token {_f(row['front_us_per_chunk'], '.1f')} "
-                  f"us/chunk ({100 * row['front_cpu_share']:.0f}% of a core), client CPU "
-                  f"{row['client_cpu_s']:.2f} s, front GC {sum(gc_s):.3f} s, text ok {row['text_ok']}, finish ok "
+                  f"{row['front_us_per_token']:.1f} us/token "
+                  f"{_f(row['front_us_per_chunk'], '.1f')} us/chunk "
+                  f"({100 * row['front_cpu_share']:.0f}% of a core), client CPU "
+                  f"{row['client_cpu_s']:.2f} s, front GC {sum(gc_s):.3f} s, "
+                  f"text ok {row['text_ok']}, finish ok "
                   f"{row['finish_ok']}", flush=True)
     finally:
         server.should_exit = True

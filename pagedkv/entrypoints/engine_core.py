@@ -326,10 +326,11 @@ class EngineCoreClient:
     child could not build); ``start()`` (in the event loop) attaches the loop and starts the
     reader thread. ``on_step(gauges, items)`` runs on the loop after every step message
     (metrics: :meth:`~pagedkv.entrypoints.metrics.ServingMetrics.observe_deltas`; ``items``:
-    ``(OutputDelta, arrival time, prompt tokens, tokens so far)`` per delta). ``max_waiting``: refuse requests (``EngineOverloadedError``) while this many
-    have produced no token yet. ``engine_module``: the module the child runs
-    (``python -m MODULE ADDRESS``); another one must speak the same pipe protocol (a stand-in
-    engine for the front's CPU benchmark, ``bench/synthetic_engine.py``)."""
+    ``(OutputDelta, arrival time, prompt tokens, tokens so far)`` per delta).
+    ``max_waiting``: refuse requests (``EngineOverloadedError``) while this many have produced
+    no token yet. ``engine_module``: the module the child runs (``python -m MODULE
+    ADDRESS``); another one must speak the same pipe protocol (a stand-in engine for the
+    front's CPU benchmark, ``bench/synthetic_engine.py``)."""
 
     def __init__(self, spec: EngineSpec, *, max_waiting: int | None = None,
                  on_step: Callable[[dict, list[tuple]], None] | None = None,
