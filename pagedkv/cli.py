@@ -410,6 +410,9 @@ def cmd_serve(args) -> int:
                                              drain_timeout=args.drain_timeout)
         sizing = f"{client.info['sizing']}; engine process {client.pid}"
     print(f"pagedkv serve: {name} on http://{args.host}:{args.port}/v1 ({sizing})", flush=True)
+    from pagedkv.entrypoints.openai_server import tune_gc_for_serving
+
+    tune_gc_for_serving()
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=int(args.drain_timeout) + 5)
     _graceful_server_class()(config).run()

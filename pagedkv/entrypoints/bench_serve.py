@@ -1,6 +1,7 @@
 """``pagedkv bench serve``: replay a workload against a running OpenAI-compatible server.
 
-Its own small async HTTP client (httpx): each request is a streamed ``/v1/completions`` call
+Its own small async HTTP client (httpx, one single-connection client per request): each
+request is a streamed ``/v1/completions`` call
 with the workload's token-id prompt, ``max_tokens`` and ``ignore_eos``; arrivals follow a
 Poisson process at ``request_rate`` requests/s (``inf``: all at once), optionally capped at
 ``max_concurrency`` requests in flight. Measured per request, as vLLM's serving benchmark
@@ -111,29 +112,37 @@ async def run_serve_bench(base_url: str, model: str | None, prompts: list[list[i
     url = base_url.rstrip("/") + "/v1/completions"
     rng = random.Random(seed)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    limits = httpx.Limits(max_connections=max_concurrency or len(prompts) or 1,
-                          max_keepalive_connections=max_concurrency or len(prompts) or 1)
+    # One single-connection client per request, not one pool of them all: httpcore's pool
+    # (1.0) scans every connection for each idle one whenever a request starts or a response
+    # closes, O(connections^2) per event, which at 256 streams cost the client seconds of
+    # CPU (it read the last streams late). One SSL context for all (building one per client
+    # loads the CA bundle each time).
+    ssl_context = httpx.create_ssl_context()
+    one_conn = httpx.Limits(max_connections=1, max_keepalive_connections=0)
 
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
-        if model is None:  # the server's (first) served model
+    async def run(i: int) -> RequestResult:
+        async with httpx.AsyncClient(timeout=timeout, limits=one_conn, verify=ssl_context) as http:
+            return await _one(http, url, model, prompts[i], max_tokens[i])
+
+    async def launch(i: int) -> RequestResult:
+        if sem is None:
+            return await run(i)
+        async with sem:
+            return await run(i)
+
+    if model is None:  # the server's (first) served model
+        async with httpx.AsyncClient(timeout=timeout, verify=ssl_context) as http:
             r = await http.get(base_url.rstrip("/") + "/v1/models")
             r.raise_for_status()
             model = r.json()["data"][0]["id"]
-
-        async def launch(i: int) -> RequestResult:
-            if sem is None:
-                return await _one(http, url, model, prompts[i], max_tokens[i])
-            async with sem:
-                return await _one(http, url, model, prompts[i], max_tokens[i])
-
-        start = time.perf_counter()
-        tasks = []
-        for i in range(len(prompts)):
-            tasks.append(asyncio.create_task(launch(i)))
-            if math.isfinite(request_rate) and request_rate > 0 and i + 1 < len(prompts):
-                await asyncio.sleep(rng.expovariate(request_rate))
-        results = await asyncio.gather(*tasks)
-        wall = time.perf_counter() - start
+    start = time.perf_counter()
+    tasks = []
+    for i in range(len(prompts)):
+        tasks.append(asyncio.create_task(launch(i)))
+        if math.isfinite(request_rate) and request_rate > 0 and i + 1 < len(prompts):
+            await asyncio.sleep(rng.expovariate(request_rate))
+    results = await asyncio.gather(*tasks)
+    wall = time.perf_counter() - start
     ok = [r for r in results if r.ok]
     tokens = sum(r.output_tokens for r in ok)
     return ServeBenchResult(

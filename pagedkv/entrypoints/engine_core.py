@@ -17,9 +17,10 @@ socket, ``multiprocessing.connection``) and the server process keeps only the fr
   request gained: new token ids, new text, new logprobs, times) and the engine's gauges for the
   metrics (:func:`~pagedkv.entrypoints.metrics.engine_gauges`);
 - a reader thread in the front hands each message to the event loop with one
-  ``call_soon_threadsafe``; there the deltas are added to each request's cumulative state and a
-  ``RequestOutput`` snapshot goes to its stream (the same objects the in-process ``AsyncLLM``
-  yields, so the OpenAI layer serves both alike).
+  ``call_soon_threadsafe``; there each delta is appended to its request's stream (and wakes
+  its reader); the reader folds what arrived into the request's cumulative state and gets one
+  ``RequestOutput`` snapshot per read (the same objects the in-process ``AsyncLLM`` yields, so
+  the OpenAI layer serves both alike; a reader that lagged several steps gets one snapshot).
 
 Aborts (a disconnect) are commands; the child frees the blocks at once. A step that raises is
 recovered in the child (``LLMEngine.recover``) and the requests it took down get
@@ -49,7 +50,6 @@ from pagedkv.entrypoints.async_llm import (
     EngineOverloadedError,
     RequestFailedError,
     RequestStream,
-    _Stream,
 )
 from pagedkv.errors import ConfigError, InvalidRequestError, PagedKVError
 
@@ -231,42 +231,90 @@ class EngineFront:
                                 vocab_size=self.vocab_size, max_model_len=self.max_model_len)
 
 
-@dataclass
-class _Acc:
-    """A request's cumulative output in the front, built from its deltas."""
+class _DeltaStream:
+    """A request's stream in the front: the step deltas (or an error) its consumer has not read
+    yet, the future the consumer waits on, and the cumulative output the deltas are folded
+    into when it reads. The reader's work per delta is an append (and a wake-up); the fold and
+    the ``RequestOutput`` snapshot happen once per read, however many steps the consumer
+    lagged (a lagging stream skips to its newest cumulative output, as ``AsyncLLM``'s do)."""
 
-    prompt: str | None
-    prompt_token_ids: list[int]
-    metrics: RequestMetrics
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list | None = None
-    cumulative_logprob: float | None = None
-    finish_reason: str | None = None
-    stop_reason: Any = None
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "metrics", "token_ids", "text",
+                 "logprobs", "num_tokens", "pending", "waiter", "finished")
 
-    def add(self, d: OutputDelta) -> RequestOutput:
-        (_, toks, text, lps, cum, reason, stop_reason, t_sched, t_first, t_last, t_fin,
-         cached, preempted) = d
-        self.token_ids.extend(toks)
-        if text:
-            self.text += text
-        if lps is not None:
-            if self.logprobs is None:
-                self.logprobs = []
-            self.logprobs.extend(lps)
-        self.cumulative_logprob = cum
-        self.finish_reason, self.stop_reason = reason, stop_reason
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 arrival_time: float) -> None:
+        self.request_id = request_id
+        self.prompt, self.prompt_token_ids = prompt, prompt_token_ids
+        self.metrics = RequestMetrics(arrival_time=arrival_time,
+                                      num_prompt_tokens=len(prompt_token_ids))
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.logprobs: list | None = None
+        self.num_tokens = 0  # tokens received, unread ones included
+        self.pending: list = []  # OutputDelta tuples or one exception
+        self.waiter: asyncio.Future | None = None
+        self.finished = False  # the consumer is done with it (RequestStream.close)
+
+    def push(self, item) -> None:
+        """On the loop: a delta or an exception for the consumer."""
+        self.pending.append(item)
+        w = self.waiter
+        if w is not None:
+            self.waiter = None
+            if not w.done():
+                w.set_result(None)
+
+    def fold(self, deltas: list) -> RequestOutput:
+        """Add ``deltas`` (in step order) to the cumulative output; its snapshot."""
+        toks = self.token_ids
+        texts = []
+        for d in deltas:
+            toks.extend(d[1])
+            if d[2]:
+                texts.append(d[2])
+            if d[3] is not None:
+                if self.logprobs is None:
+                    self.logprobs = []
+                self.logprobs.extend(d[3])
+        if texts:
+            self.text += texts[0] if len(texts) == 1 else "".join(texts)
+        (_, _, _, _, cum, reason, stop_reason, t_sched, t_first, t_last, t_fin,
+         cached, preempted) = deltas[-1]
         m = self.metrics
         m.first_scheduled_time, m.first_token_time = t_sched, t_first
         m.last_token_time, m.finished_time = t_last, t_fin
         m.num_cached_tokens, m.num_preemptions = cached, preempted
-        m.num_generated_tokens = len(self.token_ids)
-        comp = CompletionOutput(0, self.text, list(self.token_ids), cum,
+        m.num_generated_tokens = len(toks)
+        comp = CompletionOutput(0, self.text, list(toks), cum,
                                 None if self.logprobs is None else list(self.logprobs),
                                 reason, stop_reason)
-        return RequestOutput(d[0], self.prompt, self.prompt_token_ids, [comp], reason is not None,
-                             m)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [comp],
+                             reason is not None, m)
+
+
+class _DeltaRequestStream(RequestStream):
+    """``RequestStream`` over a :class:`_DeltaStream`: one snapshot per read of everything
+    that arrived since the last one; an error ends it (raised), so does the final output."""
+
+    async def _iter(self):
+        st = self._stream
+        try:
+            loop = asyncio.get_running_loop()
+            while True:
+                if not st.pending:
+                    st.waiter = fut = loop.create_future()
+                    await fut
+                items, st.pending = st.pending, []
+                for item in items:
+                    if isinstance(item, BaseException):
+                        raise item
+                out = st.fold(items)
+                yield out
+                if out.finished:
+                    st.finished = True
+                    return
+        finally:
+            self.close()
 
 
 class EngineCoreClient:
@@ -276,14 +324,20 @@ class EngineCoreClient:
 
     ``start_process()`` spawns the child and waits until its engine is built (raising what the
     child could not build); ``start()`` (in the event loop) attaches the loop and starts the
-    reader thread. ``on_step(gauges, outputs)`` runs on the loop after every step message
-    (metrics). ``max_waiting``: refuse requests (``EngineOverloadedError``) while this many
-    have produced no token yet."""
+    reader thread. ``on_step(gauges, items)`` runs on the loop after every step message
+    (metrics: :meth:`~pagedkv.entrypoints.metrics.ServingMetrics.observe_deltas`; ``items``:
+    ``(OutputDelta, arrival time, prompt tokens, tokens so far)`` per delta).
+    ``max_waiting``: refuse requests (``EngineOverloadedError``) while this many have produced
+    no token yet. ``engine_module``: the module the child runs (``python -m MODULE
+    ADDRESS``); another one must speak the same pipe protocol (a stand-in engine for the
+    front's CPU benchmark, ``bench/synthetic_engine.py``)."""
 
     def __init__(self, spec: EngineSpec, *, max_waiting: int | None = None,
-                 on_step: Callable[[dict, list[RequestOutput]], None] | None = None,
-                 start_timeout: float = 600.0) -> None:
+                 on_step: Callable[[dict, list[tuple]], None] | None = None,
+                 start_timeout: float = 600.0,
+                 engine_module: str = "pagedkv.entrypoints.engine_core") -> None:
         self.spec = spec
+        self.engine_module = engine_module
         self.max_waiting = max_waiting
         self.on_step = on_step
         self.start_timeout = start_timeout
@@ -294,7 +348,7 @@ class EngineCoreClient:
         self.failed_steps = 0
         self.accepting = True
         self.last_gauges: dict = {}
-        self._streams: dict[str, tuple[_Stream, _Acc]] = {}
+        self._streams: dict[str, _DeltaStream] = {}
         self._ids = itertools.count()
         self._proc = None
         self._conn = None
@@ -321,7 +375,7 @@ class EngineCoreClient:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "pagedkv.entrypoints.engine_core", address],
+            [sys.executable, "-m", self.engine_module, address],
             env=env, stdin=subprocess.DEVNULL)
         accepted: list = []
 
@@ -428,8 +482,7 @@ class EngineCoreClient:
 
     # ----- requests ------------------------------------------------------------------------
     def num_waiting(self) -> int:
-        return sum(1 for _, acc in self._streams.values() if not acc.token_ids
-                   and acc.finish_reason is None)
+        return sum(1 for st in self._streams.values() if not st.num_tokens)
 
     def submit(self, prompt, params=None, request_id: str | None = None) -> RequestStream:
         if not self.accepting:
@@ -443,19 +496,14 @@ class EngineCoreClient:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._streams:
             raise InvalidRequestError(f"request id {rid!r} is in use")
-        loop = asyncio.get_running_loop()
-        stream = _Stream(rid, loop, asyncio.Queue())
-        acc = _Acc(text, ids, RequestMetrics(arrival_time=time.monotonic(),
-                                             num_prompt_tokens=len(ids)))
-        self._streams[rid] = (stream, acc)
+        stream = _DeltaStream(rid, text, ids, time.monotonic())
+        self._streams[rid] = stream
         try:
             self._send(("add", rid, validated))
         except (OSError, EOFError, BrokenPipeError):
             del self._streams[rid]
             raise EngineDeadError("the engine process is not running") from None
-        added = loop.create_future()
-        added.set_result(None)
-        return RequestStream(self, stream, added)
+        return _DeltaRequestStream(self, stream, None)
 
     async def generate(self, prompt, params=None, request_id: str | None = None):
         async for out in self.submit(prompt, params, request_id):
@@ -506,32 +554,32 @@ class EngineCoreClient:
             _, deltas, gauges = msg
             self.last_gauges = gauges
             streams = self._streams
-            outs = []
+            items = [] if self.on_step is not None else None
             for d in deltas:
-                entry = streams.get(d[0])
-                if entry is None:  # aborted meanwhile
+                st = streams.get(d[0])
+                if st is None:  # aborted meanwhile
                     continue
-                stream, acc = entry
-                out = acc.add(d)
-                if out.finished:
+                n = st.num_tokens = st.num_tokens + len(d[1])
+                if d[5] is not None:  # finished
                     del streams[d[0]]
-                stream.queue.put_nowait(out)
-                outs.append(out)
-            if self.on_step is not None:
-                self.on_step(gauges, outs)
+                st.push(d)
+                if items is not None:
+                    items.append((d, st.metrics.arrival_time, len(st.prompt_token_ids), n))
+            if items is not None:
+                self.on_step(gauges, items)
         elif kind == "failed":
             _, rids, message = msg
             self.failed_steps += 1
             for rid in rids:
-                entry = self._streams.pop(rid, None)
-                if entry is not None:
-                    entry[0].queue.put_nowait(RequestFailedError(
+                st = self._streams.pop(rid, None)
+                if st is not None:
+                    st.push(RequestFailedError(
                         f"the engine step failed ({message}); the request was aborted"))
         elif kind == "add_failed":
             _, rid, name, message = msg
-            entry = self._streams.pop(rid, None)
-            if entry is not None:
-                entry[0].queue.put_nowait(PagedKVError(f"{name}: {message}"))
+            st = self._streams.pop(rid, None)
+            if st is not None:
+                st.push(PagedKVError(f"{name}: {message}"))
         elif kind == "stats":
             fut = self._stats_waiters.get(msg[1])
             if fut is not None and not fut.done():
@@ -539,16 +587,15 @@ class EngineCoreClient:
         elif kind == "dead":
             self._dead = msg[1]
             for rid in list(self._streams):
-                stream, _ = self._streams.pop(rid)
-                stream.queue.put_nowait(EngineDeadError(msg[1]))
+                self._streams.pop(rid).push(EngineDeadError(msg[1]))
             for fut in self._stats_waiters.values():
                 if not fut.done():
                     fut.set_exception(EngineDeadError(msg[1]))
 
 
-def _child_main(address: str) -> None:
+def _child_main(address: str, main: Callable[[EngineSpec, Any], None] = engine_main) -> None:
     """``python -m pagedkv.entrypoints.engine_core ADDRESS``: connect to the front, receive
-    the ``EngineSpec``, run :func:`engine_main`."""
+    the ``EngineSpec``, run ``main(spec, conn)`` (:func:`engine_main`)."""
     from multiprocessing.connection import Client
 
     key = bytes.fromhex(os.environ.pop("PAGEDKV_ENGINE_AUTHKEY"))
@@ -557,7 +604,7 @@ def _child_main(address: str) -> None:
         spec = conn.recv()
     except EOFError:
         return
-    engine_main(spec, conn)
+    main(spec, conn)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ per server (not the process-global default), so several servers or tests do not 
 
 from __future__ import annotations
 
+import bisect
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -71,6 +72,23 @@ class ServingMetrics:
         """Gauges and counters from ``gauges`` (an :func:`engine_gauges` dict: counters are
         totals, turned into increments here), latencies from the outputs' metrics (cumulative
         ``RequestOutput`` objects)."""
+        self._observe_gauges(gauges)
+        self._observe_requests(
+            (out.request_id, len(out.outputs[0].token_ids), out.metrics.arrival_time,
+             out.metrics.first_token_time, out.metrics.last_token_time,
+             out.outputs[0].finish_reason if out.finished else None,
+             out.metrics.finished_time, len(out.prompt_token_ids), out.finished)
+            for out in outputs)
+
+    def observe_deltas(self, gauges: dict, items) -> None:
+        """:meth:`observe` from a step's deltas (the engine-process front: no snapshot per
+        delta). ``items``: ``(OutputDelta, arrival_time, prompt tokens, the request's tokens
+        so far)`` per delta."""
+        self._observe_gauges(gauges)
+        self._observe_requests((d[0], n, arrival, d[8], d[9], d[5], d[10], prompt_tokens,
+                                d[5] is not None) for d, arrival, prompt_tokens, n in items)
+
+    def _observe_gauges(self, gauges: dict) -> None:
         m, name = self, self.model_name
         m.running.labels(name).set(gauges["running"])
         m.waiting.labels(name).set(gauges["waiting"])
@@ -84,30 +102,53 @@ class ServingMetrics:
             if value > m._last[key]:
                 counter.labels(name).inc(value - m._last[key])
             m._last[key] = value
-        last = m._last_token_time
-        ttft, itl = m._ttft, m._itl
-        for out in outputs:
-            rm = out.metrics
-            n = len(out.outputs[0].token_ids)
-            prev = last.get(out.request_id)
-            if rm.first_token_time is not None and prev is None and n:
-                ttft.observe(rm.first_token_time - rm.arrival_time)
-            elif prev is not None and n > prev[1] and rm.last_token_time is not None:
-                gap = (rm.last_token_time - prev[0]) / (n - prev[1])
-                for _ in range(n - prev[1]):
-                    itl.observe(gap)
-            if rm.last_token_time is not None and n:
-                last[out.request_id] = (rm.last_token_time, n)
-            if out.finished:
-                last.pop(out.request_id, None)
-                reason = out.outputs[0].finish_reason or "abort"
-                m.success.labels(name, reason).inc()
-                m._prompt_tokens.inc(len(out.prompt_token_ids))
-                if rm.finished_time is not None:
-                    m._e2e.observe(rm.finished_time - rm.arrival_time)
+
+    def _observe_requests(self, records) -> None:
+        """Latencies of a step's requests. ``records``: ``(request id, tokens so far, arrival,
+        first token time, last token time, finish reason, finished time, prompt tokens,
+        finished)``. TTFT at a request's first tokens, one ITL sample per new token (the gap
+        since its previous tokens, spread evenly over them; a step's equal gaps are added to
+        the histogram at once), E2E and the finish reason when it finished."""
+        last = self._last_token_time
+        ttft, e2e, name = self._ttft, self._e2e, self.model_name
+        gaps: dict[float, int] = {}
+        for rid, n, arrival, t_first, t_last, reason, t_fin, prompt_tokens, finished in records:
+            prev = last.get(rid)
+            if prev is None:
+                if t_first is not None and n:
+                    ttft.observe(t_first - arrival)
+            elif n > prev[1] and t_last is not None:
+                k = n - prev[1]
+                gap = (t_last - prev[0]) / k
+                gaps[gap] = gaps.get(gap, 0) + k
+            if finished:
+                last.pop(rid, None)
+                self.success.labels(name, reason or "abort").inc()
+                self._prompt_tokens.inc(prompt_tokens)
+                if t_fin is not None:
+                    e2e.observe(t_fin - arrival)
+            elif t_last is not None and n:
+                last[rid] = (t_last, n)
+        for gap, count in gaps.items():
+            _observe_many(self._itl, gap, count)
 
     def export(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _observe_many(hist, value: float, count: int) -> None:
+    """``count`` observations of ``value`` in the histogram child ``hist``: its sum and the one
+    bucket ``Histogram.observe`` picks (the first upper bound >= value), each updated once.
+    prometheus_client has no public call for it; without the attributes this relies on, one
+    ``observe`` per observation."""
+    bounds, buckets, total = (getattr(hist, "_upper_bounds", None), getattr(hist, "_buckets", None),
+                              getattr(hist, "_sum", None))
+    if bounds is None or buckets is None or total is None or count == 1:
+        for _ in range(count):
+            hist.observe(value)
+        return
+    total.inc(value * count)
+    buckets[bisect.bisect_left(bounds, value)].inc(count)
 
 
 def engine_gauges(engine, *, scan_groups: bool = True, failed_steps: int = 0) -> dict:

@@ -232,3 +232,11 @@ def test_streamed_stop_string_never_leaks(client, ref, include):
         model="tiny", prompt=PROMPTS[2], max_tokens=30, temperature=0, stream=True, stop=[stop],
         extra_body={"ignore_eos": True, "include_stop_str_in_output": include}) if c.choices]
     assert "".join(pieces) == want.text
+
+
+def test_streamed_wire_format_equals_unstreamed(live):
+    """The exact SSE chunks (json.dumps byte for byte, fields in order) of completions and
+    chat, n > 1, logprobs, echo, stop strings, usage: what the unstreamed request returns."""
+    from server_helpers import check_streamed_equals_unstreamed
+
+    check_streamed_equals_unstreamed(live.url)

@@ -414,3 +414,10 @@ def test_serve_a_shape_with_the_synthetic_tokenizer(monkeypatch):
         s.stop()
     with pytest.raises(Exception, match="one of them"):
         build_serve_llm(build_parser().parse_args(["serve"]))
+
+
+def test_streamed_wire_format_equals_unstreamed(live):
+    """As test_engine_core's, with the engine in the server's thread."""
+    from server_helpers import check_streamed_equals_unstreamed
+
+    check_streamed_equals_unstreamed(live.url)
