@@ -253,8 +253,21 @@ def environment() -> dict:
         env["gpu"] = torch.cuda.get_device_name(0)
         env["cuda"] = torch.version.cuda
         env["gpu_state"] = _gpu_state()
+    env["cudnn_frontend"] = _cudnn_frontend()
     env["cpu"] = _cpu_model()
     return env
+
+
+def _cudnn_frontend() -> str | None:
+    """``"<frontend version> (cuDNN <backend version>)"`` where cuDNN's paged attention can run
+    (``pagedkv.attention.cudnn_paged.frontend``: the Triton backend's default prefill path
+    then), else None (its prefills take the Triton kernel)."""
+    from pagedkv.attention.cudnn_paged import frontend
+
+    fe = frontend()
+    if fe is None:
+        return None
+    return f"{fe.__version__} (cuDNN {fe.backend_version()})"
 
 
 def _gpu_state() -> str | None:

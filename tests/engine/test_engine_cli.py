@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from pagedkv.cli import main
 from pagedkv.errors import ConfigError
@@ -119,7 +120,12 @@ def test_cli_bench_small_variant(tiny_dir, tmp_path, capsys):
     assert rc == 0
     text = capsys.readouterr().out
     assert "output throughput" in text
-    res = json.loads(out_json.read_text())["result"]
+    record = json.loads(out_json.read_text())
+    res = record["result"]
+    # the record says whether prefills could take cuDNN's paged attention (not on a CPU)
+    assert "cudnn_frontend" in record["environment"]
+    if not torch.cuda.is_available():
+        assert record["environment"]["cudnn_frontend"] is None
     assert res["num_requests"] == 3
     assert res["output_tokens"] == res["requested_output_tokens"] > 0
     assert res["output_tokens_per_s"] > 0
