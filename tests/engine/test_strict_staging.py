@@ -198,3 +198,110 @@ def test_async_engine_writes_nothing_under_a_pending_copy(tiny_dir, tiny_cache, 
     assert stats["preemptions"] > 0, stats
     if case != "deepseek_v4":  # its groups' common block is longer than the shared prefix
         assert stats["prefix_cache_hits"] > 0, stats
+
+
+# ----- on a GPU: the device held back, so the host runs ahead ------------------------------
+#
+# Under load (several processes on one GPU) a step's kernels start late and the host prepares
+# the next step while they wait: the window in which a writer that skips ``wait_for_copy``
+# would change bytes a queued copy has not read yet. Here a sleep kernel queued before every
+# step's copies (``torch.cuda._sleep``) opens that window on purpose, every step; strict mode
+# is on, so a writer without its wait raises, and one that waits must block (counted: the
+# window was open). Tokens must still equal transformers'.
+
+SLEEP_CYCLES = 20_000_000  # ~10 ms at the H200's clock
+
+
+def _count_blocking_waits(buf: CpuGpuBuffer, counts: dict) -> None:
+    """Count the waits that found their copy still queued (the device behind the host)."""
+    inner = buf.wait_for_copy
+
+    def wait_for_copy():
+        ev = buf._pending
+        if ev is not None and not ev.query():
+            counts["blocked"] = counts.get("blocked", 0) + 1
+        inner()
+
+    buf.wait_for_copy = wait_for_copy
+
+
+def _delay_each_step(runner) -> None:
+    """Queue a sleep kernel on the runner's stream before every step's copies."""
+    prepare = runner.preparer.prepare
+
+    def delayed(*args, **kwargs):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        return prepare(*args, **kwargs)
+
+    runner.preparer.prepare = delayed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["mistral", "llama"])
+def test_gpu_host_ahead_of_a_held_back_device_matches_transformers(tiny_dir, strict, family):
+    transformers = pytest.importorskip("transformers")
+    from pagedkv import LLM
+
+    path = tiny_dir(family)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    # test_engine_gpu's parity configuration: async scheduling, compiled regions and CUDA
+    # graphs by default on CUDA, chunked prefill mixed with decodes
+    llm = LLM(path, dtype="float32", device="cuda", max_num_seqs=16, max_num_batched_tokens=32,
+              max_model_len=256, num_gpu_blocks_override=256, attention_backend="triton")
+    runner = llm.runner
+    assert llm.engine.async_scheduling
+    counts: dict = {}
+    _count_blocking_waits(runner.preparer._area._raw, counts)
+    _count_blocking_waits(runner.input_batch.block_table.block_table, counts)
+    _delay_each_step(runner)
+    n = 12
+    outs = llm.generate(TEXTS * 3, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+                        use_tqdm=False)
+    assert counts.get("blocked", 0) > 5, counts  # the host did run ahead of the device
+    with torch.no_grad():
+        for o in outs:
+            ids = torch.tensor([o.prompt_token_ids], device="cuda")
+            want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                               do_sample=False, eos_token_id=None, pad_token_id=0)
+            assert o.outputs[0].token_ids == want[0, ids.shape[1]:].tolist(), o.prompt
+
+
+@pytest.mark.gpu
+def test_gpu_cascade_side_stream_held_back_equals_cascade_off(tiny_dir):
+    """The cascade prefix launch on its side stream, held back by a sleep queued on that
+    stream before it (eager steps and inside the graphs): the main stream must wait for it
+    before the merge, so tokens equal cascade off."""
+    from test_cascade_engine import TINY, w3_prompts
+
+    from pagedkv import LLM
+    from pagedkv.attention import triton_backend
+    from pagedkv.attention.triton_backend import TritonAttentionBackend
+
+    path = tiny_dir("qwen3")
+    prompts = w3_prompts(12, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    kw = dict(dtype="float32", device="cuda", max_num_seqs=16, max_num_batched_tokens=256,
+              max_model_len=256, num_gpu_blocks_override=256)
+    off = LLM(path, attention_backend=TritonAttentionBackend(cascade=None), **kw)
+    want = [o.outputs[0].token_ids for o in off.generate(prompts, params, use_tqdm=False)]
+    del off
+    backend = TritonAttentionBackend(cascade=TINY)
+    inner = triton_backend.paged_prefill_attention
+    held = {"n": 0}
+
+    def prefill(q, *args, **kwargs):
+        side = backend._side_streams.get(q.device)
+        if side is not None and torch.cuda.current_stream(q.device) == side:
+            torch.cuda._sleep(SLEEP_CYCLES // 4)
+            held["n"] += 1
+        return inner(q, *args, **kwargs)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(triton_backend, "paged_prefill_attention", prefill)
+    try:
+        on = LLM(path, attention_backend=backend, **kw)
+        got = [o.outputs[0].token_ids for o in on.generate(prompts, params, use_tqdm=False)]
+    finally:
+        mp.undo()
+    assert held["n"] > 0  # the side stream ran (and was held back)
+    assert got == want
