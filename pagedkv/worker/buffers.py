@@ -130,7 +130,7 @@ class CpuGpuBuffer:
         """``self.np[index]`` (a numpy view, basic indexing), locked with the buffer in strict
         mode: the way to make a view of the host bytes that outlives one step."""
         view = self.np[index]
-        if view.base is None or not np.shares_memory(view, self.np):
+        if view.base is None or not np.may_share_memory(view, self.np):
             raise ConfigError("host_view needs basic indexing (a view of the host bytes)")
         view.flags.writeable = self.np.flags.writeable
         self._host_views.append(view)
