@@ -99,7 +99,7 @@ class _TableColumns:
 
     def __init__(self, buf: CpuGpuBuffer, start: int, width: int) -> None:
         self.cpu = buf.cpu[:, start : start + width]
-        self.np = buf.np[:, start : start + width]
+        self.np = buf.host_view((slice(None), slice(start, start + width)))  # strict mode locks it
         self.gpu = buf.gpu[:, start : start + width]
 
 
@@ -347,6 +347,7 @@ class MultiGroupBlockTable:
         if self._device_table_np is not None:
             # CPU device: the same copy through numpy views (no torch per-call overhead).
             self._device_table_np[:num_reqs] = self.block_table.np[:num_reqs]
+            self.block_table.note_copy()
             return
         self.block_table.copy_to_gpu(num_reqs)
 

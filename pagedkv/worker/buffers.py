@@ -13,6 +13,16 @@ wait costs one attribute check when no copy is pending.
 On a CPU-only machine ``.gpu`` is a *separate* CPU tensor, so "device rows beyond the
 committed ones keep their old values" stays observable and testable.
 
+Strict mode (off by default; ``PAGEDKV_STRICT_STAGING=1`` in the environment, or
+:func:`set_strict_staging`): every copy out of a buffer's host bytes (on any device, the CPU
+included) makes the buffer's numpy views read-only until its ``wait_for_copy()``, which
+simulates the in-flight copy of a GPU: a writer that skips the wait fails on the CPU at the
+write itself, with numpy's ``ValueError: assignment destination is read-only``, where on a GPU
+it would race the copy. Views sliced from ``.np`` while it is locked inherit the flag; views
+kept across steps must be made through :meth:`CpuGpuBuffer.host_view` (so that the lock
+reaches them). Writes through the torch tensor ``.cpu`` are not caught (numpy's flag does not
+bind torch). Off, the cost is one module-global test per copy and per wait.
+
 ``StagingArea``: several 1-D staging arrays laid out in one host buffer and one device buffer,
 each exposed as a ``CpuGpuBuffer`` of views, so that a step moves them all with ONE copy (each
 copy has a fixed host cost: about 5 us to issue on the H200's host, 3-5 us on a CPU device).
@@ -20,12 +30,35 @@ copy has a fixed host cost: about 5 us to issue on the H200's host, 3-5 us on a 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 import numpy as np
 import torch
 
 from pagedkv.errors import ConfigError
+
+_STRICT = os.environ.get("PAGEDKV_STRICT_STAGING", "") in ("1", "true", "True")
+
+
+def strict_staging() -> bool:
+    """Whether strict mode is on (see the module docstring)."""
+    return _STRICT
+
+
+def set_strict_staging(on: bool) -> bool:
+    """Turn strict mode on or off for copies made from now on; returns the previous setting.
+    Buffers locked by an earlier copy unlock at their ``wait_for_copy()`` either way."""
+    global _STRICT
+    prev, _STRICT = _STRICT, bool(on)
+    return prev
+
+
+def _lockable(host: torch.Tensor) -> np.ndarray:
+    """A numpy view of ``host`` whose writeable flag can be turned off and on again (numpy
+    refuses to turn it back on for the array ``Tensor.numpy()`` returns, whose base is the
+    tensor; a view of that array keeps it as an always-writeable base)."""
+    return host.numpy().view()
 
 
 class CpuGpuBuffer:
@@ -46,10 +79,14 @@ class CpuGpuBuffer:
         self.device = torch.device(device)
         pin = bool(pin_memory) and self.device.type == "cuda" and torch.cuda.is_available()
         self.cpu = torch.zeros(*size, dtype=dtype, device="cpu", pin_memory=pin)
-        self.np: np.ndarray = self.cpu.numpy()
+        self.np: np.ndarray = _lockable(self.cpu)
         # A separate tensor even when the device is the CPU: copies stay real copies.
         self.gpu = torch.zeros(*size, dtype=dtype, device=self.device)
         self._pending: torch.cuda.Event | None = None
+        # strict mode: numpy arrays over the host bytes (bases before their views) and
+        # whether a copy has locked them
+        self._host_views: list[np.ndarray] = [self.np]
+        self._locked = False
 
     @property
     def shape(self) -> torch.Size:
@@ -73,11 +110,31 @@ class CpuGpuBuffer:
         if columns is not None:
             src, dst = src[:, columns], dst[:, columns]
         dst.copy_(src, non_blocking=True)
+        self.note_copy()
+        return dst
+
+    def note_copy(self) -> None:
+        """The host bytes were just handed to a copy (``copy_to_gpu``, or a caller's own
+        path, e.g. a CPU device's numpy copy): on CUDA with pinned memory record the event
+        ``wait_for_copy`` waits for; in strict mode lock the numpy views until then."""
         if self.device.type == "cuda" and self.cpu.is_pinned():
             ev = torch.cuda.Event()
             ev.record()
             self._pending = ev
-        return dst
+        if _STRICT:
+            for a in self._host_views:
+                a.flags.writeable = False
+            self._locked = True
+
+    def host_view(self, index) -> np.ndarray:
+        """``self.np[index]`` (a numpy view, basic indexing), locked with the buffer in strict
+        mode: the way to make a view of the host bytes that outlives one step."""
+        view = self.np[index]
+        if view.base is None or not np.may_share_memory(view, self.np):
+            raise ConfigError("host_view needs basic indexing (a view of the host bytes)")
+        view.flags.writeable = self.np.flags.writeable
+        self._host_views.append(view)
+        return view
 
     def copy_to_cpu(self, n: int | None = None) -> torch.Tensor:
         """Copy the first ``n`` rows device -> host (blocking). Returns the host view."""
@@ -98,6 +155,13 @@ class CpuGpuBuffer:
         if ev is not None:
             ev.synchronize()
             self._pending = None
+        if self._locked:
+            self._unlock()
+
+    def _unlock(self) -> None:
+        for a in self._host_views:  # bases first: a view is writeable only over one
+            a.flags.writeable = True
+        self._locked = False
 
 
 class _AreaField(CpuGpuBuffer):
@@ -109,10 +173,13 @@ class _AreaField(CpuGpuBuffer):
         size = torch.empty((), dtype=dtype).element_size()
         self.device = raw.device
         self.cpu = raw.cpu[offset: offset + length * size].view(dtype)
-        self.np = self.cpu.numpy()
+        self.np = _lockable(self.cpu)
         self.gpu = raw.gpu[offset: offset + length * size].view(dtype)
         self._pending = None
         self._raw = raw
+        self._host_views = [self.np]
+        self._locked = False
+        raw._host_views.append(self.np)  # the area's copy locks this field too
 
     def wait_for_copy(self) -> None:
         self._raw.wait_for_copy()
@@ -166,6 +233,7 @@ class StagingArea:
         if self._host_pair is not None:
             src, dst = self._host_pair
             dst[:end] = src[:end]
+            self._raw.note_copy()
         else:
             self._raw.copy_to_gpu(end)
 

@@ -583,7 +583,10 @@ class ModelRunner:
     def _to_device(self, values: np.ndarray) -> torch.Tensor:
         """A small int64 host array on the device without a sync (through pinned memory on
         CUDA: torch's caching host allocator keeps the block until the copy has run)."""
-        t = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+        # a copy when ``values`` is a read-only view (a staging buffer's rows in strict mode,
+        # pagedkv.worker.buffers): torch wraps no read-only array, and the CPU device's tensor
+        # would otherwise alias the staging bytes the next step rewrites
+        t = torch.from_numpy(np.require(values, np.int64, ("C", "W")))
         if self.device.type != "cuda":
             return t.to(self.device)
         return t.pin_memory().to(self.device, non_blocking=True)
