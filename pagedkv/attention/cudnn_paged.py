@@ -24,7 +24,11 @@ first, 1.5-3 s for the first of a process). Every input is made on the device
 
 Unwritten cache slots inside a request's last page are read and masked: they must hold finite
 values (a NaN there would turn the masked probabilities' zero products into NaN). The runner
-zero-fills its caches, and a slot once written holds a finite K / V.
+zero-fills its caches, and a slot once written holds a finite K / V. Where one block's bytes
+can hold something else first (a Mamba / gated-delta state or another KV dtype in the same
+pool), the scheduler asks for every new block to be zeroed (``needs_kv_zeroing``, as vLLM),
+so a page reaches this path zeroed or written by the same layout. A caller driving the backend
+itself must keep its caches finite the same way (``torch.zeros``, not ``torch.empty``).
 
 Not for: FP8 caches, sliding windows, logit soft caps, attention sinks, log-sum-exp outputs
 (cascade); the Triton kernel serves those. Availability: CUDA, bf16 / fp16, head size a
