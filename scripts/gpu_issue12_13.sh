@@ -11,7 +11,7 @@
 # the decode reduce's heads per program (mixed lengths, W1 4 vs 1 twice), with PREFILL_AB=1
 # (OLD_TREE=DIR) the prefill kernel's sweeps and W3 / W2 against an older tree's, with DECODE_AB=1
 # the decode kernel against the older tree's, with FLAGS_AB=1 (AB_FLAGS, AB_ENV, AB_WORKLOADS, AB_PAIRS) bench_w1.py's defaults against extra flags,
-# with HOST_W3=1 W3's host phases and a profiler window of its prefill-like steps, with W3_DIAG=1 W3's compiles and host phases in a first run (and the first user generate's step times), with ARGMAX=1 the greedy argmax bench and tests, with HOSTCPU=1 the host's CPU quota, throttling and per-core speed, with DECODE_POLICY=1 the decode launch policies (flat split, longest-first one range) on mixed lengths and in W1 A/B rounds, with SPLITK_GATE_UP=1 the split-K gate/up projection (kernel sweep, GPU tests, W1 A/B), with FLAT_FLOOR=1 the flat split's batch floor on small batches.  With SPLITK_ROWS=1 split-K o / down at 128-256 rows. With SMALL_FUSED=1 the default fused reduce of small batches against the reduce launches. With FUSED_REDUCE=1 the decode split kernel merging its own ranges (tests, B1-B256 kernel times, W1 A/B). With READ_FLOOR=1 the read floor of the decode anchors' bytes. With LM_HEAD=1 the fused LM head + argmax (sweep, tests, W1/W3 A/B). With BAL_EXCESS=1 the balanced rule's excess bound (decode kernel on nearly equal lengths, W2 A/B). With STARTUP=1 LLM() start-up time, default decode graphs against --no-lpt-one-range. With CUDNN_PAGED=1 cuDNN's paged prefill path, the default since the twenty-fourth session (frontend from .whl/cudnn_fe; tests, kernel bench, W2/W3/W1 A/B rounds against --paged-prefill triton). With PREFILL_TILES=1 the 128-row 4-warp prefill tiles (sweep, W2/W3/W1 A/B). With WS_PROBE=1 the warp-specialized paged prefill probe (its GPU test, then bench_ws_prefill_gpu.py). Logs/JSON under $OUT. SKIP_* skip single steps; the default sections run only when no section is toggled (or with DEFAULTS=1), ONLY=1 skips them always;
+# with HOST_W3=1 W3's host phases and a profiler window of its prefill-like steps, with W3_DIAG=1 W3's compiles and host phases in a first run (and the first user generate's step times), with ARGMAX=1 the greedy argmax bench and tests, with HOSTCPU=1 the host's CPU quota, throttling and per-core speed, with DECODE_POLICY=1 the decode launch policies (flat split, longest-first one range) on mixed lengths and in W1 A/B rounds, with SPLITK_GATE_UP=1 the split-K gate/up projection (kernel sweep, GPU tests, W1 A/B), with FLAT_FLOOR=1 the flat split's batch floor on small batches.  With SPLITK_ROWS=1 split-K o / down at 128-256 rows. With SMALL_FUSED=1 the default fused reduce of small batches against the reduce launches. With FUSED_REDUCE=1 the decode split kernel merging its own ranges (tests, B1-B256 kernel times, W1 A/B). With READ_FLOOR=1 the read floor of the decode anchors' bytes. With LM_HEAD=1 the fused LM head + argmax (sweep, tests, W1/W3 A/B). With BAL_EXCESS=1 the balanced rule's excess bound (decode kernel on nearly equal lengths, W2 A/B). With STARTUP=1 LLM() start-up time, default decode graphs against --no-lpt-one-range. With CUDNN_PAGED=1 cuDNN's paged prefill path, the default since the twenty-fourth session (frontend from .whl/cudnn_fe; tests, kernel bench, W2/W3/W1 A/B rounds against --paged-prefill triton). With PREFILL_TILES=1 the 128-row 4-warp prefill tiles (sweep, W2/W3/W1 A/B). With FLAKE=1 the fp32 parity failures seen only under load (host-ahead test, a failing worker's test order serially, parity tests under background matmul load; TRANSFORMERS_WHEELS=DIR for 5.24). With WS_PROBE=1 the warp-specialized paged prefill probe (its GPU test, then bench_ws_prefill_gpu.py). Logs/JSON under $OUT. SKIP_* skip single steps; the default sections run only when no section is toggled (or with DEFAULTS=1), ONLY=1 skips them always;
 # more than ~550 s of steps needs two calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -194,6 +194,24 @@ best = min((r['us'], k) for k, r in v.items() if 'us' in r and re.fullmatch(r'm1
 print(','.join(re.fullmatch(r'm(\d+)n(\d+)w(\d+)s(\d+)p(\d+)', best).groups()))" 2>/dev/null || echo 128,64,4,3,1)}
   echo "tiles config: $cfg" | tee -a "$OUT/tiles.txt"
   ab_pairs "${TILES_PAIRS:-1}" "${TILES_WORKLOADS:-w2 w3 w1}" "--prefill-config $cfg" tiles.txt
+fi
+if [ -n "${FLAKE:-}" ]; then  # the exact fp32 parity failures seen only under the suite's 4 workers (twenty-first to twenty-fourth sessions): (1) the host-ahead test (a sleep kernel before every step's copies, strict staging), (2) the sequence a failing worker ran, serially on a quiet GPU (test-order state), (3) the parity tests FLAKE_ROUNDS times under FLAKE_LOAD background matmul processes (GPU contention without other tests); results in flake.txt
+  tf=${TMPDIR:-/tmp}/pagedkv-transformers
+  [ -n "${TRANSFORMERS_WHEELS:-}" ] && { rm -rf "$tf"; python3 -m pip install -q --no-index --no-deps --target "$tf" "$TRANSFORMERS_WHEELS"/*.whl && export PYTHONPATH=$tf:$PYTHONPATH; }
+  t() { echo "$1: $(timeout ${3:-200} python3 -m pytest -q -p no:cacheprovider -m gpu $2 -rfE 2>&1 | tee "$OUT/flake_$1.log" | tail -1)" | tee -a "$OUT/flake.txt"; }
+  [ -z "${SKIP_FLAKE_AHEAD:-}" ] && t host_ahead "tests/engine/test_strict_staging.py"
+  [ -z "${SKIP_FLAKE_ORDER:-}" ] && t gw1_order "-p no:randomly tests/engine/test_engine_deepseek_v32.py::test_gpu_fp32_engine_matches_transformers tests/engine/test_engine_deepseek_v4.py::test_gpu_engine_matches_transformers tests/engine/test_engine_gpu.py::test_graph_replay_hidden_states_match_eager tests/engine/test_engine_gpu.py::test_triton_engine_matches_transformers" 300
+  if [ -z "${SKIP_FLAKE_LOAD:-}" ]; then
+    pids=""
+    for i in $(seq 1 ${FLAKE_LOAD:-3}); do
+      python3 -c "import torch, time; a = torch.randn(8192, 8192, device='cuda', dtype=torch.bfloat16); end = time.time() + ${FLAKE_LOAD_S:-400}
+while time.time() < end: a = (a @ a).clamp_(-1, 1)" > /dev/null 2>&1 & pids="$pids $!"
+    done
+    for i in $(seq 1 ${FLAKE_ROUNDS:-3}); do
+      t loaded_$i "tests/engine/test_engine_gpu.py::test_triton_engine_matches_transformers tests/engine/test_engine_deepseek_v4.py::test_gpu_engine_matches_transformers" 200
+    done
+    kill $pids 2>/dev/null
+  fi
 fi
 if [ -n "${STARTUP:-}" ]; then  # LLM() start-up (CUDA-graph capture) with the default decode graphs against the former ones (--no-lpt-one-range), STARTUP_ROUNDS rounds; tok/s and startup_s in startup.txt
   for i in $(seq 1 ${STARTUP_ROUNDS:-2}); do
