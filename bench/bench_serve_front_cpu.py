@@ -232,7 +232,8 @@ async def _front(args) -> list[dict]:
                                          engine_module="bench.synthetic_engine")
     if not args.default_gc:  # what pagedkv serve does once its app is built
         tune_gc_for_serving()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                           http=args.http))
     task = asyncio.create_task(server.serve())
     while not server.started:
         if task.done():
@@ -324,6 +325,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write the rounds to this file")
     ap.add_argument("--profile-client", default=None,
                     help="(--client bench-serve) cProfile the client into FILE")
+    ap.add_argument("--http", default="auto", choices=["auto", "h11", "httptools"],
+                    help="uvicorn's HTTP protocol (auto: httptools where installed, as "
+                         "pagedkv serve)")
     ap.add_argument("--default-gc", action="store_true",
                     help="keep Python's collector settings (no tune_gc_for_serving)")
     ap.add_argument("--port", type=int, default=0, help="(client mode) the front's port")
