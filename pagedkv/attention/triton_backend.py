@@ -117,9 +117,10 @@ PAGED_PREFILL_CHOICES = ("auto", "triton", "cudnn")
 # What "auto" picks for requests of more than one query token (H200, bf16, block 16,
 # bench/bench_cudnn_paged_gpu.py): cuDNN over the paged cache 329 us on 8 x 2,048 causal (418
 # TFLOP/s) against the Triton kernel's 433; a W2-like step (7,000 + 6,500 fresh + 2,860 after
-# 4,000) 1,073 against 1,360 us. End to end (bench_w1.py, alternating processes, 3 pairs over
-# two leases): W2 3,824 / 3,842 / 3,847 against 3,721 / 3,759 / 3,751, W3 50,495 / 50,902 /
-# 50,447 against 51,004 / 50,011 / 48,425. Where the frontend is not installed (or cuDNN
+# 4,000) 1,073 against 1,360 us. End to end (bench_w1.py, alternating processes, 4 pairs over
+# three leases): W2 3,824 / 3,842 / 3,847 / 3,829 against 3,721 / 3,759 / 3,751 / 3,736, W3
+# 50,495 / 50,902 / 50,447 / 51,080 against 51,004 / 50,011 / 48,425 / 50,953, W1 26,457
+# against 26,418 (one pair). Where the frontend is not installed (or cuDNN
 # declines a layout), the Triton kernel serves: ``wants_cudnn_paged``.
 AUTO_PAGED_PREFILL = "cudnn"
 # What "auto" picks for batches of fresh prefills on CUDA (bf16/fp16). Measured on the H200
