@@ -7,6 +7,8 @@
 # them (the device image has no fastapi): `bash scripts/serve_wheels.sh` builds .whl/serve. Results under $OUT; summary.json has the ratios.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/wait_server.sh
+. scripts/wait_server.sh
 OUT=${OUT:-/tmp/pagedkv-gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 if ! python3 -c "import fastapi, uvicorn" 2>/dev/null; then
@@ -29,12 +31,7 @@ echo "== server"
 python3 -m pagedkv serve --shape qwen3-0.6b --max-model-len 4096 --port "$PORT" \
   --log-level warning ${SERVE_ARGS:-} > "$OUT/server.log" 2>&1 &
 SERVER=$!
-for i in $(seq 1 300); do
-  curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && break
-  kill -0 $SERVER 2>/dev/null || { echo "server died"; tail -30 "$OUT/server.log"; exit 1; }
-  sleep 1
-done
-echo "server up after ${i}s"
+wait_server "$PORT" "$SERVER" "$OUT/server.log"
 for rate in $RATES; do
   echo "== bench serve --request-rate $rate"
   timeout 240 python3 -m pagedkv bench serve --base-url "http://127.0.0.1:$PORT" \

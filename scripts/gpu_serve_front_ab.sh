@@ -8,6 +8,8 @@
 # Needs fastapi/uvicorn as wheels in .whl/serve when the machine lacks them (serve_wheels.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/wait_server.sh
+. scripts/wait_server.sh
 OUT=${OUT:-/tmp/pagedkv-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 SITE=""
@@ -31,12 +33,7 @@ for variant in ${VARIANTS:-base new}; do
   PYTHONPATH=$SITE$root python3 -m pagedkv serve --shape qwen3-0.6b --max-model-len 4096 \
     --port "$PORT" --log-level warning > "$OUT/server_$variant.log" 2>&1 &
   SERVER=$!
-  for i in $(seq 1 300); do
-    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && break
-    kill -0 $SERVER 2>/dev/null || { echo "server died"; tail -30 "$OUT/server_$variant.log"; exit 1; }
-    sleep 1
-  done
-  echo "server up after ${i}s"
+  wait_server "$PORT" "$SERVER" "$OUT/server_$variant.log"
   for r in $(seq 1 "$ROUNDS"); do
     c0=$(cpu_s $SERVER)
     PYTHONPATH=$SITE$PWD python3 - "$PORT" "$OUT/serve_${variant}_$r.json" <<'PY'

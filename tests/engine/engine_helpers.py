@@ -105,6 +105,44 @@ def make_llm(path: str, **kw):
     return LLM(path, **opts)
 
 
+def churn_prompts(*, shared_len: int, n_shared: int, shared_base: int, unshared_base: int,
+                  unshared_len: int) -> tuple[list, list]:
+    """``(prompts, params)`` of :func:`run_churn`: ``n_shared`` requests on a common prefix of
+    ``shared_len`` tokens (prefix hits; own tails ``[shared_base + i] * (3 + 7 i)``) with short
+    outputs, one short request, and three unshared ones of ``unshared_len`` tokens with 30
+    output tokens each (preemption in a small pool)."""
+    from pagedkv import SamplingParams
+
+    shared = list(range(3, 3 + shared_len))
+    prompts = [shared + [shared_base + i] * (3 + 7 * i) for i in range(n_shared)]
+    prompts += [list(range(50, 61))]
+    prompts += [[unshared_base + i] * unshared_len for i in range(3)]
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + 3 * (i % 3), ignore_eos=True)
+              for i in range(n_shared + 1)]
+    params += [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)] * 3
+    return prompts, params
+
+
+def run_churn(llm, prompts, params, *, abort_tokens: int) -> dict:
+    """Every host write path of an async-scheduled engine: ``prompts`` generated to their full
+    lengths, then four of them added again and stepped while two are aborted mid-run
+    (``abort_tokens`` each); returns the KV stats."""
+    from pagedkv import SamplingParams
+
+    engine = llm.engine
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
+    for i, p in enumerate(prompts[:4]):
+        engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=abort_tokens,
+                                             ignore_eos=True), request_id=f"ab{i}")
+    for _ in range(4):
+        engine.step()
+    assert engine.abort("ab1") and engine.abort("ab2")
+    while engine.has_unfinished_requests():
+        engine.step()
+    return llm.get_kv_stats()
+
+
 def pool_is_idle(llm) -> bool:
     """No request holds a block: every block but the null block is free."""
     sched = llm.scheduler

@@ -14,7 +14,7 @@ decodes, prefix-cache hits, preemption, aborts, a request finishing while others
 
 import pytest
 import torch
-from engine_helpers import make_llm
+from engine_helpers import churn_prompts, make_llm, run_churn
 
 from pagedkv import SamplingParams
 from pagedkv.worker.block_table import MultiGroupBlockTable
@@ -142,23 +142,9 @@ def test_engine_writes_no_staging_bytes_under_a_pending_copy(tiny_dir, monkeypat
         return out
 
     monkeypatch.setattr(engine, "step", step)
-    shared = list(range(3, 35))  # two full blocks shared: prefix-cache hits
-    prompts = [shared + [40 + i] * (3 + 7 * i) for i in range(6)] + [list(range(50, 61))]
-    prompts += [[60 + i] * 60 for i in range(3)]  # unshared, long outputs: the pool runs out
-    params = [SamplingParams(temperature=0.0, max_tokens=6 + 3 * (i % 3), ignore_eos=True)
-              for i in range(7)] + [SamplingParams(temperature=0.0, max_tokens=30,
-                                                   ignore_eos=True)] * 3
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
-    # aborts mid-run: add requests, step a few times, abort two, finish the rest
-    for i, p in enumerate(prompts[:4]):
-        engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
-                           request_id=f"ab{i}")
-    for _ in range(4):
-        engine.step()
-    assert engine.abort("ab1") and engine.abort("ab2")
-    while engine.has_unfinished_requests():
-        engine.step()
-    stats = llm.get_kv_stats()
+    # two full blocks shared (prefix-cache hits); unshared long outputs: the pool runs out
+    prompts, params = churn_prompts(shared_len=32, n_shared=6, shared_base=40, unshared_base=60,
+                                    unshared_len=60)
+    stats = run_churn(llm, prompts, params, abort_tokens=20)
     assert det.copies > 80 and stats["preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     assert det.violations == [], "\n\n".join(det.violations[:3])

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from engine_helpers import TEXTS, make_llm
+from engine_helpers import TEXTS, churn_prompts, make_llm, run_churn
 
 from pagedkv import SamplingParams
 from pagedkv.worker import buffers
@@ -176,24 +176,10 @@ def test_async_engine_writes_nothing_under_a_pending_copy(tiny_dir, tiny_cache, 
         prompts = [llm.tokenizer.encode(t) for t in TEXTS + TEXTS]
         params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * 8
     else:
-        shared = list(range(3, 67))  # shared leading blocks: prefix-cache hits
-        prompts = [shared + [70 + i] * (3 + 7 * i) for i in range(4)] + [list(range(50, 61))]
-        prompts += [[80 + i] * 40 for i in range(3)]  # unshared, long outputs: preemption
-        params = [SamplingParams(temperature=0.0, max_tokens=6 + 3 * (i % 3), ignore_eos=True)
-                  for i in range(5)] + [SamplingParams(temperature=0.0, max_tokens=30,
-                                                       ignore_eos=True)] * 3
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
-    # aborts while steps are in flight
-    for i, p in enumerate(prompts[:4]):
-        engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
-                           request_id=f"ab{i}")
-    for _ in range(4):
-        engine.step()
-    assert engine.abort("ab1") and engine.abort("ab2")
-    while engine.has_unfinished_requests():
-        engine.step()
-    stats = llm.get_kv_stats()
+        # shared leading blocks (prefix-cache hits); unshared long outputs: preemption
+        prompts, params = churn_prompts(shared_len=64, n_shared=4, shared_base=70,
+                                        unshared_base=80, unshared_len=40)
+    stats = run_churn(llm, prompts, params, abort_tokens=12)
     assert len(copies) > 60
     assert stats["preemptions"] > 0, stats
     if case != "deepseek_v4":  # its groups' common block is longer than the shared prefix
