@@ -19,13 +19,14 @@ OUT=${OUT:-/tmp/pagedkv-gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 cat COMMIT 2>/dev/null | tee "$OUT/env.txt"
 run() { local name=$1 t=$2; shift 2; echo "== $name"; timeout $t "$@" 2>&1 | grep -v -i warn | tee "$OUT/$name.log" | tail -${TAIL:-14}; }
-# ab_pairs PAIRS "WORKLOADS" "FLAGS" TXT: PAIRS rounds of each workload through bench_w1.py in
-# alternating processes, the defaults then FLAGS; one line a run (tok/s, start-up) in $OUT/TXT
+# ab_pairs PAIRS "WORKLOADS" "FLAGS" TXT ["BASE"]: PAIRS rounds of each workload through
+# bench_w1.py in alternating processes, BASE (default: none, the defaults) then FLAGS; one line
+# a run (tok/s, start-up) in $OUT/TXT
 ab_pairs() {
-  local pairs=$1 workloads=$2 flags=$3 txt=$4 i w f
+  local pairs=$1 workloads=$2 flags=$3 txt=$4 base=${5:-} i w f
   for i in $(seq 1 "$pairs"); do
     for w in $workloads; do
-      for f in "" "$flags"; do
+      for f in "$base" "$flags"; do
         # shellcheck disable=SC2086
         timeout 150 python3 bench/bench_w1.py --workload $w $f --json "$OUT/ab.json" > "$OUT/ab.log" 2>&1
         echo "$w pair $i [$f]: $(python3 -c "import json; r=json.load(open('$OUT/ab.json')); print(round(r['pagedkv']['output_tokens_per_s']), 'startup_s', round(r.get('startup_s', -1), 1))" 2>/dev/null || tail -2 $OUT/ab.log)" | tee -a "$OUT/$txt"
@@ -116,15 +117,8 @@ fi
 if [ -n "${LM_HEAD:-}" ]; then  # the fused LM head + greedy argmax (seventeenth session): kernel sweep and table, its GPU tests, then W1 / W3 (LM_HEAD_WORKLOADS) off / on with the sweep's table, LM_HEAD_ROUNDS rounds; tok/s in lm_head.txt
   TAIL=16 run lm_head_sweep 200 python3 bench/bench_lm_head_argmax_gpu.py --sweep --table-out "$OUT/lm_head_table.json" --out "$OUT/lm_head_sweep.json"
   TAIL=4 run lm_head_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_kernel_lm_head_argmax.py tests/engine/test_engine_gpu.py -k "lm_head"
-  for w in ${LM_HEAD_WORKLOADS:-w1 w3}; do
-    for i in $(seq 1 ${LM_HEAD_ROUNDS:-2}); do
-      for f in "--no-lm-head-argmax" "--lm-head-argmax --lm-head-argmax-table $OUT/lm_head_table.json"; do
-        timeout 80 python3 bench/bench_w1.py --workload $w $f --json "$OUT/lh.json" > "$OUT/lh.log" 2>&1
-        echo "$w round $i [$f]: $(python3 -c "import json; r=json.load(open('$OUT/lh.json')); print(round(r['pagedkv']['output_tokens_per_s']), 'startup_s', round(r.get('startup_s', -1), 1))" 2>/dev/null || tail -2 $OUT/lh.log)" | tee -a "$OUT/lm_head.txt"
-      done
-    done
-  done
-  rm -f "$OUT/lh.json" "$OUT/lh.log"
+  ab_pairs "${LM_HEAD_ROUNDS:-2}" "${LM_HEAD_WORKLOADS:-w1 w3}" \
+    "--lm-head-argmax --lm-head-argmax-table $OUT/lm_head_table.json" lm_head.txt "--no-lm-head-argmax"
 fi
 if [ -n "${SPLITK_ROWS:-}" ]; then  # split-K o / down past SPLITK_MAX_ROWS (128): does it still beat cuBLAS at 144-224 rows (W1's first ~40% of decode steps)?
   TAIL=14 run splitk_rows 200 python3 bench/bench_splitk_gemm_gpu.py --shapes o,down --ms 128,144,160,192,224,256 --trials 2 --out "$OUT/splitk_rows.json"
