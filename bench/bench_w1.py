@@ -152,6 +152,10 @@ def configure_splitk(args) -> None:
         sk.SPLITK_ENABLED = args.splitk
     if args.splitk_gate_up is not None:
         sk.SPLITK_GATE_UP_ENABLED = args.splitk_gate_up
+    if args.fused_qkv is not None:
+        from pagedkv.models.decoder import DecoderForCausalLM
+
+        DecoderForCausalLM.fuse_qkv_projection = args.fused_qkv
     if args.splitk_table:
         with open(args.splitk_table) as f:
             table = json.load(f)
@@ -389,6 +393,10 @@ def main(argv=None) -> int:
     p.add_argument("--splitk-gate-up", action=argparse.BooleanOptionalAction, default=None,
                    help="the decode-step gate/up projection as split-K partials summed by the "
                         "activation kernel (splitk_gemm.SPLITK_GATE_UP_ENABLED; off by default)")
+    p.add_argument("--fused-qkv", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode-sized batches' QKV GEMM fused with the q/k norms, RoPE and the "
+                        "KV write (pagedkv.kernels.qkv_rope_cache; "
+                        "DecoderForCausalLM.fuse_qkv_projection, off by default)")
     p.add_argument("--splitk-table", default=None,
                    help="JSON of per-shape split-K launches (bench_splitk_gemm_gpu.py "
                         "--table-out) installed before the engine starts")

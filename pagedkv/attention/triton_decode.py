@@ -75,7 +75,7 @@ from pagedkv.attention._triton_common import (
 )
 from pagedkv.attention.torch_ref import paged_attention_ref
 from pagedkv.errors import ConfigError
-from pagedkv.kernels._common import cdiv, check_launch_config, next_pow2, use_triton
+from pagedkv.kernels._common import arrive, cdiv, check_launch_config, next_pow2, use_triton
 from pagedkv.kernels.fp8_kv import check_kv_scale, is_fp8_kv
 from pagedkv.kernels.pdl import pdl_launch_args, pdl_prologue
 
@@ -765,10 +765,11 @@ def _merge_if_last(r, kvh, s, n_tiles, per, num_splits, q_row, cnt_ptr, out_ptr,
     """The split kernel's own reduce (``DecodeConfig.fused_reduce``): after a range stored its
     partials, it counts itself in the counter of (request ``r``, KV head ``kvh``); the range
     that arrives last merges every range's partials of the KV head's query heads (as the
-    reduce kernel does, :func:`_merge_ranges`) and writes the output rows (:func:`_arrive`:
-    the counter, left at 0; the L2-only loads, ``.cg``, see the other ranges' partials)."""
+    reduce kernel does, :func:`_merge_ranges`) and writes the output rows (``arrive``, from
+    ``pagedkv.kernels._common``: the counter, left at 0; the L2-only loads, ``.cg``, see the
+    other ranges' partials)."""
     used = tl.cdiv(n_tiles, per)
-    if _arrive(cnt_ptr + r.to(tl.int64) * (NUM_HEADS // GROUP) + kvh, used):
+    if arrive(cnt_ptr + r.to(tl.int64) * (NUM_HEADS // GROUP) + kvh, used):
         hh = kvh * GROUP + tl.arange(0, GROUP_P2)
         h_ok = tl.arange(0, GROUP_P2) < GROUP
         d = tl.arange(0, D_PAD)
@@ -998,19 +999,6 @@ def _merge_pieces(row0, count, hh, h_ok, d, d_ok, m_ptr, l_ptr, acc_ptr,
     return m_run, l_run, acc
 
 
-@triton.jit
-def _arrive(cnt, expected):
-    """Counts one arrival at counter ``cnt`` (after a barrier: every thread's partial stores
-    come first; acquire-release at GPU scope); True for the ``expected``-th, which sets the
-    counter back to 0 for the next launch."""
-    tl.debug_barrier()
-    done = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-    last = done == expected - 1
-    if last:
-        tl.store(cnt, 0)
-    return last
-
-
 @triton.jit(do_not_specialize=["num_reqs", "min_tiles", "window", "zero_rows"])
 def _decode_flat_kernel(
     q_ptr, q_s0, q_s1,
@@ -1051,8 +1039,8 @@ def _decode_flat_kernel(
     :func:`_flat_share`), request by request. A request it holds whole is written directly;
     each piece of a longer one goes to partial row ``p + r`` (unique: consecutive pieces
     advance ``p`` or ``r``) for ``_decode_flat_reduce_kernel``. With ``FUSED_REDUCE`` the
-    program that stores a request's last piece merges its pieces itself (:func:`_arrive`;
-    no reduce launch), and with ``zero_rows`` the programs zero the padded requests' rows
+    program that stores a request's last piece merges its pieces itself (``arrive``; no
+    reduce launch), and with ``zero_rows`` the programs zero the padded requests' rows
     (as the reduce kernel does otherwise)."""
     pdl_prologue(PDL)
     p = tl.program_id(0)
@@ -1100,7 +1088,7 @@ def _decode_flat_kernel(
                 if (s0 > 0) | (s1 < nt):  # a piece: the last to arrive merges the request
                     p_lo = cu // share
                     count = (cu + nt - 1) // share - p_lo + 1
-                    if _arrive(cnt_ptr + r.to(tl.int64) * (NUM_HEADS // GROUP) + kvh, count):
+                    if arrive(cnt_ptr + r.to(tl.int64) * (NUM_HEADS // GROUP) + kvh, count):
                         hh = kvh * GROUP + tl.arange(0, GROUP_P2)
                         h_ok = tl.arange(0, GROUP_P2) < GROUP
                         d_ok = d < HEAD_DIM

@@ -165,6 +165,22 @@ def token_launch_geometry(num_reqs: int, num_tokens: int, buffer_len: int,
 
 
 @triton.jit
+def arrive(cnt, expected):
+    """Counts one arrival at the int32 counter ``cnt`` (after a barrier: every thread's stores
+    of this program come first; acquire-release at GPU scope); True for the ``expected``-th
+    arrival, which sets the counter back to 0 for the next launch. The "last program to arrive
+    finishes the work" pattern of the kernels that merge partial results without another
+    launch: the decode's fused reduce, the QKV projection's split-K epilogue. Interpreter-safe
+    (no program ever waits for another)."""
+    tl.debug_barrier()
+    done = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+    last = done == expected - 1
+    if last:
+        tl.store(cnt, 0)
+    return last
+
+
+@triton.jit
 def fill_pad_tail(out_ptr, qsl_ptr, num_reqs, num_tokens, length, r, s, num_row_programs,
                   num_splits, PAD: tl.constexpr):
     """Padding program ``num_reqs <= r < num_row_programs``: store -1 into

@@ -82,12 +82,12 @@ _ROPE_DTYPES = KV_DTYPES + (torch.float64,)
 
 
 @triton.jit
-def _norm_rope_tile(src, w_ptr, d, m, c, s, eps, HAS_NORM: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
-    """Load the halves ``[BLOCK_H, HALF_PAD]`` of a block of heads at ``src + d``, RMS-normalize
-    each head (when ``HAS_NORM``) and rotate; returns the two fp32 output halves."""
-    x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
+def norm_rope(x1, x2, w_ptr, d, eps, HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr,
+              HALF: tl.constexpr, c, s):
+    """The two fp32 halves ``x1, x2`` (``[rows, HALF_PAD]``, one head a row, column ``d``):
+    RMS-normalized per row with weight ``w_ptr`` (when ``HAS_NORM``), then rotated by ``c`` and
+    ``s`` (broadcast against the halves); returns the two output halves. Shared with the fused
+    QKV projection's epilogue (:mod:`pagedkv.kernels.qkv_rope_cache`)."""
     if HAS_NORM:
         dm = d < HALF
         w1 = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
@@ -99,6 +99,16 @@ def _norm_rope_tile(src, w_ptr, d, m, c, s, eps, HAS_NORM: tl.constexpr,
     o1 = x1 * c - x2 * s
     o2 = x2 * c + x1 * s
     return o1, o2
+
+
+@triton.jit
+def _norm_rope_tile(src, w_ptr, d, m, c, s, eps, HAS_NORM: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
+    """Load the halves ``[BLOCK_H, HALF_PAD]`` of a block of heads at ``src + d``, then
+    :func:`norm_rope`; returns the two fp32 output halves."""
+    x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
+    return norm_rope(x1, x2, w_ptr, d, eps, HAS_NORM, HEAD_DIM, HALF, c, s)
 
 
 @triton.jit(do_not_specialize=["num_slot_rows"])
@@ -180,6 +190,25 @@ def _check(fn, qkv, num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_wei
            sin, slot_mapping, key_cache, value_cache, q_out, k_scale=1.0,
            v_scale=1.0) -> tuple[int, int, int]:
     """Validate every argument from metadata only; returns ``(H, Hkv, D)`` as host ints."""
+    heads, kv_heads, dim = check_heads(fn, num_heads, num_kv_heads, head_dim, eps, k_scale,
+                                       v_scale)
+    check_tensor(fn, "qkv", qkv, dtypes=KV_DTYPES, ndim=2, contiguous_last=True)
+    num_tokens, width = qkv.shape
+    need = (heads + 2 * kv_heads) * dim
+    if width < need:
+        raise ConfigError(
+            f"{fn}: qkv width {width} is less than (num_heads + 2 * num_kv_heads) * head_dim "
+            f"= ({heads} + 2 * {kv_heads}) * {dim} = {need}"
+        )
+    check_targets(fn, "qkv", qkv, heads, kv_heads, dim, q_norm_weight, k_norm_weight, cos, sin,
+                  slot_mapping, key_cache, value_cache, q_out)
+    return heads, kv_heads, dim
+
+
+def check_heads(fn, num_heads, num_kv_heads, head_dim, eps, k_scale, v_scale
+                ) -> tuple[int, int, int]:
+    """The host arguments: head counts, an even head size, ``eps``, the FP8 scales; returns
+    ``(H, Hkv, D)``."""
     check_kv_scale(fn, "k_scale", k_scale)
     check_kv_scale(fn, "v_scale", v_scale)
     heads = check_int(fn, "num_heads", num_heads, lo=1)
@@ -189,14 +218,15 @@ def _check(fn, qkv, num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_wei
         raise ConfigError(f"{fn}: head_dim must be even (RoPE rotates two halves), got {dim}")
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
         raise ConfigError(f"{fn}: eps must be a non-negative host number, got {eps!r}")
-    check_tensor(fn, "qkv", qkv, dtypes=KV_DTYPES, ndim=2, contiguous_last=True)
-    num_tokens, width = qkv.shape
-    need = (heads + 2 * kv_heads) * dim
-    if width < need:
-        raise ConfigError(
-            f"{fn}: qkv width {width} is less than (num_heads + 2 * num_kv_heads) * head_dim "
-            f"= ({heads} + 2 * {kv_heads}) * {dim} = {need}"
-        )
+    return heads, kv_heads, dim
+
+
+def check_targets(fn, src_name, src, heads, kv_heads, dim, q_norm_weight, k_norm_weight, cos,
+                  sin, slot_mapping, key_cache, value_cache, q_out) -> None:
+    """Everything but the source of the values (``src``, ``[T, ...]``: the qkv rows, or the
+    fused projection's input): norm weights, cos / sin, the slot mapping, the caches (``src``'s
+    dtype or FP8) and ``q_out``, all on ``src``'s device."""
+    num_tokens = src.shape[0]
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ConfigError(
             f"{fn}: give both q_norm_weight and k_norm_weight (Qwen3) or neither (Llama, Qwen2)"
@@ -219,15 +249,15 @@ def _check(fn, qkv, num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_wei
                  contiguous_last=True)
     if slot_mapping.shape[0] > num_tokens:
         raise ConfigError(
-            f"{fn}: slot_mapping has {slot_mapping.shape[0]} rows, more than qkv's {num_tokens} "
-            "tokens"
+            f"{fn}: slot_mapping has {slot_mapping.shape[0]} rows, more than {src_name}'s "
+            f"{num_tokens} tokens"
         )
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         check_tensor(fn, name, cache, dtypes=KV_DTYPES + FP8_KV_DTYPES, ndim=4,
                      contiguous_last=True)
-        if cache.dtype != qkv.dtype and not is_fp8_kv(cache.dtype):
+        if cache.dtype != src.dtype and not is_fp8_kv(cache.dtype):
             raise ConfigError(
-                f"{fn}: {name} must have the same dtype as qkv ({qkv.dtype}) or be FP8 "
+                f"{fn}: {name} must have the same dtype as {src_name} ({src.dtype}) or be FP8 "
                 f"(float8_e4m3fn), got {cache.dtype}"
             )
         if tuple(cache.shape[2:]) != (kv_heads, dim):
@@ -250,10 +280,9 @@ def _check(fn, qkv, num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_wei
                 f"{fn}: q_out must have shape [T, H, D] = [{num_tokens}, {heads}, {dim}], got "
                 f"{tuple(q_out.shape)}"
             )
-    check_same_device(fn, qkv=qkv, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight,
-                      cos=cos, sin=sin, slot_mapping=slot_mapping, key_cache=key_cache,
-                      value_cache=value_cache, q_out=q_out)
-    return heads, kv_heads, dim
+    check_same_device(fn, **{src_name: src}, q_norm_weight=q_norm_weight,
+                      k_norm_weight=k_norm_weight, cos=cos, sin=sin, slot_mapping=slot_mapping,
+                      key_cache=key_cache, value_cache=value_cache, q_out=q_out)
 
 
 @functools.lru_cache(maxsize=64)

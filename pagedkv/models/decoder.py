@@ -18,6 +18,7 @@ paged KV write, the backend only attends; between two attention calls one region
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import torch
@@ -40,6 +41,12 @@ from pagedkv.kernels.splitk_gemm import linear_partials
 from pagedkv.models.config import ModelArchConfig
 from pagedkv.models.layers import GatedMLP, Linear, QKVProjection, RMSNorm, gate_up_silu, rms_norm
 from pagedkv.models.rotary import RotaryEmbedding, apply_rotary, tokens_seq_lens
+
+
+# The fused QKV projection (``pagedkv.kernels.qkv_rope_cache``) for decode-sized batches:
+# opt-in (environment ``PAGEDKV_FUSED_QKV=1``) until measured end to end on the H200.
+FUSED_QKV_ENABLED = os.environ.get("PAGEDKV_FUSED_QKV", "0") == "1"
+FUSED_QKV_MAX_ROWS = 256
 
 
 class Attention(nn.Module):
@@ -139,9 +146,22 @@ def pre_attention_qkv(
     QKV GEMM. Returns ``(hidden, qkv [T, (H + 2 Hkv) D])``. The fused-KV-write path: the q/k
     norms, RoPE and the KV-cache write follow in one kernel
     (``pagedkv.kernels.qk_norm_rope_cache``)."""
+    hidden, x = pre_attention_norm(hidden, delta, ln_weight, eps)
+    return hidden, F.linear(x, qkv_weight, qkv_bias)
+
+
+def pre_attention_norm(
+    hidden: torch.Tensor,
+    delta: torch.Tensor | None,
+    ln_weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer up to its input RMSNorm: ``hidden += delta`` (when given), the norm. Returns
+    ``(hidden, x)``. The fused-projection path: the QKV GEMM, q/k norms, RoPE and the KV-cache
+    write follow in one kernel (``pagedkv.kernels.qkv_rope_cache``)."""
     if delta is not None:
         hidden = residual_add(hidden, delta)
-    return hidden, F.linear(rms_norm(hidden, ln_weight, eps), qkv_weight, qkv_bias)
+    return hidden, rms_norm(hidden, ln_weight, eps)
 
 
 def post_attention(
@@ -208,6 +228,27 @@ def post_pre_qkv(
                              next_qkv_bias)
 
 
+def post_pre_norm(
+    hidden: torch.Tensor,
+    attn_out: torch.Tensor,
+    o_weight: torch.Tensor,
+    o_bias: torch.Tensor | None,
+    ln_weight: torch.Tensor,
+    eps: float,
+    gate_up_weight: torch.Tensor,
+    gate_up_bias: torch.Tensor | None,
+    down_weight: torch.Tensor,
+    down_bias: torch.Tensor | None,
+    next_ln_weight: torch.Tensor,
+    next_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`post_pre_qkv` up to layer i+1's input norm (the fused-projection path: the QKV
+    GEMM runs in the kernel that also writes K/V). Returns ``(hidden, x)`` of layer i+1."""
+    hidden, delta = post_attention(hidden, attn_out, o_weight, o_bias, ln_weight, eps,
+                                   gate_up_weight, gate_up_bias, down_weight, down_bias)
+    return pre_attention_norm(hidden, delta, next_ln_weight, next_eps)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelArchConfig, layer_idx: int, *, dtype=None, device=None,
                  mlp: nn.Module | None = None):
@@ -246,6 +287,24 @@ class DecoderLayer(nn.Module):
         slots = metadata.slot_mapping[: int(metadata.num_actual_tokens)]
         q = qk_norm_rope_cache(
             qkv_out, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+            None if qn is None else qn.weight, None if qn is None else attn.k_norm.weight,
+            0.0 if qn is None else qn.eps, cos, sin, slots, kv_cache[0], kv_cache[1],
+            check=attn.layer_idx == 0)  # every layer has layer 0's shapes
+        return backend.forward(attn.layer_idx, q, None, None, kv_cache, plan, attn.scale)
+
+    def attend_projected(self, x, cos, sin, kv_cache, plan, backend) -> torch.Tensor:
+        """The fused-projection path's attention: the QKV GEMM of the normed ``x`` with its
+        q/k norms + RoPE + KV write in one kernel (``qkv_rope_cache``), then the backend with
+        ``k = v = None``."""
+        from pagedkv.kernels.qkv_rope_cache import qkv_rope_cache
+
+        attn = self.self_attn
+        qn = attn.q_norm
+        proj = attn.qkv_proj
+        metadata = plan.metadata
+        slots = metadata.slot_mapping[: int(metadata.num_actual_tokens)]
+        q = qkv_rope_cache(
+            x, proj.weight, proj.bias, attn.num_heads, attn.num_kv_heads, attn.head_dim,
             None if qn is None else qn.weight, None if qn is None else attn.k_norm.weight,
             0.0 if qn is None else qn.eps, cos, sin, slots, kv_cache[0], kv_cache[1],
             check=attn.layer_idx == 0)  # every layer has layer 0's shapes
@@ -296,6 +355,8 @@ class DecoderForCausalLM(nn.Module):
     # shard's embedding / LM head hold its vocabulary rows, its layers its heads and MLP
     # columns, and its regions all-reduce the row-parallel outputs
     tp = None
+    # decode-sized batches: the QKV GEMM in the fused-KV-write kernel too (fused_qkv_usable)
+    fuse_qkv_projection = FUSED_QKV_ENABLED
 
     def __init__(
         self,
@@ -393,6 +454,20 @@ class DecoderForCausalLM(nn.Module):
         backend = self.attn_backend
         pre, post, pre_qkv, mid = self._regions
         layers = self.layers
+        if kv_caches and self.fused_qkv_usable(input_ids.shape[0], kv_caches[0]):
+            # fused projection: the regions end at the input norm, one kernel does the rest
+            pre_norm, mid_norm = self._norm_regions
+            hidden, x = pre_norm(hidden, None, *layers[0].pre_qkv_args()[:2])
+            last = len(layers) - 1
+            for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches)):
+                out = layer.attend_projected(x, cos, sin, kv_cache, plans[i], backend)
+                if i < last:
+                    hidden, x = mid_norm(hidden, out, *layer.post_args(),
+                                         *layers[i + 1].pre_qkv_args()[:2])
+                else:
+                    hidden, delta = post(hidden, out, *layer.post_args())
+                    hidden = residual_add(hidden, delta)
+            return self.norm(hidden)
         if kv_caches and self.fused_kv_write_usable(kv_caches[0]):
             # fused path: one region between two attention calls (post_i + pre_qkv_{i+1})
             hidden, qkv = pre_qkv(hidden, None, *layers[0].pre_qkv_args())
@@ -467,7 +542,26 @@ class DecoderForCausalLM(nn.Module):
 
         return use_triton(_qk_norm_rope_cache_kernel, kv_cache)
 
+    def fused_qkv_usable(self, num_tokens: int, kv_cache: torch.Tensor) -> bool:
+        """Whether a forward of ``num_tokens`` rows takes the fused projection
+        (``fuse_qkv_projection``, default ``FUSED_QKV_ENABLED``, off: not yet measured end to
+        end): the fused-KV-write path applies, the batch has at most ``FUSED_QKV_MAX_ROWS``
+        rows (decode-sized: larger GEMMs belong to cuBLAS), the head size is one the kernel
+        serves, and the model is not a tensor-parallel shard."""
+        if not (self.fuse_qkv_projection and self.tp is None
+                and num_tokens <= FUSED_QKV_MAX_ROWS and self.fused_kv_write_usable(kv_cache)):
+            return False
+        from pagedkv.kernels.qkv_rope_cache import fused_applies
+
+        return fused_applies(self.layers[0].self_attn.head_dim)
+
     # ---- torch.compile
+    @property
+    def _norm_regions(self):
+        """``(pre_norm, mid_norm)``: :func:`pre_attention_norm` and :func:`post_pre_norm`,
+        compiled once :meth:`compile_regions` has run (lazily: compiled at their first call)."""
+        return self.__dict__.get("_compiled_norm_regions") or (pre_attention_norm, post_pre_norm)
+
     @property
     def _regions(self):
         if self.tp is not None:  # a shard: regions with the row-parallel all-reduces
@@ -515,17 +609,23 @@ class DecoderForCausalLM(nn.Module):
             post = _dynamic_tokens(torch.compile(post_attention, **compile_kwargs), (0, 1))
             pre_qkv = _dynamic_tokens(torch.compile(pre_attention_qkv, **compile_kwargs), (0, 1))
             mid = _dynamic_tokens(torch.compile(post_pre_qkv, **compile_kwargs), (0, 1))
+            norm_regions = (
+                _dynamic_tokens(torch.compile(pre_attention_norm, **compile_kwargs), (0, 1)),
+                _dynamic_tokens(torch.compile(post_pre_norm, **compile_kwargs), (0, 1)))
             if check:
-                self._check_regions(pre, post, pre_qkv, mid)
+                self._check_regions(pre, post, pre_qkv, mid,
+                                    norm_regions if self.fuse_qkv_projection else None)
         except Exception as e:  # compilation problems must not take the engine down
             log.warning("compile_regions: falling back to eager (%s: %s)", type(e).__name__, e)
             self.__dict__.pop("_compiled_regions", None)
+            self.__dict__.pop("_compiled_norm_regions", None)
             return False
         self.__dict__["_compiled_regions"] = (pre, post, pre_qkv, mid)
+        self.__dict__["_compiled_norm_regions"] = norm_regions
         return True
 
     @torch.inference_mode()
-    def _check_regions(self, pre, post, pre_qkv, mid) -> None:
+    def _check_regions(self, pre, post, pre_qkv, mid, norm_regions=None) -> None:
         layer = self.layers[0]
         attn = layer.self_attn
         cfg = self.config
@@ -555,6 +655,14 @@ class DecoderForCausalLM(nn.Module):
             args = (h, a, *layer.post_args(), *layer.pre_qkv_args())
             for x, y in zip(post_pre_qkv(*args), mid(*args)):
                 _close(x, y, self.dtype)
+            if norm_regions is not None:  # the fused projection's regions (when it is on)
+                pre_norm, mid_norm = norm_regions
+                args = (h, d, *layer.pre_qkv_args()[:2])
+                for x, y in zip(pre_attention_norm(*args), pre_norm(*args)):
+                    _close(x, y, self.dtype)
+                args = (h, a, *layer.post_args(), *layer.pre_qkv_args()[:2])
+                for x, y in zip(post_pre_norm(*args), mid_norm(*args)):
+                    _close(x, y, self.dtype)
 
     def _rope(self, positions: torch.Tensor, seq_lens: torch.Tensor | None):
         """cos/sin of ``positions`` in the model dtype: ``apply_rotary`` casts them to q/k's

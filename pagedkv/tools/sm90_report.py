@@ -31,6 +31,7 @@ itself in a fresh process when it is set::
     python -m pagedkv.tools.sm90_report argmax
     python -m pagedkv.tools.sm90_report lm-head-argmax 128,128,64,8,3
     python -m pagedkv.tools.sm90_report splitk
+    python -m pagedkv.tools.sm90_report qkv-rope 64,64,4,4,2 [--fp8]
 
 The numbers are the compiler's, not the device's: what runs faster is measured on the GPU.
 """
@@ -256,6 +257,27 @@ def splitk_report(config, sass: bool = False) -> dict:
                   config.num_warps, config.num_stages, sass)
 
 
+def qkv_rope_report(config, splits: int = 2, fp8: bool = False, sass: bool = False) -> dict:
+    """The fused QKV projection (``pagedkv.kernels.qkv_rope_cache``) at the Qwen3-0.6B shape
+    (hidden 1024, q/k norms, no bias) on bf16 inputs under ``config`` (a ``QKVRopeConfig``;
+    its ``block_m`` as launched) with ``splits`` inner-dimension splits; ``fp8``: FP8 caches."""
+    from pagedkv.kernels.qkv_rope_cache import _qkv_rope_cache_kernel
+    from pagedkv.kernels._common import cdiv
+
+    chunk = cdiv(cdiv(1024, splits), config.block_k) * config.block_k
+    const = dict(K=1024, K_CHUNK=chunk, NUM_HEADS=HEADS, NUM_KV_HEADS=KV_HEADS,
+                 HEAD_DIM=HEAD_DIM, HAS_NORM=True, HAS_BIAS=False, BLOCK_M=config.block_m,
+                 BLOCK_K=config.block_k, SPLITS=splits, DOT_PREC="tf32", FP8=fp8)
+    cache = "*fp8e4nv" if fp8 else "*bf16"
+    ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", q_ptr="*bf16", cos_ptr="*bf16",
+                sin_ptr="*bf16", qw_ptr="*bf16", kw_ptr="*bf16", slot_ptr="*i64",
+                kc_ptr=cache, vc_ptr=cache, part_ptr="*fp32", cnt_ptr="*i32")
+    return report(_qkv_rope_cache_kernel, const, ptrs, {"eps", "k_scale", "v_scale"},
+                  set(ptrs) | {"x_s0", "w_s0", "q_s0", "q_s1", "kc_s0", "kc_s1", "kc_s2",
+                               "vc_s0", "vc_s1", "vc_s2"},
+                  config.num_warps, config.num_stages, sass)
+
+
 def _ints(text: str, n: int, what: str) -> list[int]:
     vals = [int(v) for v in text.split(",")]
     if len(vals) != n:
@@ -266,10 +288,11 @@ def _ints(text: str, n: int, what: str) -> list[int]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("kernel", choices=["prefill", "decode", "decode-flat", "argmax",
-                                          "lm-head-argmax", "splitk"])
+                                          "lm-head-argmax", "splitk", "qkv-rope"])
     p.add_argument("config", nargs="?", default=None,
                    help="prefill: BM,BN,WARPS,STAGES,PACK; decode: TILE,WARPS,STAGES; "
-                        "lm-head-argmax, splitk: BM,BN,BK,WARPS,STAGES "
+                        "lm-head-argmax, splitk: BM,BN,BK,WARPS,STAGES; "
+                        "qkv-rope: BM,BK,WARPS,STAGES,SPLITS "
                         "(default: the CUDA defaults)")
     p.add_argument("--prefix", action="store_true",
                    help="prefill: the cascade prefix's non-causal launch")
@@ -280,6 +303,7 @@ def main(argv=None) -> int:
                    help="decode, decode-flat: the split kernel that merges its own ranges")
     p.add_argument("--maxnreg", type=int, default=None,
                    help="decode-flat: the register cap (0: none; default DecodeConfig's)")
+    p.add_argument("--fp8", action="store_true", help="qkv-rope: FP8 caches")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):  # the kernels must compile: a fresh process
@@ -304,6 +328,14 @@ def main(argv=None) -> int:
         if args.config:
             cfg = SplitKConfig(*_ints(args.config, 5, "splitk config"))
         rep = splitk_report(cfg, sass=args.sass)
+    elif args.kernel == "qkv-rope":
+        from pagedkv.kernels.qkv_rope_cache import QKVRopeConfig
+
+        cfg, splits = QKVRopeConfig(), 2
+        if args.config:
+            bm, bk, w, st, splits = _ints(args.config, 5, "qkv-rope config")
+            cfg = QKVRopeConfig(block_m=bm, block_k=bk, num_warps=w, num_stages=st)
+        rep = qkv_rope_report(cfg, splits=splits, fp8=args.fp8, sass=args.sass)
     elif args.kernel == "prefill":
         from pagedkv.attention.triton_prefill import PrefillConfig
 

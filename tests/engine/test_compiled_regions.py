@@ -112,6 +112,41 @@ def test_compiled_fused_path_in_the_engine_on_cpu(tiny_dir, hf_ref):
     assert steps > 0 and calls.count("mid") == steps * (layers - 1) and calls.count("post") == steps
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton backend on CPU tensors needs the Triton interpreter")
+def test_compiled_fused_projection_in_the_engine_on_cpu(tiny_dir, hf_ref):
+    """Compiled regions on the fused-projection path (``fuse_qkv_projection``; the kernel
+    interpreted): the check compiles and compares the two norm regions too, then layer 0's
+    pre_attention_norm and one post_pre_norm region between two attention calls serve every
+    step; greedy tokens follow transformers."""
+    path = tiny_dir("qwen3", head_dim=32)
+    llm = make_llm(path, attention_backend="triton", max_num_batched_tokens=32, max_num_seqs=4)
+    model = llm.engine.model
+    model.fuse_qkv_projection = True
+    torch._dynamo.reset()
+    assert model.compile_regions(allow_cpu=True)
+    pre_norm, mid_norm = model._norm_regions
+    assert pre_norm is not dec.pre_attention_norm and mid_norm is not dec.post_pre_norm
+    calls = []
+
+    def counted(name, fn):
+        def call(*a):
+            calls.append(name)
+            return fn(*a)
+        return call
+
+    model.__dict__["_compiled_norm_regions"] = (counted("pre", pre_norm),
+                                                counted("mid", mid_norm))
+    outs = llm.generate(TEXTS[:3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                        use_tqdm=False)
+    ref = hf_ref(path)
+    got = [t for o in outs for t in o.outputs[0].token_ids]
+    want = [t for o in outs for t in ref.greedy(o.prompt_token_ids, 6)]
+    assert sum(x == y for x, y in zip(got, want)) >= 0.9 * len(want)
+    steps = calls.count("pre")
+    assert steps > 0 and calls.count("mid") == steps * (len(model.layers) - 1)
+
+
 def test_region_check_tolerance_follows_the_model_dtype():
     """``compile_regions``' eager-vs-compiled check takes its tolerance from the model's dtype,
     not the output's: a float32 output of a bf16 model (the split-K partial sums) carries bf16

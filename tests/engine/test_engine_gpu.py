@@ -177,6 +177,28 @@ def test_fused_reduce_engine_matches_transformers(tiny_dir):
         _assert_greedy_matches_hf(llm, hf)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_fused_qkv_projection_engine_matches_transformers(tiny_dir, monkeypatch, family):
+    """The fused QKV projection (``pagedkv.kernels.qkv_rope_cache``: GEMM + q/k norms + RoPE +
+    KV write, one launch) for every step of at most FUSED_QKV_MAX_ROWS rows, through the
+    engine with compiled regions, CUDA graphs and chunked prefill: greedy tokens equal
+    transformers' (Qwen3 with q/k norms, Qwen2 with q/k/v bias; head size 32)."""
+    from pagedkv.kernels import qkv_rope_cache as fused
+    from pagedkv.models.decoder import DecoderForCausalLM
+
+    rows = []
+    kernel = fused.qkv_rope_cache
+    monkeypatch.setattr(DecoderForCausalLM, "fuse_qkv_projection", True)
+    monkeypatch.setattr(fused, "qkv_rope_cache",
+                        lambda x, *a, **k: rows.append(x.shape[0]) or kernel(x, *a, **k))
+    path = tiny_dir(family, head_dim=32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    llm = _gpu_llm(path, max_num_batched_tokens=32)
+    assert llm.runner.cuda_graphs is not None
+    assert rows and max(rows) <= 256  # the captured graphs hold the fused kernel
+    _assert_greedy_matches_hf(llm, hf)
+
+
 def test_fused_lm_head_argmax_engine_matches_transformers(tiny_dir, monkeypatch):
     """The fused LM head + greedy argmax (``pagedkv.kernels.lm_head_argmax``) through the
     engine: decode graphs and chunked prefill steps sample with it; tokens equal transformers'."""

@@ -140,3 +140,31 @@ def test_triton_backend_through_the_engine(tiny_dir, hf_ref, family, async_sched
     outs = llm.generate(TEXTS, greedy(8), use_tqdm=False)
     check_against_hf(hf_ref(path), outs, 8)
     assert pool_is_idle(llm)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton backend on CPU tensors needs the Triton interpreter")
+@pytest.mark.parametrize("family,async_scheduling", [("qwen3", True), ("qwen2", False)])
+def test_fused_qkv_projection_through_the_engine(tiny_dir, hf_ref, monkeypatch, family,
+                                                 async_scheduling):
+    """The fused QKV projection (GEMM + q/k norms + RoPE + KV write in one kernel, interpreted)
+    in the engine: every step of at most FUSED_QKV_MAX_ROWS rows takes it (chunked prefill,
+    mixed batches, decode); Qwen3 with q/k norms, Qwen2 with q/k/v bias; greedy tokens equal
+    transformers'."""
+    from pagedkv.kernels import qkv_rope_cache as fused
+
+    calls = []
+    real = fused.qkv_rope_cache
+    monkeypatch.setattr(fused, "qkv_rope_cache",
+                        lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
+    path = tiny_dir(family, head_dim=32)
+    llm = make_llm(path, attention_backend="triton", max_num_batched_tokens=16, max_num_seqs=4,
+                   async_scheduling=async_scheduling)
+    model = llm.engine.model
+    model.fuse_qkv_projection = True
+    assert model.fused_qkv_usable(4, llm.engine.runner.kv_caches[0])
+    outs = llm.generate(TEXTS, greedy(8), use_tqdm=False)
+    check_against_hf(hf_ref(path), outs, 8)
+    assert pool_is_idle(llm)
+    layers = model.config.num_hidden_layers
+    assert calls and len(calls) % layers == 0 and max(calls) <= 16
