@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench_attention_gpu import time_graph  # noqa: E402
 from bench_decode_gemm_gpu import COPY_TBPS, LAYERS  # noqa: E402
+from fused_sweep import effective_block_m, sweep  # noqa: E402
 from pagedkv.kernels.qk_norm_rope_cache import qk_norm_rope_cache  # noqa: E402
 from pagedkv.kernels.qkv_rope_cache import (  # noqa: E402
     QKVRopeConfig,
@@ -82,41 +82,29 @@ def main() -> int:
         torch.cuda.synchronize()
         q_ref = q.clone()
         kv_ref = layers[0]["kv"].clone()
-        base_us = time_graph([unfused(ly) for ly in layers], trials=args.trials)
-        row = {"m": m, "unfused_us": base_us, "weight_floor_us": wbytes / (COPY_TBPS * 1e6),
-               "default_splits": default_splits(m), "fused": {}}
-        seen = set()
+
+        def check(cfg):
+            layers[0]["kv"].zero_()
+            q.zero_()
+            fused(layers[0], cfg)()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(q.float(), q_ref.float(), rtol=2e-2, atol=5e-2)
+            torch.testing.assert_close(layers[0]["kv"].float(), kv_ref.float(), rtol=2e-2,
+                                       atol=5e-2)
+
+        configs, seen = [("default", None)], set()
         for splits in (int(v) for v in args.splits.split(",")):
             for bm, bk, warps, stages in CFGS:
-                # the launcher caps block_m at the rows' power of two (at least 16)
-                eff = (min(bm, max(16, 1 << max(m - 1, 0).bit_length())), bk, warps, stages,
-                       splits)
-                if eff in seen:
-                    continue
-                seen.add(eff)
-                cfg = QKVRopeConfig(block_m=bm, block_k=bk, num_warps=warps,
-                                    num_stages=stages, splits=splits)
-                name = f"{bm}x{bk}x{warps}x{stages}/s{splits}"
-                try:
-                    layers[0]["kv"].zero_()
-                    q.zero_()
-                    fused(layers[0], cfg)()
-                    torch.cuda.synchronize()
-                    torch.testing.assert_close(q.float(), q_ref.float(), rtol=2e-2, atol=5e-2)
-                    torch.testing.assert_close(layers[0]["kv"].float(), kv_ref.float(),
-                                               rtol=2e-2, atol=5e-2)
-                    us = time_graph([fused(ly, cfg) for ly in layers], trials=args.trials)
-                except Exception as e:  # a config that does not compile or fit
-                    row["fused"][name] = f"{type(e).__name__}: {str(e)[:120]}"
-                    continue
-                row["fused"][name] = us
-        timed = {k: v for k, v in row["fused"].items() if isinstance(v, float)}
-        best = min(timed, key=timed.get) if timed else None
-        row["best"] = best
+                eff = (effective_block_m(bm, m), bk, warps, stages, splits)
+                if eff not in seen:
+                    seen.add(eff)
+                    configs.append((f"{eff[0]}x{bk}x{warps}x{stages}/s{splits}",
+                                    QKVRopeConfig(block_m=bm, block_k=bk, num_warps=warps,
+                                                  num_stages=stages, splits=splits)))
+        row = sweep(m, [unfused(ly) for ly in layers],
+                    lambda cfg: [fused(ly, cfg) for ly in layers], check, configs, args.trials)
+        row.update(weight_floor_us=wbytes / (COPY_TBPS * 1e6), default_splits=default_splits(m))
         rows.append(row)
-        print(f"M={m:4d} unfused {base_us:6.2f} us/layer | best fused "
-              f"{best} {timed.get(best, float('nan')):6.2f} | floor "
-              f"{row['weight_floor_us']:.2f}", flush=True)
     with open(args.out, "w") as f:
         json.dump({"environment": environment(), "rows": rows}, f, indent=1)
     return 0

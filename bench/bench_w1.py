@@ -156,6 +156,10 @@ def configure_splitk(args) -> None:
         from pagedkv.models.decoder import DecoderForCausalLM
 
         DecoderForCausalLM.fuse_qkv_projection = args.fused_qkv
+    if args.fused_gate_up is not None:
+        from pagedkv.kernels import gate_up_silu
+
+        gate_up_silu.FUSED_GATE_UP_ENABLED = args.fused_gate_up
     if args.splitk_table:
         with open(args.splitk_table) as f:
             table = json.load(f)
@@ -397,6 +401,9 @@ def main(argv=None) -> int:
                    help="decode-sized batches' QKV GEMM fused with the q/k norms, RoPE and the "
                         "KV write (pagedkv.kernels.qkv_rope_cache; "
                         "DecoderForCausalLM.fuse_qkv_projection, off by default)")
+    p.add_argument("--fused-gate-up", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode-sized batches' gate/up GEMM with SiLU in its epilogue "
+                        "(pagedkv.kernels.gate_up_silu.FUSED_GATE_UP_ENABLED; off by default)")
     p.add_argument("--splitk-table", default=None,
                    help="JSON of per-shape split-K launches (bench_splitk_gemm_gpu.py "
                         "--table-out) installed before the engine starts")

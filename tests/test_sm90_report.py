@@ -116,3 +116,16 @@ def test_fused_qkv_projection_compiles_for_sm90_unspilled(compiled_run):
                                       *extra, "--json"))
         assert got["local"] == 0 and got["loops"] == 1, (cfg, got)
         assert got["waits"] and got["waits"][0] > 0 and got["programs_per_sm"] >= 2, (cfg, got)
+
+
+@pytest.mark.skipif(not triton.__version__.startswith("3.6."),
+                    reason="the numbers checked are Triton 3.6's compiler's")
+def test_fused_gate_up_compiles_for_sm90_unspilled(compiled_run):
+    """The gate/up projection with SiLU in its epilogue (``pagedkv.kernels.gate_up_silu``) as
+    the launcher issues it (block_m 16 with 2 splits, 64 with 1): no spills, a pipelined
+    inner-dimension loop."""
+    for cfg in ("16,32,64,4,4,2", "64,32,64,4,4,1"):
+        got = json.loads(compiled_run("-m", "pagedkv.tools.sm90_report", "gate-up", cfg,
+                                      "--json"))
+        assert got["local"] == 0 and got["loops"] == 1, (cfg, got)
+        assert got["waits"] and got["waits"][0] > 0 and got["programs_per_sm"] >= 2, (cfg, got)

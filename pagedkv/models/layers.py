@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.kernels.activation import silu_and_mul_op, silu_and_mul_partials_op
+from pagedkv.kernels.gate_up_silu import fused_gate_up_applies, gate_up_silu_op
 from pagedkv.kernels.splitk_gemm import gate_up_partials
 
 
@@ -53,10 +54,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                  ) -> torch.Tensor:
-    """``silu_and_mul(x @ weight^T + bias)``: the MLP's gate/up projection and activation. On
-    CUDA for decode-sized batches with ``SPLITK_GATE_UP_ENABLED`` (off by default), split-K
-    partials summed by the activation's kernel (``silu_and_mul_partials``); otherwise
-    ``F.linear`` then :func:`silu_and_mul`."""
+    """``silu_and_mul(x @ weight^T + bias)``: the MLP's gate/up projection and activation. For
+    decode-sized batches with ``FUSED_GATE_UP_ENABLED`` (off by default), one kernel with the
+    activation in the GEMM's epilogue (``pagedkv.kernels.gate_up_silu``); on CUDA with
+    ``SPLITK_GATE_UP_ENABLED`` (off by default), split-K partials summed by the activation's
+    kernel (``silu_and_mul_partials``); otherwise ``F.linear`` then :func:`silu_and_mul`."""
+    if fused_gate_up_applies(x, weight):
+        return gate_up_silu_op(x, weight, bias)
     parts = gate_up_partials(x, weight, bias)
     if parts is not None:
         return silu_and_mul_partials_op(parts, x.dtype)

@@ -32,6 +32,7 @@ itself in a fresh process when it is set::
     python -m pagedkv.tools.sm90_report lm-head-argmax 128,128,64,8,3
     python -m pagedkv.tools.sm90_report splitk
     python -m pagedkv.tools.sm90_report qkv-rope 64,64,4,4,2 [--fp8]
+    python -m pagedkv.tools.sm90_report gate-up 64,32,64,4,4,1
 
 The numbers are the compiler's, not the device's: what runs faster is measured on the GPU.
 """
@@ -278,6 +279,22 @@ def qkv_rope_report(config, splits: int = 2, fp8: bool = False, sass: bool = Fal
                   config.num_warps, config.num_stages, sass)
 
 
+def gate_up_report(config, splits: int = 1, sass: bool = False) -> dict:
+    """The gate/up projection with SiLU in its epilogue (``pagedkv.kernels.gate_up_silu``) at
+    the Qwen3-0.6B shape (I 3072, K 1024, no bias) on bf16 inputs under ``config`` (a
+    ``GateUpConfig``; its ``block_m`` as launched) with ``splits`` inner-dimension splits."""
+    from pagedkv.kernels.gate_up_silu import _gate_up_silu_kernel
+    from pagedkv.kernels.paired_splitk import chunk_and_splits
+
+    chunk, splits = chunk_and_splits(1024, splits, config.block_k)
+    const = dict(I=3072, K=1024, K_CHUNK=chunk, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                 BLOCK_K=config.block_k, SPLITS=splits, HAS_BIAS=False, DOT_PREC="tf32")
+    ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32",
+                cnt_ptr="*i32")
+    return report(_gate_up_silu_kernel, const, ptrs, set(), set(ptrs) | {"x_s0", "w_s0", "o_s0"},
+                  config.num_warps, config.num_stages, sass)
+
+
 def _ints(text: str, n: int, what: str) -> list[int]:
     vals = [int(v) for v in text.split(",")]
     if len(vals) != n:
@@ -288,11 +305,13 @@ def _ints(text: str, n: int, what: str) -> list[int]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("kernel", choices=["prefill", "decode", "decode-flat", "argmax",
-                                          "lm-head-argmax", "splitk", "qkv-rope"])
+                                          "lm-head-argmax", "splitk", "qkv-rope",
+                                          "gate-up"])
     p.add_argument("config", nargs="?", default=None,
                    help="prefill: BM,BN,WARPS,STAGES,PACK; decode: TILE,WARPS,STAGES; "
                         "lm-head-argmax, splitk: BM,BN,BK,WARPS,STAGES; "
-                        "qkv-rope: BM,BK,WARPS,STAGES,SPLITS "
+                        "qkv-rope: BM,BK,WARPS,STAGES,SPLITS; "
+                        "gate-up: BM,BN,BK,WARPS,STAGES,SPLITS "
                         "(default: the CUDA defaults)")
     p.add_argument("--prefix", action="store_true",
                    help="prefill: the cascade prefix's non-causal launch")
@@ -336,6 +355,14 @@ def main(argv=None) -> int:
             bm, bk, w, st, splits = _ints(args.config, 5, "qkv-rope config")
             cfg = QKVRopeConfig(block_m=bm, block_k=bk, num_warps=w, num_stages=st)
         rep = qkv_rope_report(cfg, splits=splits, fp8=args.fp8, sass=args.sass)
+    elif args.kernel == "gate-up":
+        from pagedkv.kernels.gate_up_silu import GateUpConfig
+
+        cfg, splits = GateUpConfig(), 1
+        if args.config:
+            bm, bn, bk, w, st, splits = _ints(args.config, 6, "gate-up config")
+            cfg = GateUpConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st)
+        rep = gate_up_report(cfg, splits=splits, sass=args.sass)
     elif args.kernel == "prefill":
         from pagedkv.attention.triton_prefill import PrefillConfig
 

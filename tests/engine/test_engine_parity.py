@@ -144,27 +144,43 @@ def test_triton_backend_through_the_engine(tiny_dir, hf_ref, family, async_sched
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the Triton backend on CPU tensors needs the Triton interpreter")
-@pytest.mark.parametrize("family,async_scheduling", [("qwen3", True), ("qwen2", False)])
-def test_fused_qkv_projection_through_the_engine(tiny_dir, hf_ref, monkeypatch, family,
-                                                 async_scheduling):
-    """The fused QKV projection (GEMM + q/k norms + RoPE + KV write in one kernel, interpreted)
-    in the engine: every step of at most FUSED_QKV_MAX_ROWS rows takes it (chunked prefill,
-    mixed batches, decode); Qwen3 with q/k norms, Qwen2 with q/k/v bias; greedy tokens equal
-    transformers'."""
-    from pagedkv.kernels import qkv_rope_cache as fused
+@pytest.mark.parametrize("family,async_scheduling,fused,spec", [
+    ("qwen3", True, "qkv", {"head_dim": 32}),
+    ("qwen2", False, "qkv", {"head_dim": 32}),
+    ("llama", True, "gate_up", {"mlp_bias": True}),
+    ("qwen3", False, "both", {"head_dim": 32}),
+])
+def test_fused_projections_through_the_engine(tiny_dir, hf_ref, monkeypatch, family,
+                                              async_scheduling, fused, spec):
+    """The fused decode projections (interpreted) in the engine: every step of at most their
+    row limit takes them (chunked prefill, mixed batches, decode). ``qkv``: GEMM + q/k norms +
+    RoPE + KV write in one kernel (Qwen3 with q/k norms, Qwen2 with q/k/v bias); ``gate_up``:
+    the MLP's gate/up GEMM with SiLU in its epilogue (Llama with MLP bias); greedy tokens
+    equal transformers'."""
+    from pagedkv.kernels import gate_up_silu as gu
+    from pagedkv.kernels import qkv_rope_cache as qr
 
-    calls = []
-    real = fused.qkv_rope_cache
-    monkeypatch.setattr(fused, "qkv_rope_cache",
-                        lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
-    path = tiny_dir(family, head_dim=32)
+    calls = {"qkv": [], "gate_up": []}
+    real_qkv, real_gu = qr.qkv_rope_cache, gu.fused_gate_up_silu
+    monkeypatch.setattr(qr, "qkv_rope_cache",
+                        lambda x, *a, **k: calls["qkv"].append(x.shape[0]) or real_qkv(x, *a, **k))
+    monkeypatch.setattr(gu, "fused_gate_up_silu",
+                        lambda x, *a, **k: calls["gate_up"].append(x.shape[0])
+                        or real_gu(x, *a, **k))
+    monkeypatch.setattr(gu, "FUSED_GATE_UP_ENABLED", fused in ("gate_up", "both"))
+    path = tiny_dir(family, **spec)
     llm = make_llm(path, attention_backend="triton", max_num_batched_tokens=16, max_num_seqs=4,
                    async_scheduling=async_scheduling)
     model = llm.engine.model
-    model.fuse_qkv_projection = True
-    assert model.fused_qkv_usable(4, llm.engine.runner.kv_caches[0])
+    model.fuse_qkv_projection = fused in ("qkv", "both")
+    assert model.fused_qkv_usable(4, llm.engine.runner.kv_caches[0]) is model.fuse_qkv_projection
     outs = llm.generate(TEXTS, greedy(8), use_tqdm=False)
     check_against_hf(hf_ref(path), outs, 8)
     assert pool_is_idle(llm)
     layers = model.config.num_hidden_layers
-    assert calls and len(calls) % layers == 0 and max(calls) <= 16
+    for name in ("qkv", "gate_up"):
+        rows = calls[name]
+        if name == fused or fused == "both":
+            assert rows and len(rows) % layers == 0 and max(rows) <= 16, (name, rows[:8])
+        else:
+            assert not rows, name
