@@ -156,6 +156,10 @@ def configure_splitk(args) -> None:
         from pagedkv.models.decoder import DecoderForCausalLM
 
         DecoderForCausalLM.fuse_qkv_projection = args.fused_qkv
+    if args.fused_decode is not None:
+        from pagedkv.models.decoder import DecoderForCausalLM
+
+        DecoderForCausalLM.fuse_decode_chain = args.fused_decode
     if args.fused_gate_up is not None:
         from pagedkv.kernels import gate_up_silu
 
@@ -401,6 +405,10 @@ def main(argv=None) -> int:
                    help="decode-sized batches' QKV GEMM fused with the q/k norms, RoPE and the "
                         "KV write (pagedkv.kernels.qkv_rope_cache; "
                         "DecoderForCausalLM.fuse_qkv_projection, off by default)")
+    p.add_argument("--fused-decode", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode-sized batches' layers as the fused decode chain (norms inside "
+                        "the QKV and gate/up kernels, residual adds in the o / down split-K "
+                        "epilogues; DecoderForCausalLM.fuse_decode_chain, off by default)")
     p.add_argument("--fused-gate-up", action=argparse.BooleanOptionalAction, default=None,
                    help="decode-sized batches' gate/up GEMM with SiLU in its epilogue "
                         "(pagedkv.kernels.gate_up_silu.FUSED_GATE_UP_ENABLED; off by default)")

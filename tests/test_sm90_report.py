@@ -108,10 +108,11 @@ def test_report_refuses_an_interpreted_kernel():
 def test_fused_qkv_projection_compiles_for_sm90_unspilled(compiled_run):
     """The fused QKV projection (``pagedkv.kernels.qkv_rope_cache``) as the launcher issues it
     at 1-16 / 17-64 / 65-256 rows (block_m 16 / 32-64 / 64 with 4 / 2 / 1 splits), bf16 and FP8
-    caches: it compiles for sm_90 without spills and its inner-dimension loop keeps copies in
+    caches, with the input norm applied on the fly (the decode chain): it compiles for sm_90 without spills and its inner-dimension loop keeps copies in
     flight (the first async wait leaves more than zero groups pending)."""
     for cfg, extra in (("16,64,4,4,4", ()), ("32,64,4,4,2", ()), ("64,64,4,4,1", ()),
-                       ("64,64,4,4,2", ("--fp8",))):
+                       ("64,64,4,4,2", ("--fp8",)), ("16,64,4,4,4", ("--ln",)),
+                       ("64,64,4,4,1", ("--ln",))):
         got = json.loads(compiled_run("-m", "pagedkv.tools.sm90_report", "qkv-rope", cfg,
                                       *extra, "--json"))
         assert got["local"] == 0 and got["loops"] == 1, (cfg, got)
@@ -120,7 +121,7 @@ def test_fused_qkv_projection_compiles_for_sm90_unspilled(compiled_run):
 
 @pytest.mark.skipif(not triton.__version__.startswith("3.6."),
                     reason="the numbers checked are Triton 3.6's compiler's")
-def test_fused_gate_up_compiles_for_sm90_unspilled(compiled_run):
+def test_fused_gate_up_and_residual_compile_for_sm90_unspilled(compiled_run):
     """The gate/up projection with SiLU in its epilogue (``pagedkv.kernels.gate_up_silu``) as
     the launcher issues it (block_m 16 with 2 splits, 64 with 1): no spills, a pipelined
     inner-dimension loop."""

@@ -47,6 +47,8 @@ from pagedkv.kernels.paired_splitk import (
     counters,
     paired_dot,
     paired_split_sum,
+    normed_product,
+    rms_scale,
 )
 
 FUSED_GATE_UP_ENABLED = os.environ.get("PAGEDKV_FUSED_GATE_UP", "0") == "1"
@@ -89,8 +91,13 @@ def default_splits(rows: int) -> int:
 
 
 @triton.jit
-def _gate_up_epilogue(gate, up, rows, r_ok, cols, n_ok, b_ptr, out_ptr, o_s0,
-                      I: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _gate_up_epilogue(gate, up, ss, eps, rows, r_ok, cols, n_ok, b_ptr, out_ptr, o_s0,
+                      I: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      NORM: tl.constexpr):
+    if NORM:
+        r = rms_scale(ss, eps, K)
+        gate = gate * r
+        up = up * r
     if HAS_BIAS:
         gate += tl.load(b_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         up += tl.load(b_ptr + I + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -101,10 +108,11 @@ def _gate_up_epilogue(gate, up, rows, r_ok, cols, n_ok, b_ptr, out_ptr, o_s0,
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _gate_up_silu_kernel(
-    x_ptr, x_s0, w_ptr, w_s0, b_ptr, out_ptr, o_s0, part_ptr, cnt_ptr, num_rows,
+    x_ptr, x_s0, w_ptr, w_s0, b_ptr, ln_ptr, eps, out_ptr, o_s0, part_ptr, ss_ptr, cnt_ptr,
+    num_rows,
     I: tl.constexpr, K: tl.constexpr, K_CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
+    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     N_TILES: tl.constexpr = (I + BLOCK_N - 1) // BLOCK_N
     pid_m = tl.program_id(0)
@@ -116,23 +124,26 @@ def _gate_up_silu_kernel(
     n_ok = cols < I
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_s0
     g_rows = w_ptr + cols.to(tl.int64)[:, None] * w_s0
-    gate, up = paired_dot(x_rows, g_rows, g_rows + I * w_s0, r_ok, n_ok, s, K, K_CHUNK,
-                          BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC)
+    gate, up, ss = paired_dot(x_rows, g_rows, g_rows + I * w_s0, r_ok, n_ok, s, ln_ptr, K,
+                              K_CHUNK, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, NORM)
     if SPLITS == 1:
-        _gate_up_epilogue(gate, up, rows, r_ok, cols, n_ok, b_ptr, out_ptr, o_s0, I, HAS_BIAS)
+        _gate_up_epilogue(gate, up, ss, eps, rows, r_ok, cols, n_ok, b_ptr, out_ptr, o_s0, I,
+                          K, HAS_BIAS, NORM)
     else:
         part = part_ptr + rows.to(tl.int64)[:, None] * (2 * I) + cols[None, :]
-        last, g_sum, u_sum = paired_split_sum(gate, up, part, part + I, num_rows * (2 * I), s,
-                                              r_ok[:, None] & n_ok[None, :],
-                                              cnt_ptr + pid_m * N_TILES + pid_n, SPLITS)
+        last, g_sum, u_sum, ss_sum = paired_split_sum(
+            gate, up, ss, part, part + I, ss_ptr + rows, num_rows * (2 * I), num_rows, s,
+            r_ok[:, None] & n_ok[None, :], r_ok, cnt_ptr + pid_m * N_TILES + pid_n, SPLITS,
+            NORM)
         if last:
-            _gate_up_epilogue(g_sum, u_sum, rows, r_ok, cols, n_ok, b_ptr, out_ptr, o_s0, I,
-                              HAS_BIAS)
+            _gate_up_epilogue(g_sum, u_sum, ss_sum, eps, rows, r_ok, cols, n_ok, b_ptr,
+                              out_ptr, o_s0, I, K, HAS_BIAS, NORM)
 
 
-def _check(fn: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> int:
+def _check(fn: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+           ln_weight: torch.Tensor | None = None, eps: float = 0.0) -> int:
     """Metadata-only checks; returns ``I``."""
-    for name, t in (("x", x), ("w", w), ("bias", bias)):
+    for name, t in (("x", x), ("w", w), ("bias", bias), ("ln_weight", ln_weight)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise ConfigError(f"{fn}: {name} must be a tensor")
     if x.dim() != 2 or w.dim() != 2 or w.shape[1] != x.shape[1] or w.shape[0] % 2:
@@ -141,68 +152,81 @@ def _check(fn: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None)
     if x.dtype not in _DTYPES or w.dtype != x.dtype:
         raise ConfigError(f"{fn}: x and w must share one of bf16/fp16/fp32, got {x.dtype} and "
                           f"{w.dtype}")
-    if bias is not None and (bias.dim() != 1 or bias.shape[0] != w.shape[0]
-                             or bias.dtype != x.dtype):
-        raise ConfigError(f"{fn}: bias must be [{w.shape[0]}] {x.dtype}, got "
-                          f"{tuple(bias.shape)} {bias.dtype}")
-    if w.device != x.device or (bias is not None and bias.device != x.device):
-        raise ConfigError(f"{fn}: x, w and bias must be on one device")
-    if (x.shape[1] > 1 and x.stride(1) != 1) or (w.shape[1] > 1 and w.stride(1) != 1) or (
-            bias is not None and bias.shape[0] > 1 and bias.stride(0) != 1):
-        raise ConfigError(f"{fn}: x, w and bias must be contiguous in their last dimension")
+    for name, t, n in (("bias", bias, w.shape[0]), ("ln_weight", ln_weight, x.shape[1])):
+        if t is not None and (t.dim() != 1 or t.shape[0] != n or t.dtype != x.dtype):
+            raise ConfigError(f"{fn}: {name} must be [{n}] {x.dtype}, got {tuple(t.shape)} "
+                              f"{t.dtype}")
+    if any(t is not None and t.device != x.device for t in (w, bias, ln_weight)):
+        raise ConfigError(f"{fn}: x, w, bias and ln_weight must be on one device")
+    if any(t is not None and t.shape[-1] > 1 and t.stride(-1) != 1
+           for t in (x, w, bias, ln_weight)):
+        raise ConfigError(f"{fn}: x, w, bias and ln_weight must be contiguous in their last "
+                          "dimension")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ConfigError(f"{fn}: eps must be a non-negative host number, got {eps!r}")
     return w.shape[0] // 2
 
 
-def gate_up_silu_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
-                     ) -> torch.Tensor:
-    """Plain torch twin: the float32 product, ``silu(gate) * up`` in float32, one rounding to
-    ``x``'s dtype."""
-    _check("gate_up_silu_ref", x, w, bias)
-    prod = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+def gate_up_silu_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                     ln_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """Plain torch twin: the float32 product (:func:`normed_product`: of the RMSNorm of ``x``
+    with ``ln_weight``), the bias, ``silu(gate) * up`` in float32, one rounding to ``x``'s
+    dtype."""
+    _check("gate_up_silu_ref", x, w, bias, ln_weight, eps)
+    prod = normed_product(x, w, ln_weight, eps)
+    if bias is not None:
+        prod = prod + bias.float()
     gate, up = prod.chunk(2, dim=-1)
     return (F.silu(gate) * up).to(x.dtype)
 
 
 def fused_gate_up_silu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                       config: GateUpConfig | None = None) -> torch.Tensor:
+                       config: GateUpConfig | None = None,
+                       ln_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     """``silu(gate) * up`` of ``x @ w^T (+ bias)`` (module docstring) with the Triton kernel
-    (CUDA tensors, or any tensor under the Triton interpreter); otherwise the torch twin."""
-    inter = _check("fused_gate_up_silu", x, w, bias)
+    (CUDA tensors, or any tensor under the Triton interpreter); otherwise the torch twin. With
+    ``ln_weight``, ``x`` is the MLP's un-normed input: the kernel applies the RMSNorm (weight
+    ``ln_weight``, ``eps``) on the fly (:func:`normed_product`)."""
+    inter = _check("fused_gate_up_silu", x, w, bias, ln_weight, eps)
     if not use_triton(_gate_up_silu_kernel, x):
-        return gate_up_silu_ref(x, w, bias)
+        return gate_up_silu_ref(x, w, bias, ln_weight, eps)
     rows, K = x.shape
     out = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
     if rows == 0 or inter == 0:
         return out
     if K == 0:  # the product is the bias (or zero)
-        return gate_up_silu_ref(x, w, bias)
+        return gate_up_silu_ref(x, w, bias, ln_weight, eps)
     cfg = config or (GateUpConfig() if x.device.type == "cuda" else INTERPRET_CONFIG)
     block_m = min(cfg.block_m, max(16, next_pow2(rows)))
     chunk, splits = chunk_and_splits(K, cfg.splits or default_splits(rows), cfg.block_k)
     m_tiles, n_tiles = cdiv(rows, block_m), cdiv(inter, cfg.block_n)
+    norm = ln_weight is not None
     if splits > 1:
         part = torch.empty((splits, rows, 2 * inter), dtype=torch.float32, device=x.device)
+        ss = torch.empty((splits, rows), dtype=torch.float32, device=x.device) if norm else part
         cnt = counters(x.device, m_tiles * n_tiles)
     else:
-        part = cnt = out
+        part = ss = cnt = out
     _gate_up_silu_kernel[(m_tiles, n_tiles, splits)](
-        x, x.stride(0), w, w.stride(0), x if bias is None else bias, out, out.stride(0),
-        part, cnt, rows,
+        x, x.stride(0), w, w.stride(0), x if bias is None else bias,
+        x if ln_weight is None else ln_weight, float(eps), out, out.stride(0),
+        part, ss, cnt, rows,
         I=inter, K=K, K_CHUNK=chunk, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, SPLITS=splits, HAS_BIAS=bias is not None,
+        BLOCK_K=cfg.block_k, SPLITS=splits, HAS_BIAS=bias is not None, NORM=norm,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
 @torch.library.custom_op("pagedkv::gate_up_silu", mutates_args=())
-def gate_up_silu_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def gate_up_silu_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                    ln_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     """:func:`fused_gate_up_silu` as a custom op: one opaque call inside compiled regions."""
-    return fused_gate_up_silu(x, w, bias)
+    return fused_gate_up_silu(x, w, bias, None, ln_weight, eps)
 
 
 @gate_up_silu_op.register_fake
-def _gate_up_silu_fake(x, w, bias):
+def _gate_up_silu_fake(x, w, bias, ln_weight=None, eps=0.0):
     return x.new_empty((x.shape[0], w.shape[0] // 2))
 
 

@@ -36,44 +36,69 @@ MIN_COUNTERS = 4096
 
 
 @triton.jit
-def paired_dot(x_rows, w1_rows, w2_rows, r_ok, n_ok, s, K: tl.constexpr,
+def paired_dot(x_rows, w1_rows, w2_rows, r_ok, n_ok, s, ln_ptr, K: tl.constexpr,
                K_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
+               BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, NORM: tl.constexpr):
     """The two float32 products ``[BLOCK_M, BLOCK_N]`` of the row tile with the two weight
-    tiles over inner-dimension chunk ``s``."""
+    tiles over inner-dimension chunk ``s``, and the rows' float32 sum of squares over the chunk
+    (``[BLOCK_M]``, zeros without ``NORM``). With ``NORM`` the activation rows are an RMSNorm's
+    input: each loaded tile is multiplied by the norm weight ``ln_ptr`` (float32, rounded back
+    to the input dtype for the product) and the caller scales the products by the rows'
+    ``rsqrt(mean of squares + eps)`` (:func:`rms_scale`)."""
     rk = tl.arange(0, BLOCK_K)
     acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    ss = tl.zeros([BLOCK_M], tl.float32)
     for kk in range(0, K_CHUNK, BLOCK_K):
         kidx = s * K_CHUNK + kk + rk
         k_ok = kidx < K
         a = tl.load(x_rows + kidx[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        if NORM:
+            af = a.to(tl.float32)
+            ss += tl.sum(af * af, axis=1)
+            lw = tl.load(ln_ptr + kidx, mask=k_ok, other=0.0).to(tl.float32)
+            a = (af * lw[None, :]).to(a.dtype)
         wm = n_ok[:, None] & k_ok[None, :]
         b1 = tl.load(w1_rows + kidx[None, :], mask=wm, other=0.0)
         b2 = tl.load(w2_rows + kidx[None, :], mask=wm, other=0.0)
         acc1 = tl.dot(a, tl.trans(b1), acc1, input_precision=DOT_PREC)
         acc2 = tl.dot(a, tl.trans(b2), acc2, input_precision=DOT_PREC)
-    return acc1, acc2
+    return acc1, acc2, ss
 
 
 @triton.jit
-def paired_split_sum(acc1, acc2, part1, part2, split_stride, s, mask, cnt,
-                     SPLITS: tl.constexpr):
+def rms_scale(ss, eps, K: tl.constexpr):
+    """The RMSNorm scale ``rsqrt(ss / K + eps)`` of rows whose squares sum to ``ss``, as a
+    ``[rows, 1]`` column."""
+    return tl.rsqrt(ss / K + eps)[:, None]
+
+
+@triton.jit
+def paired_split_sum(acc1, acc2, ss, part1, part2, ss_part, split_stride, ss_stride, s, mask,
+                     r_ok, cnt, SPLITS: tl.constexpr, NORM: tl.constexpr):
     """Split ``s`` stores its products at ``part1 / part2 + s * split_stride`` (``[BLOCK_M,
-    BLOCK_N]`` pointer tiles of split 0, ``mask`` the valid entries) and counts itself at
-    ``cnt``. Returns ``(last, sum1, sum2)``: for the last to arrive the sums of all splits'
-    products (in split order), zeros elsewhere."""
+    BLOCK_N]`` pointer tiles of split 0, ``mask`` the valid entries) and, with ``NORM``, its
+    rows' sums of squares at ``ss_part + s * ss_stride`` (``[BLOCK_M]`` pointers, rows
+    ``r_ok``: every output tile of the rows stores the same values there), then counts itself
+    at ``cnt``. Returns ``(last, sum1, sum2, ss_sum)``: for the last to arrive the sums over
+    all splits (in split order), zeros elsewhere."""
     off = s.to(tl.int64) * split_stride
     tl.store(part1 + off, acc1, mask=mask)
     tl.store(part2 + off, acc2, mask=mask)
+    if NORM:
+        tl.store(ss_part + s.to(tl.int64) * ss_stride, ss, mask=r_ok)
     last = arrive(cnt, SPLITS)
     sum1 = tl.zeros_like(acc1)
     sum2 = tl.zeros_like(acc2)
+    ss_sum = tl.zeros_like(ss)
     if last:
         for j in tl.static_range(SPLITS):
             sum1 += tl.load(part1 + j * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
             sum2 += tl.load(part2 + j * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
-    return last, sum1, sum2
+            if NORM:
+                ss_sum += tl.load(ss_part + j * ss_stride, mask=r_ok, other=0.0,
+                                  cache_modifier=".cg")
+    return last, sum1, sum2, ss_sum
 
 
 def chunk_and_splits(K: int, splits: int, block_k: int) -> tuple[int, int]:
@@ -81,6 +106,19 @@ def chunk_and_splits(K: int, splits: int, block_k: int) -> tuple[int, int]:
     the split count that leaves no split past ``K``."""
     chunk = split_chunk(K, splits, block_k)
     return chunk, max(1, cdiv(K, chunk))
+
+
+def normed_product(x: torch.Tensor, w: torch.Tensor, ln_weight: torch.Tensor | None,
+                   eps: float) -> torch.Tensor:
+    """The float32 product ``x @ w^T`` the fused kernels compute, or with ``ln_weight`` that of
+    the RMSNorm of ``x`` as they compute it: ``(x * ln_weight)`` rounded to ``x``'s dtype,
+    times ``w^T`` in float32, scaled per row by ``rsqrt(mean(x^2) + eps)`` (mathematically the
+    norm then the product; one rounding fewer than the eager norm's two)."""
+    xf = x.float()
+    if ln_weight is None:
+        return xf @ w.float().T
+    a = (xf * ln_weight.float()).to(x.dtype).float()
+    return (a @ w.float().T) * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
 
 
 _COUNTERS: dict[tuple, torch.Tensor] = {}
@@ -101,4 +139,5 @@ def counters(device: torch.device, entries: int) -> torch.Tensor:
     return cnt
 
 
-__all__ = ["MIN_COUNTERS", "chunk_and_splits", "counters", "paired_dot", "paired_split_sum"]
+__all__ = ["MIN_COUNTERS", "chunk_and_splits", "counters", "normed_product", "paired_dot",
+           "paired_split_sum", "rms_scale"]

@@ -39,7 +39,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -53,7 +52,14 @@ from pagedkv.kernels._common import (
     use_triton,
 )
 from pagedkv.kernels.fp8_kv import fp8_quantize, is_fp8_kv
-from pagedkv.kernels.paired_splitk import chunk_and_splits, counters, paired_dot, paired_split_sum
+from pagedkv.kernels.paired_splitk import (
+    chunk_and_splits,
+    counters,
+    paired_dot,
+    normed_product,
+    paired_split_sum,
+    rms_scale,
+)
 from pagedkv.kernels.qk_norm_rope_cache import (
     _qk_norm_rope_cache_torch,
     check_heads,
@@ -101,7 +107,7 @@ def fused_applies(head_dim: int) -> bool:
 
 
 @triton.jit
-def _qkv_epilogue(acc1, acc2, rows, r_ok, h, d,
+def _qkv_epilogue(acc1, acc2, ss, ln_eps, rows, r_ok, h, d,
                   b_ptr, q_ptr, q_s0, q_s1,
                   cos_ptr, cos_s0, cos_s1, sin_ptr, sin_s0, sin_s1,
                   qw_ptr, kw_ptr,
@@ -109,13 +115,19 @@ def _qkv_epilogue(acc1, acc2, rows, r_ok, h, d,
                   kc_ptr, kc_s0, kc_s1, kc_s2, vc_ptr, vc_s0, vc_s1, vc_s2,
                   eps, k_scale, v_scale,
                   NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr):
-    """Head ``h``'s float32 product halves ``[BLOCK_M, HALF]`` of rows ``rows``: bias, then a
-    q head's norm + RoPE into ``q_out``, a k head's norm + RoPE into the key cache, a v head
-    into the value cache (rows with a valid slot)."""
+                  HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr,
+                  K: tl.constexpr, LN: tl.constexpr):
+    """Head ``h``'s float32 product halves ``[BLOCK_M, HALF]`` of rows ``rows``: the input
+    RMSNorm's row scale (``LN``, from the rows' sums of squares ``ss``), bias, then a q head's
+    norm + RoPE into ``q_out``, a k head's norm + RoPE into the key cache, a v head into the
+    value cache (rows with a valid slot)."""
     HALF: tl.constexpr = HEAD_DIM // 2
     rows64 = rows.to(tl.int64)
     dd = d[None, :]
+    if LN:
+        r = rms_scale(ss, ln_eps, K)
+        acc1 = acc1 * r
+        acc2 = acc2 * r
     if HAS_BIAS:
         acc1 += tl.load(b_ptr + h * HEAD_DIM + dd).to(tl.float32)
         acc2 += tl.load(b_ptr + h * HEAD_DIM + HALF + dd).to(tl.float32)
@@ -160,17 +172,17 @@ def _qkv_epilogue(acc1, acc2, rows, r_ok, h, d,
 
 @triton.jit(do_not_specialize=["num_rows", "num_slot_rows"])
 def _qkv_rope_cache_kernel(
-    x_ptr, x_s0, w_ptr, w_s0, b_ptr,
+    x_ptr, x_s0, w_ptr, w_s0, b_ptr, ln_ptr, ln_eps,
     q_ptr, q_s0, q_s1,
     cos_ptr, cos_s0, cos_s1, sin_ptr, sin_s0, sin_s1,
     qw_ptr, kw_ptr,
     slot_ptr, num_slot_rows, num_slots, block_size,
     kc_ptr, kc_s0, kc_s1, kc_s2, vc_ptr, vc_s0, vc_s1, vc_s2,
-    part_ptr, cnt_ptr,
+    part_ptr, ss_ptr, cnt_ptr,
     num_rows, eps,
     K: tl.constexpr, K_CHUNK: tl.constexpr,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, LN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
     DOT_PREC: tl.constexpr,
     k_scale=1.0, v_scale=1.0, FP8: tl.constexpr = False,
@@ -186,31 +198,32 @@ def _qkv_rope_cache_kernel(
     d = tl.arange(0, HALF)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_s0
     w_rows = w_ptr + (h * HEAD_DIM + d).to(tl.int64)[:, None] * w_s0
-    acc1, acc2 = paired_dot(x_rows, w_rows, w_rows + HALF * w_s0, r_ok, d < HALF, s, K,
-                            K_CHUNK, BLOCK_M, HALF, BLOCK_K, DOT_PREC)
+    acc1, acc2, ss = paired_dot(x_rows, w_rows, w_rows + HALF * w_s0, r_ok, d < HALF, s, ln_ptr,
+                                K, K_CHUNK, BLOCK_M, HALF, BLOCK_K, DOT_PREC, LN)
     if SPLITS == 1:
-        _qkv_epilogue(acc1, acc2, rows, r_ok, h, d, b_ptr, q_ptr, q_s0, q_s1,
+        _qkv_epilogue(acc1, acc2, ss, ln_eps, rows, r_ok, h, d, b_ptr, q_ptr, q_s0, q_s1,
                       cos_ptr, cos_s0, cos_s1, sin_ptr, sin_s0, sin_s1, qw_ptr, kw_ptr,
                       slot_ptr, num_slot_rows, num_slots, block_size,
                       kc_ptr, kc_s0, kc_s1, kc_s2, vc_ptr, vc_s0, vc_s1, vc_s2,
                       eps, k_scale, v_scale, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM,
-                      HAS_NORM, HAS_BIAS, FP8)
+                      HAS_NORM, HAS_BIAS, FP8, K, LN)
     else:
         part = part_ptr + rows.to(tl.int64)[:, None] * N + h * HEAD_DIM + d[None, :]
-        last, sum1, sum2 = paired_split_sum(acc1, acc2, part, part + HALF, num_rows * N, s,
-                                            r_ok[:, None], cnt_ptr + mt * NH + h, SPLITS)
+        last, sum1, sum2, ss_sum = paired_split_sum(
+            acc1, acc2, ss, part, part + HALF, ss_ptr + rows, num_rows * N, num_rows, s,
+            r_ok[:, None], r_ok, cnt_ptr + mt * NH + h, SPLITS, LN)
         if last:
-            _qkv_epilogue(sum1, sum2, rows, r_ok, h, d, b_ptr, q_ptr, q_s0, q_s1,
-                          cos_ptr, cos_s0, cos_s1, sin_ptr, sin_s0, sin_s1, qw_ptr, kw_ptr,
-                          slot_ptr, num_slot_rows, num_slots, block_size,
+            _qkv_epilogue(sum1, sum2, ss_sum, ln_eps, rows, r_ok, h, d, b_ptr, q_ptr, q_s0,
+                          q_s1, cos_ptr, cos_s0, cos_s1, sin_ptr, sin_s0, sin_s1, qw_ptr,
+                          kw_ptr, slot_ptr, num_slot_rows, num_slots, block_size,
                           kc_ptr, kc_s0, kc_s1, kc_s2, vc_ptr, vc_s0, vc_s1, vc_s2,
                           eps, k_scale, v_scale, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM,
-                          HAS_NORM, HAS_BIAS, FP8)
+                          HAS_NORM, HAS_BIAS, FP8, K, LN)
 
 
 def _check(fn, x, weight, bias, num_heads, num_kv_heads, head_dim, q_norm_weight,
            k_norm_weight, eps, cos, sin, slot_mapping, key_cache, value_cache, q_out, k_scale,
-           v_scale) -> tuple[int, int, int]:
+           v_scale, ln_weight=None, ln_eps=0.0) -> tuple[int, int, int]:
     heads, kv_heads, dim = check_heads(fn, num_heads, num_kv_heads, head_dim, eps, k_scale,
                                        v_scale)
     check_tensor(fn, "x", x, dtypes=KV_DTYPES, ndim=2, contiguous_last=True)
@@ -224,8 +237,15 @@ def _check(fn, x, weight, bias, num_heads, num_kv_heads, head_dim, q_norm_weight
         check_tensor(fn, "bias", bias, dtypes=(x.dtype,), ndim=1, contiguous_last=True)
         if bias.shape[0] != n:
             raise ConfigError(f"{fn}: bias must have shape [{n}], got {tuple(bias.shape)}")
-    if weight.device != x.device or (bias is not None and bias.device != x.device):
-        raise ConfigError(f"{fn}: x, weight and bias must be on one device")
+    if ln_weight is not None:
+        check_tensor(fn, "ln_weight", ln_weight, dtypes=(x.dtype,), ndim=1, contiguous_last=True)
+        if ln_weight.shape[0] != x.shape[1]:
+            raise ConfigError(f"{fn}: ln_weight must have shape [{x.shape[1]}], got "
+                              f"{tuple(ln_weight.shape)}")
+    if isinstance(ln_eps, bool) or not isinstance(ln_eps, (int, float)) or not ln_eps >= 0:
+        raise ConfigError(f"{fn}: ln_eps must be a non-negative host number, got {ln_eps!r}")
+    if any(t is not None and t.device != x.device for t in (weight, bias, ln_weight)):
+        raise ConfigError(f"{fn}: x, weight, bias and ln_weight must be on one device")
     check_targets(fn, "x", x, heads, kv_heads, dim, q_norm_weight, k_norm_weight, cos, sin,
                   slot_mapping, key_cache, value_cache, q_out)
     return heads, kv_heads, dim
@@ -251,17 +271,22 @@ def qkv_rope_cache(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     config: QKVRopeConfig | None = None,
+    ln_weight: torch.Tensor | None = None,
+    ln_eps: float = 0.0,
 ) -> torch.Tensor:
     """The QKV projection of ``x [T, K]`` by ``weight [(H + 2 Hkv) D, K]`` (+ ``bias``), the
     q/k norms, RoPE and the paged K/V write, in one launch; returns ``q_out [T, H, D]``. The
     other arguments are :func:`pagedkv.kernels.qk_norm_rope_cache.qk_norm_rope_cache`'s; x,
-    weight and bias share one dtype, the caches have it or are FP8. The Triton kernel runs on
-    CUDA tensors (and under the interpreter); elsewhere the torch twin."""
+    weight and bias share one dtype, the caches have it or are FP8. With ``ln_weight``, ``x``
+    is the layer's un-normed input and the kernel applies its input RMSNorm (``ln_weight``,
+    ``ln_eps``) on the fly (``paired_splitk.normed_product``). The Triton kernel runs on CUDA
+    tensors (and under the interpreter); elsewhere the torch twin."""
     fn = "qkv_rope_cache"
     if check:
         heads, kv_heads, dim = _check(fn, x, weight, bias, num_heads, num_kv_heads, head_dim,
                                       q_norm_weight, k_norm_weight, eps, cos, sin, slot_mapping,
-                                      key_cache, value_cache, q_out, k_scale, v_scale)
+                                      key_cache, value_cache, q_out, k_scale, v_scale,
+                                      ln_weight, ln_eps)
     else:
         heads, kv_heads, dim = num_heads, num_kv_heads, head_dim
     rows = x.shape[0]
@@ -271,7 +296,8 @@ def qkv_rope_cache(
         return q_out
     if not use_triton(_qkv_rope_cache_kernel, x):
         _reference(x, weight, bias, heads, kv_heads, dim, q_norm_weight, k_norm_weight, eps,
-                   cos, sin, slot_mapping, key_cache, value_cache, q_out, k_scale, v_scale)
+                   cos, sin, slot_mapping, key_cache, value_cache, q_out, k_scale, v_scale,
+                   ln_weight, ln_eps)
         return q_out
     if not fused_applies(dim):
         raise ConfigError(f"{fn}: head_dim {dim} is not served (half of it must be a power of "
@@ -283,25 +309,28 @@ def qkv_rope_cache(
     chunk, splits = chunk_and_splits(K, splits, cfg.block_k)
     nh = heads + 2 * kv_heads
     m_tiles = cdiv(rows, block_m)
+    ln = ln_weight is not None
     if splits > 1:
         part = torch.empty((splits, rows, nh * dim), dtype=torch.float32, device=x.device)
+        ss = torch.empty((splits, rows), dtype=torch.float32, device=x.device) if ln else part
         cnt = counters(x.device, m_tiles * nh)
     else:
-        part = cnt = x
+        part = ss = cnt = x
     n_blocks, block_size = key_cache.shape[:2]
     has_norm = q_norm_weight is not None
     qw, kw = (q_norm_weight, k_norm_weight) if has_norm else (x, x)
     _qkv_rope_cache_kernel[(m_tiles, nh, splits)](
         x, x.stride(0), weight, weight.stride(0), x if bias is None else bias,
+        x if ln_weight is None else ln_weight, float(ln_eps),
         q_out, q_out.stride(0), q_out.stride(1),
         cos, *cos.stride(), sin, *sin.stride(),
         qw, kw,
         slot_mapping, slot_mapping.shape[0], n_blocks * block_size, block_size,
         key_cache, *key_cache.stride()[:3], value_cache, *value_cache.stride()[:3],
-        part, cnt,
+        part, ss, cnt,
         rows, float(eps),
         K=K, K_CHUNK=chunk, NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=dim,
-        HAS_NORM=has_norm, HAS_BIAS=bias is not None,
+        HAS_NORM=has_norm, HAS_BIAS=bias is not None, LN=ln,
         BLOCK_M=block_m, BLOCK_K=cfg.block_k, SPLITS=splits,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
         k_scale=float(k_scale), v_scale=float(v_scale), FP8=is_fp8_kv(key_cache.dtype),
@@ -328,24 +357,32 @@ def qkv_rope_cache_ref(
     q_out: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    ln_weight: torch.Tensor | None = None,
+    ln_eps: float = 0.0,
 ) -> torch.Tensor:
-    """Plain torch twin of :func:`qkv_rope_cache`: the float32 product, then the torch twin of
+    """Plain torch twin of :func:`qkv_rope_cache`: the float32 product (with ``ln_weight``:
+    ``paired_splitk.normed_product``), the bias, then the torch twin of
     ``qk_norm_rope_cache`` on it unrounded (one rounding or FP8 quantization at the stores)."""
     fn = "qkv_rope_cache_ref"
     heads, kv_heads, dim = _check(fn, x, weight, bias, num_heads, num_kv_heads, head_dim,
                                   q_norm_weight, k_norm_weight, eps, cos, sin, slot_mapping,
-                                  key_cache, value_cache, q_out, k_scale, v_scale)
+                                  key_cache, value_cache, q_out, k_scale, v_scale, ln_weight,
+                                  ln_eps)
     if q_out is None:
         q_out = torch.empty((x.shape[0], heads, dim), dtype=x.dtype, device=x.device)
     if x.shape[0]:
         _reference(x, weight, bias, heads, kv_heads, dim, q_norm_weight, k_norm_weight, eps,
-                   cos, sin, slot_mapping, key_cache, value_cache, q_out, k_scale, v_scale)
+                   cos, sin, slot_mapping, key_cache, value_cache, q_out, k_scale, v_scale,
+                   ln_weight, ln_eps)
     return q_out
 
 
 def _reference(x, weight, bias, heads, kv_heads, dim, q_norm_weight, k_norm_weight, eps, cos,
-               sin, slot_mapping, key_cache, value_cache, q_out, k_scale, v_scale) -> None:
-    qkv = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+               sin, slot_mapping, key_cache, value_cache, q_out, k_scale, v_scale,
+               ln_weight=None, ln_eps=0.0) -> None:
+    qkv = normed_product(x, weight, ln_weight, ln_eps)
+    if bias is not None:
+        qkv = qkv + bias.float()
     _qk_norm_rope_cache_torch(qkv, heads, kv_heads, dim, q_norm_weight, k_norm_weight, eps, cos,
                               sin, slot_mapping, key_cache, value_cache, q_out, k_scale, v_scale)
 

@@ -36,7 +36,7 @@ from torch.library import triton_op, wrap_triton
 from triton.runtime.interpreter import InterpretedFunction
 
 from pagedkv.errors import ConfigError
-from pagedkv.kernels._common import cdiv, check_launch_config, use_triton
+from pagedkv.kernels._common import arrive, cdiv, check_launch_config, use_triton
 
 GEMM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -61,25 +61,14 @@ class SplitKConfig:
 INTERPRET_CONFIG = SplitKConfig(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _splitk_gemm_kernel(
-    x_ptr, x_s0, w_ptr, w_s0, out_ptr, o_split, o_s0,
-    M, N, K, k_per_split,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PREC: tl.constexpr, RANGE_LOOP: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    s = tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+@triton.jit
+def _splitk_acc(x_rows, w_rows, m_ok, n_ok, k0, k1, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+                RANGE_LOOP: tl.constexpr):
+    """The float32 ``[BLOCK_M, BLOCK_N]`` product of the row tile (``x_rows``: ``[BLOCK_M, 1]``
+    row pointers) and the weight tile (``w_rows``: ``[BLOCK_N, 1]``) over inner indices
+    ``[k0, k1)``."""
     rk = tl.arange(0, BLOCK_K)
-    m_ok = rm < M
-    n_ok = rn < N
-    k0 = s * k_per_split
-    k1 = tl.minimum(k0 + k_per_split, K)
-    x_rows = x_ptr + rm.to(tl.int64)[:, None] * x_s0
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * w_s0
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if RANGE_LOOP:  # compiled: a for-range loop, software-pipelined by Triton
         for k in range(k0, k1, BLOCK_K):
@@ -97,8 +86,72 @@ def _splitk_gemm_kernel(
             b = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
             k += BLOCK_K
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _splitk_gemm_kernel(
+    x_ptr, x_s0, w_ptr, w_s0, out_ptr, o_split, o_s0,
+    M, N, K, k_per_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PREC: tl.constexpr, RANGE_LOOP: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    s = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    n_ok = rn < N
+    k0 = s * k_per_split
+    acc = _splitk_acc(x_ptr + rm.to(tl.int64)[:, None] * x_s0,
+                      w_ptr + rn.to(tl.int64)[:, None] * w_s0, m_ok, n_ok, k0,
+                      tl.minimum(k0 + k_per_split, K), BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC,
+                      RANGE_LOOP)
     out = out_ptr + s.to(tl.int64) * o_split + rm.to(tl.int64)[:, None] * o_s0 + rn[None, :]
     tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _splitk_residual_kernel(
+    x_ptr, x_s0, w_ptr, w_s0, b_ptr, h_ptr, h_s0, out_ptr, o_s0, part_ptr, cnt_ptr,
+    M, N, K, k_per_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
+    RANGE_LOOP: tl.constexpr,
+):
+    """``out = hidden + x @ w^T (+ b)``: the split-K product summed by the last split to
+    arrive (in split order, ``pagedkv.kernels._common.arrive``), the bias and the residual
+    added in float32, one rounding (:func:`splitk_residual`)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    s = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    n_ok = rn < N
+    mask = m_ok[:, None] & n_ok[None, :]
+    rm64 = rm.to(tl.int64)
+    k0 = s * k_per_split
+    acc = _splitk_acc(x_ptr + rm64[:, None] * x_s0, w_ptr + rn.to(tl.int64)[:, None] * w_s0,
+                      m_ok, n_ok, k0, tl.minimum(k0 + k_per_split, K), BLOCK_M, BLOCK_N,
+                      BLOCK_K, DOT_PREC, RANGE_LOOP)
+    last = True
+    if SPLITS > 1:
+        part = part_ptr + rm64[:, None] * N + rn[None, :]
+        tl.store(part + s.to(tl.int64) * M * N, acc, mask=mask)
+        last = arrive(cnt_ptr + pid_m * tl.cdiv(N, BLOCK_N) + pid_n, SPLITS)
+        acc = tl.zeros_like(acc)
+        if last:
+            for j in tl.static_range(SPLITS):
+                acc += tl.load(part + j * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+    if last:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        h = tl.load(h_ptr + rm64[:, None] * h_s0 + rn[None, :], mask=mask, other=0.0)
+        res = h.to(tl.float32) + acc
+        tl.store(out_ptr + rm64[:, None] * o_s0 + rn[None, :],
+                 res.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _check(fn: str, x: torch.Tensor, w: torch.Tensor, splits: int) -> tuple[int, int, int]:
@@ -202,6 +255,80 @@ def splitk_linear_op(x: torch.Tensor, w: torch.Tensor, splits: int) -> torch.Ten
     return out
 
 
+def _check_residual(fn: str, x, w, bias, hidden, splits) -> tuple[int, int, int]:
+    M, N, K = _check(fn, x, w, splits)
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (N,)
+                             or bias.dtype != x.dtype or bias.device != x.device):
+        raise ConfigError(f"{fn}: bias must be [{N}] {x.dtype} on {x.device}")
+    if (not isinstance(hidden, torch.Tensor) or hidden.shape != (M, N)
+            or hidden.dtype not in GEMM_DTYPES or hidden.device != x.device
+            or (N > 1 and hidden.stride(1) != 1)):
+        raise ConfigError(f"{fn}: hidden must be a float tensor [{M}, {N}] on {x.device}, "
+                          "contiguous in its last dimension")
+    return M, N, K
+
+
+def splitk_residual_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                        hidden: torch.Tensor, splits: int,
+                        config: SplitKConfig | None = None) -> torch.Tensor:
+    """Plain torch twin of :func:`splitk_residual`: the float32 partial products summed in
+    split order, the bias, ``hidden`` added in float32, one rounding to ``hidden``'s dtype."""
+    _check_residual("splitk_residual_ref", x, w, bias, hidden, splits)
+    parts = splitk_linear_ref(x, w, splits, config)
+    return (hidden.float() + _sum_partials(parts, splits, bias)).to(hidden.dtype)
+
+
+def splitk_residual(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                    hidden: torch.Tensor, splits: int,
+                    config: SplitKConfig | None = None) -> torch.Tensor:
+    """``hidden + x @ w^T (+ bias)`` in one launch: a projection into the residual stream
+    with its residual add in the epilogue. ``splits`` inner-dimension chunks, each a program's
+    float32 product; the last split to arrive at an output tile sums them in split order
+    (``pagedkv.kernels.paired_splitk.counters``: the arrival counters), adds the bias and the
+    residual in float32 and rounds once to ``hidden``'s dtype (what ``linear_partials`` +
+    ``decoder.residual_add`` compute in two kernels). The Triton kernel on CUDA tensors (and
+    under the interpreter); otherwise the torch twin."""
+    M, N, K = _check_residual("splitk_residual", x, w, bias, hidden, splits)
+    cfg = config or default_splitk_config(x.device)
+    if not use_triton(_splitk_residual_kernel, x) or K == 0:
+        return splitk_residual_ref(x, w, bias, hidden, splits, cfg)
+    out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
+    if M == 0 or N == 0:
+        return out
+    from pagedkv.kernels.paired_splitk import counters
+
+    chunk = split_chunk(K, splits, cfg.block_k)
+    m_tiles, n_tiles = cdiv(M, cfg.block_m), cdiv(N, cfg.block_n)
+    if splits > 1:
+        part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+        cnt = counters(x.device, m_tiles * n_tiles)
+    else:
+        part = cnt = out
+    _splitk_residual_kernel[(m_tiles, n_tiles, splits)](
+        x, x.stride(0), w, w.stride(0), x if bias is None else bias, hidden, hidden.stride(0),
+        out, out.stride(0), part, cnt, M, N, K, chunk,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLITS=splits,
+        HAS_BIAS=bias is not None, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        RANGE_LOOP=not isinstance(_splitk_residual_kernel, InterpretedFunction),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+@torch.library.custom_op("pagedkv::splitk_residual", mutates_args=())
+def splitk_residual_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                       hidden: torch.Tensor, splits: int) -> torch.Tensor:
+    """:func:`splitk_residual` with the weight shape's launch config (``splitk_config_for``)
+    as a custom op: one opaque call inside compiled regions."""
+    return splitk_residual(x, w, bias, hidden, splits,
+                           splitk_config_for(w.shape[0], w.shape[1])
+                           if x.device.type == "cuda" else None)
+
+
+@splitk_residual_op.register_fake
+def _splitk_residual_fake(x, w, bias, hidden, splits):
+    return torch.empty_like(hidden, memory_format=torch.contiguous_format)
+
+
 # Launch parameters and split counts per weight shape (N, K) on the GPU, measured
 # (bench/bench_splitk_gemm_gpu.py); other shapes get the default config and ``splitk_splits``'
 # rule.
@@ -303,5 +430,6 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None 
 
 __all__ = ["INTERPRET_CONFIG", "SPLITK_CONFIGS", "SPLITK_SPLITS", "SplitKConfig",
            "default_splitk_config", "gate_up_partials", "linear_partials", "split_chunk",
+           "splitk_residual", "splitk_residual_op", "splitk_residual_ref",
            "splitk_config_for", "splitk_linear", "splitk_linear_op", "splitk_linear_ref",
            "splitk_splits"]

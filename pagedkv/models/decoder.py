@@ -47,6 +47,12 @@ from pagedkv.models.rotary import RotaryEmbedding, apply_rotary, tokens_seq_lens
 # opt-in (environment ``PAGEDKV_FUSED_QKV=1``) until measured end to end on the H200.
 FUSED_QKV_ENABLED = os.environ.get("PAGEDKV_FUSED_QKV", "0") == "1"
 FUSED_QKV_MAX_ROWS = 256
+# The fused decode chain (``DecoderLayer.decode_chain``: the input and post-attention norms
+# inside the QKV and gate/up kernels, the residual adds inside the o / down split-K epilogues,
+# no inductor kernel between two attention calls) for decode-sized batches: opt-in
+# (``PAGEDKV_FUSED_DECODE=1``) until measured end to end on the H200.
+FUSED_DECODE_ENABLED = os.environ.get("PAGEDKV_FUSED_DECODE", "0") == "1"
+FUSED_DECODE_MAX_ROWS = 256
 
 
 class Attention(nn.Module):
@@ -292,23 +298,47 @@ class DecoderLayer(nn.Module):
             check=attn.layer_idx == 0)  # every layer has layer 0's shapes
         return backend.forward(attn.layer_idx, q, None, None, kv_cache, plan, attn.scale)
 
-    def attend_projected(self, x, cos, sin, kv_cache, plan, backend) -> torch.Tensor:
-        """The fused-projection path's attention: the QKV GEMM of the normed ``x`` with its
-        q/k norms + RoPE + KV write in one kernel (``qkv_rope_cache``), then the backend with
-        ``k = v = None``."""
+    def attend_projected(self, x, cos, sin, kv_cache, plan, backend,
+                         normed: bool = True) -> torch.Tensor:
+        """The fused-projection path's attention: the QKV GEMM of ``x`` with its q/k norms +
+        RoPE + KV write in one kernel (``qkv_rope_cache``), then the backend with ``k = v =
+        None``. ``x`` is the input norm's output, or (``normed=False``) the layer's input, the
+        kernel then applying the input RMSNorm on the fly."""
         from pagedkv.kernels.qkv_rope_cache import qkv_rope_cache
 
         attn = self.self_attn
         qn = attn.q_norm
         proj = attn.qkv_proj
+        ln = self.input_layernorm
         metadata = plan.metadata
         slots = metadata.slot_mapping[: int(metadata.num_actual_tokens)]
         q = qkv_rope_cache(
             x, proj.weight, proj.bias, attn.num_heads, attn.num_kv_heads, attn.head_dim,
             None if qn is None else qn.weight, None if qn is None else attn.k_norm.weight,
             0.0 if qn is None else qn.eps, cos, sin, slots, kv_cache[0], kv_cache[1],
-            check=attn.layer_idx == 0)  # every layer has layer 0's shapes
+            check=attn.layer_idx == 0,  # every layer has layer 0's shapes
+            ln_weight=None if normed else ln.weight, ln_eps=0.0 if normed else ln.eps)
         return backend.forward(attn.layer_idx, q, None, None, kv_cache, plan, attn.scale)
+
+    def decode_chain(self, hidden, cos, sin, kv_cache, plan, backend) -> torch.Tensor:
+        """The whole layer in four kernels besides attention (``fuse_decode_chain``): the QKV
+        projection with the input norm, q/k norms, RoPE and the KV write
+        (:meth:`attend_projected`); o_proj with the residual add in its epilogue
+        (``splitk_residual``); gate/up with the post-attention norm and SiLU
+        (``gate_up_silu``); down_proj with the residual add. Returns the layer's output
+        (residual included)."""
+        from pagedkv.kernels.gate_up_silu import gate_up_silu_op
+        from pagedkv.kernels.splitk_gemm import splitk_residual_op, splitk_splits
+
+        attn, mlp = self.self_attn, self.mlp
+        out = self.attend_projected(hidden, cos, sin, kv_cache, plan, backend, normed=False)
+        o, gu, down = attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+        hidden = splitk_residual_op(out.reshape(hidden.shape[0], -1), o.weight, o.bias, hidden,
+                                    splitk_splits(*o.weight.shape))
+        ln = self.post_attention_layernorm
+        act = gate_up_silu_op(hidden, gu.weight, gu.bias, ln.weight, ln.eps)
+        return splitk_residual_op(act, down.weight, down.bias, hidden,
+                                  splitk_splits(*down.weight.shape))
 
     def hf_entries(self, prefix: str, layout: str | None = None) -> dict:
         """This layer's Hugging Face tensors (``prefix`` = ``model.layers.{i}.``) for the
@@ -357,6 +387,8 @@ class DecoderForCausalLM(nn.Module):
     tp = None
     # decode-sized batches: the QKV GEMM in the fused-KV-write kernel too (fused_qkv_usable)
     fuse_qkv_projection = FUSED_QKV_ENABLED
+    # decode-sized batches: every layer as four fused kernels + attention (decode_chain_usable)
+    fuse_decode_chain = FUSED_DECODE_ENABLED
 
     def __init__(
         self,
@@ -454,6 +486,11 @@ class DecoderForCausalLM(nn.Module):
         backend = self.attn_backend
         pre, post, pre_qkv, mid = self._regions
         layers = self.layers
+        if kv_caches and self.decode_chain_usable(input_ids.shape[0], kv_caches[0]):
+            # the fused decode chain: no compiled region, four kernels a layer + attention
+            for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches)):
+                hidden = layer.decode_chain(hidden, cos, sin, kv_cache, plans[i], backend)
+            return self.norm(hidden)
         if kv_caches and self.fused_qkv_usable(input_ids.shape[0], kv_caches[0]):
             # fused projection: the regions end at the input norm, one kernel does the rest
             pre_norm, mid_norm = self._norm_regions
@@ -550,6 +587,21 @@ class DecoderForCausalLM(nn.Module):
         serves, and the model is not a tensor-parallel shard."""
         if not (self.fuse_qkv_projection and self.tp is None
                 and num_tokens <= FUSED_QKV_MAX_ROWS and self.fused_kv_write_usable(kv_cache)):
+            return False
+        from pagedkv.kernels.qkv_rope_cache import fused_applies
+
+        return fused_applies(self.layers[0].self_attn.head_dim)
+
+    def decode_chain_usable(self, num_tokens: int, kv_cache: torch.Tensor) -> bool:
+        """Whether a forward of ``num_tokens`` rows runs every layer as
+        :meth:`DecoderLayer.decode_chain` (``fuse_decode_chain``, default
+        ``FUSED_DECODE_ENABLED``, off: not yet measured end to end): the fused projection's
+        conditions (:meth:`fused_qkv_usable` without its own switch), at most
+        ``FUSED_DECODE_MAX_ROWS`` rows, dense gated-MLP layers."""
+        if not (self.fuse_decode_chain and self.tp is None
+                and num_tokens <= FUSED_DECODE_MAX_ROWS and self.fused_kv_write_usable(kv_cache)
+                and all(type(layer) is DecoderLayer and isinstance(layer.mlp, GatedMLP)
+                        for layer in self.layers)):
             return False
         from pagedkv.kernels.qkv_rope_cache import fused_applies
 

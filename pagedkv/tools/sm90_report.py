@@ -31,8 +31,9 @@ itself in a fresh process when it is set::
     python -m pagedkv.tools.sm90_report argmax
     python -m pagedkv.tools.sm90_report lm-head-argmax 128,128,64,8,3
     python -m pagedkv.tools.sm90_report splitk
-    python -m pagedkv.tools.sm90_report qkv-rope 64,64,4,4,2 [--fp8]
-    python -m pagedkv.tools.sm90_report gate-up 64,32,64,4,4,1
+    python -m pagedkv.tools.sm90_report qkv-rope 64,64,4,4,2 [--fp8] [--ln]
+    python -m pagedkv.tools.sm90_report gate-up 64,32,64,4,4,1 [--ln]
+    python -m pagedkv.tools.sm90_report splitk-residual 64,64,64,4,5,4
 
 The numbers are the compiler's, not the device's: what runs faster is measured on the GPU.
 """
@@ -258,40 +259,61 @@ def splitk_report(config, sass: bool = False) -> dict:
                   config.num_warps, config.num_stages, sass)
 
 
-def qkv_rope_report(config, splits: int = 2, fp8: bool = False, sass: bool = False) -> dict:
+def qkv_rope_report(config, splits: int = 2, fp8: bool = False, sass: bool = False,
+                    ln: bool = False) -> dict:
     """The fused QKV projection (``pagedkv.kernels.qkv_rope_cache``) at the Qwen3-0.6B shape
     (hidden 1024, q/k norms, no bias) on bf16 inputs under ``config`` (a ``QKVRopeConfig``;
-    its ``block_m`` as launched) with ``splits`` inner-dimension splits; ``fp8``: FP8 caches."""
+    its ``block_m`` as launched) with ``splits`` inner-dimension splits; ``fp8``: FP8 caches;
+    ``ln``: the input RMSNorm applied on the fly (the fused decode chain)."""
     from pagedkv.kernels.qkv_rope_cache import _qkv_rope_cache_kernel
     from pagedkv.kernels._common import cdiv
 
     chunk = cdiv(cdiv(1024, splits), config.block_k) * config.block_k
     const = dict(K=1024, K_CHUNK=chunk, NUM_HEADS=HEADS, NUM_KV_HEADS=KV_HEADS,
-                 HEAD_DIM=HEAD_DIM, HAS_NORM=True, HAS_BIAS=False, BLOCK_M=config.block_m,
+                 HEAD_DIM=HEAD_DIM, HAS_NORM=True, HAS_BIAS=False, LN=ln, BLOCK_M=config.block_m,
                  BLOCK_K=config.block_k, SPLITS=splits, DOT_PREC="tf32", FP8=fp8)
     cache = "*fp8e4nv" if fp8 else "*bf16"
     ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", q_ptr="*bf16", cos_ptr="*bf16",
                 sin_ptr="*bf16", qw_ptr="*bf16", kw_ptr="*bf16", slot_ptr="*i64",
-                kc_ptr=cache, vc_ptr=cache, part_ptr="*fp32", cnt_ptr="*i32")
-    return report(_qkv_rope_cache_kernel, const, ptrs, {"eps", "k_scale", "v_scale"},
+                kc_ptr=cache, vc_ptr=cache, part_ptr="*fp32", ss_ptr="*fp32", cnt_ptr="*i32",
+                ln_ptr="*bf16")
+    return report(_qkv_rope_cache_kernel, const, ptrs, {"eps", "k_scale", "v_scale", "ln_eps"},
                   set(ptrs) | {"x_s0", "w_s0", "q_s0", "q_s1", "kc_s0", "kc_s1", "kc_s2",
                                "vc_s0", "vc_s1", "vc_s2"},
                   config.num_warps, config.num_stages, sass)
 
 
-def gate_up_report(config, splits: int = 1, sass: bool = False) -> dict:
+def gate_up_report(config, splits: int = 1, sass: bool = False, ln: bool = False) -> dict:
     """The gate/up projection with SiLU in its epilogue (``pagedkv.kernels.gate_up_silu``) at
     the Qwen3-0.6B shape (I 3072, K 1024, no bias) on bf16 inputs under ``config`` (a
-    ``GateUpConfig``; its ``block_m`` as launched) with ``splits`` inner-dimension splits."""
+    ``GateUpConfig``; its ``block_m`` as launched) with ``splits`` inner-dimension splits;
+    ``ln``: the post-attention RMSNorm applied on the fly."""
     from pagedkv.kernels.gate_up_silu import _gate_up_silu_kernel
     from pagedkv.kernels.paired_splitk import chunk_and_splits
 
     chunk, splits = chunk_and_splits(1024, splits, config.block_k)
     const = dict(I=3072, K=1024, K_CHUNK=chunk, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                 BLOCK_K=config.block_k, SPLITS=splits, HAS_BIAS=False, DOT_PREC="tf32")
+                 BLOCK_K=config.block_k, SPLITS=splits, HAS_BIAS=False, NORM=ln,
+                 DOT_PREC="tf32")
     ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32",
-                cnt_ptr="*i32")
-    return report(_gate_up_silu_kernel, const, ptrs, set(), set(ptrs) | {"x_s0", "w_s0", "o_s0"},
+                cnt_ptr="*i32", ln_ptr="*bf16", ss_ptr="*fp32")
+    return report(_gate_up_silu_kernel, const, ptrs, {"eps"},
+                  set(ptrs) | {"x_s0", "w_s0", "o_s0"},
+                  config.num_warps, config.num_stages, sass)
+
+
+def splitk_residual_report(config, splits: int = 4, sass: bool = False) -> dict:
+    """The split-K projection with its residual add in the epilogue
+    (``splitk_gemm._splitk_residual_kernel``) on bf16 operands under ``config`` (a
+    ``SplitKConfig``) with ``splits`` splits."""
+    from pagedkv.kernels.splitk_gemm import _splitk_residual_kernel
+
+    const = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                 SPLITS=splits, HAS_BIAS=False, DOT_PREC="tf32", RANGE_LOOP=True)
+    ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", h_ptr="*bf16", out_ptr="*bf16",
+                part_ptr="*fp32", cnt_ptr="*i32")
+    return report(_splitk_residual_kernel, const, ptrs, set(),
+                  set(ptrs) | {"x_s0", "w_s0", "h_s0", "o_s0", "N", "K", "k_per_split"},
                   config.num_warps, config.num_stages, sass)
 
 
@@ -306,12 +328,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("kernel", choices=["prefill", "decode", "decode-flat", "argmax",
                                           "lm-head-argmax", "splitk", "qkv-rope",
-                                          "gate-up"])
+                                          "gate-up", "splitk-residual"])
     p.add_argument("config", nargs="?", default=None,
                    help="prefill: BM,BN,WARPS,STAGES,PACK; decode: TILE,WARPS,STAGES; "
                         "lm-head-argmax, splitk: BM,BN,BK,WARPS,STAGES; "
                         "qkv-rope: BM,BK,WARPS,STAGES,SPLITS; "
-                        "gate-up: BM,BN,BK,WARPS,STAGES,SPLITS "
+                        "gate-up, splitk-residual: BM,BN,BK,WARPS,STAGES,SPLITS "
                         "(default: the CUDA defaults)")
     p.add_argument("--prefix", action="store_true",
                    help="prefill: the cascade prefix's non-causal launch")
@@ -323,6 +345,8 @@ def main(argv=None) -> int:
     p.add_argument("--maxnreg", type=int, default=None,
                    help="decode-flat: the register cap (0: none; default DecodeConfig's)")
     p.add_argument("--fp8", action="store_true", help="qkv-rope: FP8 caches")
+    p.add_argument("--ln", action="store_true",
+                   help="qkv-rope, gate-up: the input RMSNorm applied on the fly")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):  # the kernels must compile: a fresh process
@@ -354,7 +378,7 @@ def main(argv=None) -> int:
         if args.config:
             bm, bk, w, st, splits = _ints(args.config, 5, "qkv-rope config")
             cfg = QKVRopeConfig(block_m=bm, block_k=bk, num_warps=w, num_stages=st)
-        rep = qkv_rope_report(cfg, splits=splits, fp8=args.fp8, sass=args.sass)
+        rep = qkv_rope_report(cfg, splits=splits, fp8=args.fp8, sass=args.sass, ln=args.ln)
     elif args.kernel == "gate-up":
         from pagedkv.kernels.gate_up_silu import GateUpConfig
 
@@ -362,7 +386,15 @@ def main(argv=None) -> int:
         if args.config:
             bm, bn, bk, w, st, splits = _ints(args.config, 6, "gate-up config")
             cfg = GateUpConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st)
-        rep = gate_up_report(cfg, splits=splits, sass=args.sass)
+        rep = gate_up_report(cfg, splits=splits, sass=args.sass, ln=args.ln)
+    elif args.kernel == "splitk-residual":
+        from pagedkv.kernels.splitk_gemm import SplitKConfig
+
+        cfg, splits = SplitKConfig(), 4
+        if args.config:
+            *vals, splits = _ints(args.config, 6, "splitk-residual config")
+            cfg = SplitKConfig(*vals)
+        rep = splitk_residual_report(cfg, splits=splits, sass=args.sass)
     elif args.kernel == "prefill":
         from pagedkv.attention.triton_prefill import PrefillConfig
 

@@ -199,6 +199,31 @@ def test_fused_qkv_projection_engine_matches_transformers(tiny_dir, monkeypatch,
     _assert_greedy_matches_hf(llm, hf)
 
 
+@pytest.mark.parametrize("family,spec", [("qwen3", {"head_dim": 32}),
+                                         ("llama", {"head_dim": 32, "mlp_bias": True,
+                                                    "attention_bias": True})])
+def test_fused_decode_chain_engine_matches_transformers(tiny_dir, monkeypatch, family, spec):
+    """The fused decode chain (``DecoderForCausalLM.fuse_decode_chain``: per layer the QKV
+    kernel with the input norm, o_proj with the residual in its epilogue, gate/up with the
+    post-attention norm and SiLU, down_proj with the residual) for every step of at most
+    FUSED_DECODE_MAX_ROWS rows, through the engine with CUDA graphs and chunked prefill:
+    greedy tokens equal transformers' (Llama with q/k/v/o and MLP biases)."""
+    from pagedkv.kernels import splitk_gemm as sk
+    from pagedkv.models.decoder import DecoderForCausalLM
+
+    rows = []
+    kernel = sk.splitk_residual
+    monkeypatch.setattr(DecoderForCausalLM, "fuse_decode_chain", True)
+    monkeypatch.setattr(sk, "splitk_residual",
+                        lambda x, *a, **k: rows.append(x.shape[0]) or kernel(x, *a, **k))
+    path = tiny_dir(family, **spec)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    llm = _gpu_llm(path, max_num_batched_tokens=32)
+    assert llm.runner.cuda_graphs is not None
+    assert rows and max(rows) <= 256  # the captured graphs hold the chain
+    _assert_greedy_matches_hf(llm, hf)
+
+
 def test_fused_lm_head_argmax_engine_matches_transformers(tiny_dir, monkeypatch):
     """The fused LM head + greedy argmax (``pagedkv.kernels.lm_head_argmax``) through the
     engine: decode graphs and chunked prefill steps sample with it; tokens equal transformers'."""

@@ -149,6 +149,8 @@ def test_triton_backend_through_the_engine(tiny_dir, hf_ref, family, async_sched
     ("qwen2", False, "qkv", {"head_dim": 32}),
     ("llama", True, "gate_up", {"mlp_bias": True}),
     ("qwen3", False, "both", {"head_dim": 32}),
+    ("qwen3", True, "chain", {"head_dim": 32}),
+    ("llama", False, "chain", {"head_dim": 32, "mlp_bias": True, "attention_bias": True}),
 ])
 def test_fused_projections_through_the_engine(tiny_dir, hf_ref, monkeypatch, family,
                                               async_scheduling, fused, spec):
@@ -156,31 +158,39 @@ def test_fused_projections_through_the_engine(tiny_dir, hf_ref, monkeypatch, fam
     row limit takes them (chunked prefill, mixed batches, decode). ``qkv``: GEMM + q/k norms +
     RoPE + KV write in one kernel (Qwen3 with q/k norms, Qwen2 with q/k/v bias); ``gate_up``:
     the MLP's gate/up GEMM with SiLU in its epilogue (Llama with MLP bias); greedy tokens
-    equal transformers'."""
+    equal transformers'. ``chain``: every layer as the fused decode chain (the norms inside
+    the QKV and gate/up kernels, the residual adds in the o / down split-K epilogues; Llama
+    with q/k/v/o and MLP biases)."""
     from pagedkv.kernels import gate_up_silu as gu
     from pagedkv.kernels import qkv_rope_cache as qr
+    from pagedkv.kernels import splitk_gemm as sk
 
-    calls = {"qkv": [], "gate_up": []}
-    real_qkv, real_gu = qr.qkv_rope_cache, gu.fused_gate_up_silu
-    monkeypatch.setattr(qr, "qkv_rope_cache",
-                        lambda x, *a, **k: calls["qkv"].append(x.shape[0]) or real_qkv(x, *a, **k))
-    monkeypatch.setattr(gu, "fused_gate_up_silu",
-                        lambda x, *a, **k: calls["gate_up"].append(x.shape[0])
-                        or real_gu(x, *a, **k))
+    calls = {"qkv": [], "gate_up": [], "residual": []}
+    for mod, name, key in ((qr, "qkv_rope_cache", "qkv"), (gu, "fused_gate_up_silu", "gate_up"),
+                           (sk, "splitk_residual", "residual")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda x, *a, _r=real, _k=key, **k:
+                            calls[_k].append(x.shape[0]) or _r(x, *a, **k))
     monkeypatch.setattr(gu, "FUSED_GATE_UP_ENABLED", fused in ("gate_up", "both"))
     path = tiny_dir(family, **spec)
     llm = make_llm(path, attention_backend="triton", max_num_batched_tokens=16, max_num_seqs=4,
                    async_scheduling=async_scheduling)
     model = llm.engine.model
     model.fuse_qkv_projection = fused in ("qkv", "both")
-    assert model.fused_qkv_usable(4, llm.engine.runner.kv_caches[0]) is model.fuse_qkv_projection
+    model.fuse_decode_chain = fused == "chain"
+    caches = llm.engine.runner.kv_caches
+    assert model.fused_qkv_usable(4, caches[0]) is model.fuse_qkv_projection
+    assert model.decode_chain_usable(4, caches[0]) is model.fuse_decode_chain
     outs = llm.generate(TEXTS, greedy(8), use_tqdm=False)
     check_against_hf(hf_ref(path), outs, 8)
     assert pool_is_idle(llm)
     layers = model.config.num_hidden_layers
-    for name in ("qkv", "gate_up"):
-        rows = calls[name]
-        if name == fused or fused == "both":
-            assert rows and len(rows) % layers == 0 and max(rows) <= 16, (name, rows[:8])
+    used = {"qkv": ("qkv", "both", "chain"), "gate_up": ("gate_up", "both", "chain"),
+            "residual": ("chain",)}
+    for name, rows in calls.items():
+        if fused in used[name]:
+            per_layer = 2 if name == "residual" else 1
+            assert rows and len(rows) % (per_layer * layers) == 0 and max(rows) <= 16, (name,
+                                                                                      rows[:8])
         else:
             assert not rows, name

@@ -135,11 +135,14 @@ def test_config_checks():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ln", [False, True], ids=["normed", "ln"])
 @pytest.mark.parametrize("M", [1, 8, 33, 64, 128, 256])
-def test_gpu_qwen3_shape_bf16(M):
+def test_gpu_qwen3_shape_bf16(M, ln):
     gen = torch.Generator().manual_seed(M)
     x, w, _ = _case(gen, M, 3072, 1024, torch.bfloat16, False)
-    want = gate_up_silu_ref(x, w)
-    got = fused_gate_up_silu(x.cuda(), w.cuda())
+    lw = (torch.rand(1024, generator=gen) + 0.5).to(torch.bfloat16) if ln else None
+    want = gate_up_silu_ref(x, w, None, lw, 1e-6)
+    got = fused_gate_up_silu(x.cuda(), w.cuda(), None, None, None if lw is None else lw.cuda(),
+                             1e-6)
     torch.testing.assert_close(got.cpu().float(), want.float(), **TOL[torch.bfloat16])
     assert int(counters(x.cuda().device, 0).abs().sum()) == 0

@@ -67,18 +67,20 @@ def _assert_written_close(kv, kv_ref, slots, NB, BS, tol):
 
 
 def _run_both(dev, args, H, Hkv, D, NB, BS, dtype, *, cache_dtype=None, scales=(1.0, 1.0),
-              config=None):
+              config=None, ln=None):
     x, w, b, qw, kw, cos, sin, slots = args
     T = x.shape[0]
     cdt = cache_dtype or dtype
     kv_ref, q_ref = poison((2, NB, BS, Hkv, D), cdt), poison((T, H, D), dtype)
     out = qkv_rope_cache_ref(x, w, b, H, Hkv, D, qw, kw, 1e-6, cos, sin, slots, kv_ref[0],
-                             kv_ref[1], q_ref, k_scale=scales[0], v_scale=scales[1])
+                             kv_ref[1], q_ref, k_scale=scales[0], v_scale=scales[1],
+                             ln_weight=ln, ln_eps=1e-6)
     assert out is q_ref
     kv, q = poison((2, NB, BS, Hkv, D), cdt, dev), poison((T, H, D), dtype, dev)
-    d = to(dev, *args)
-    out = qkv_rope_cache(*d[:3], H, Hkv, D, d[3], d[4], 1e-6, *d[5:], kv[0], kv[1], q,
-                         k_scale=scales[0], v_scale=scales[1], config=config)
+    d = to(dev, *args, ln)
+    out = qkv_rope_cache(*d[:3], H, Hkv, D, d[3], d[4], 1e-6, *d[5:8], kv[0], kv[1], q,
+                         k_scale=scales[0], v_scale=scales[1], config=config,
+                         ln_weight=d[8], ln_eps=1e-6)
     assert out is q
     return (q_ref, kv_ref), (q.cpu(), kv.cpu())
 
@@ -243,15 +245,17 @@ def test_config_checks():
 # GPU: the Qwen3-0.6B shape in bf16 at decode batch sizes, default launch parameters
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ln", [False, True], ids=["normed", "ln"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("T", [1, 8, 33, 64, 128, 256])
-def test_gpu_qwen3_shapes(T, fp8):
+def test_gpu_qwen3_shapes(T, fp8, ln):
     H, Hkv, D, K, BS, NB, dtype = 16, 8, 128, 1024, 16, 64, torch.bfloat16
     gen = torch.Generator().manual_seed(T)
     args = _case(gen, T, T, H, Hkv, D, K, NB, BS, dtype, norm=True, bias=False)
+    lw = (torch.rand(K, generator=gen) + 0.5).to(dtype) if ln else None
     (q_ref, kv_ref), (q, kv) = _run_both("cuda", args, H, Hkv, D, NB, BS, dtype,
                                          cache_dtype=F8 if fp8 else None,
-                                         scales=(0.5, 0.25) if fp8 else (1.0, 1.0))
+                                         scales=(0.5, 0.25) if fp8 else (1.0, 1.0), ln=lw)
     torch.testing.assert_close(q.float(), q_ref.float(), **TOL[dtype])
     if fp8:
         for i in (0, 1):
