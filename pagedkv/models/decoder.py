@@ -9,11 +9,15 @@ one KV cache per layer and an attention-metadata object; attention goes through 
 ``AttentionBackend``. ``forward`` returns hidden states ``[T, hidden]``;
 ``compute_logits(hidden, indices)`` projects only the rows that get sampled.
 
-Two layer paths, same results up to rounding: the plain one (``forward_split``: QKV, q/k norms,
+Layer paths, same results up to rounding: the plain one (``forward_split``: QKV, q/k norms,
 RoPE in torch, the backend writes K/V) and, when the backend has ``fused_kv_write`` and the
 Triton kernels can run, the fused one (QKV GEMM, then one kernel for q/k norms + RoPE + the
 paged KV write, the backend only attends; between two attention calls one region
-``post_pre_qkv``). ``compile_regions`` compiles the torch parts of both.
+``post_pre_qkv``). ``compile_regions`` compiles the torch parts of both. Two opt-in variants of
+the fused path for decode-sized batches: the QKV GEMM inside that kernel too
+(``fuse_qkv_projection``: the regions end at the input norm, ``post_pre_norm``), and the fused
+decode chain (``fuse_decode_chain``, ``DecoderLayer.decode_chain``: four kernels a layer
+besides attention, no compiled region).
 """
 
 from __future__ import annotations
@@ -228,10 +232,10 @@ def post_pre_qkv(
     :func:`post_attention` then layer i+1's :func:`pre_attention_qkv`. Returns ``(hidden,
     qkv)`` of layer i+1. One compiled region per layer boundary instead of two: half the
     per-call host cost of compiled regions in eager (prefill) steps."""
-    hidden, delta = post_attention(hidden, attn_out, o_weight, o_bias, ln_weight, eps,
-                                   gate_up_weight, gate_up_bias, down_weight, down_bias, reduce)
-    return pre_attention_qkv(hidden, delta, next_ln_weight, next_eps, next_qkv_weight,
-                             next_qkv_bias)
+    hidden, x = post_pre_norm(hidden, attn_out, o_weight, o_bias, ln_weight, eps,
+                              gate_up_weight, gate_up_bias, down_weight, down_bias,
+                              next_ln_weight, next_eps, reduce)
+    return hidden, F.linear(x, next_qkv_weight, next_qkv_bias)
 
 
 def post_pre_norm(
@@ -247,11 +251,12 @@ def post_pre_norm(
     down_bias: torch.Tensor | None,
     next_ln_weight: torch.Tensor,
     next_eps: float,
+    reduce=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`post_pre_qkv` up to layer i+1's input norm (the fused-projection path: the QKV
     GEMM runs in the kernel that also writes K/V). Returns ``(hidden, x)`` of layer i+1."""
     hidden, delta = post_attention(hidden, attn_out, o_weight, o_bias, ln_weight, eps,
-                                   gate_up_weight, gate_up_bias, down_weight, down_bias)
+                                   gate_up_weight, gate_up_bias, down_weight, down_bias, reduce)
     return pre_attention_norm(hidden, delta, next_ln_weight, next_eps)
 
 

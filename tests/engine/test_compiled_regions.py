@@ -114,11 +114,18 @@ def test_compiled_fused_path_in_the_engine_on_cpu(tiny_dir, hf_ref):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the Triton backend on CPU tensors needs the Triton interpreter")
-def test_compiled_fused_projection_in_the_engine_on_cpu(tiny_dir, hf_ref):
+def test_compiled_fused_projection_in_the_engine_on_cpu(tiny_dir, hf_ref, monkeypatch):
     """Compiled regions on the fused-projection path (``fuse_qkv_projection``; the kernel
-    interpreted): the check compiles and compares the two norm regions too, then layer 0's
-    pre_attention_norm and one post_pre_norm region between two attention calls serve every
-    step; greedy tokens follow transformers."""
+    interpreted) with the fused gate/up custom op inside them: the check compiles and compares
+    the two norm regions too, then layer 0's pre_attention_norm and one post_pre_norm region
+    between two attention calls serve every step; greedy tokens follow transformers."""
+    from pagedkv.kernels import gate_up_silu as gu
+
+    monkeypatch.setattr(gu, "FUSED_GATE_UP_ENABLED", True)
+    gu_rows = []
+    real = gu.fused_gate_up_silu
+    monkeypatch.setattr(gu, "fused_gate_up_silu",
+                        lambda x, *a, **k: gu_rows.append(x.shape[0]) or real(x, *a, **k))
     path = tiny_dir("qwen3", head_dim=32)
     llm = make_llm(path, attention_backend="triton", max_num_batched_tokens=32, max_num_seqs=4)
     model = llm.engine.model
@@ -145,6 +152,7 @@ def test_compiled_fused_projection_in_the_engine_on_cpu(tiny_dir, hf_ref):
     assert sum(x == y for x, y in zip(got, want)) >= 0.9 * len(want)
     steps = calls.count("pre")
     assert steps > 0 and calls.count("mid") == steps * (len(model.layers) - 1)
+    assert gu_rows  # the compiled regions called the fused gate/up op
 
 
 def test_region_check_tolerance_follows_the_model_dtype():
