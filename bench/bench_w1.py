@@ -156,6 +156,10 @@ def configure_splitk(args) -> None:
         from pagedkv.models.decoder import DecoderForCausalLM
 
         DecoderForCausalLM.fuse_qkv_projection = args.fused_qkv
+    if args.pdl is not None:
+        from pagedkv.kernels import pdl
+
+        pdl.PDL_ENABLED = args.pdl
     if args.fused_decode is not None:
         from pagedkv.models.decoder import DecoderForCausalLM
 
@@ -405,6 +409,11 @@ def main(argv=None) -> int:
                    help="decode-sized batches' QKV GEMM fused with the q/k norms, RoPE and the "
                         "KV write (pagedkv.kernels.qkv_rope_cache; "
                         "DecoderForCausalLM.fuse_qkv_projection, off by default)")
+    p.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
+                   help="programmatic dependent launch of this package's kernels "
+                        "(pagedkv.kernels.pdl.PDL_ENABLED, environment PAGEDKV_PDL; off by "
+                        "default); with --fused-decode the chain's kernels also prefetch their "
+                        "weights into the L2 before their wait")
     p.add_argument("--fused-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="decode-sized batches' layers as the fused decode chain (norms inside "
                         "the QKV and gate/up kernels, residual adds in the o / down split-K "

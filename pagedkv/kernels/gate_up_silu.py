@@ -42,6 +42,7 @@ import triton.language as tl
 from pagedkv.errors import ConfigError
 from pagedkv.kernels._common import cdiv, check_launch_config, next_pow2, use_triton
 from pagedkv.kernels.activation import silu_mul
+from pagedkv.kernels.pdl import pdl_chain_args, pdl_prologue, prefetch_weights_l2
 from pagedkv.kernels.paired_splitk import (
     chunk_and_splits,
     counters,
@@ -113,15 +114,21 @@ def _gate_up_silu_kernel(
     I: tl.constexpr, K: tl.constexpr, K_CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, DOT_PREC: tl.constexpr,
+    PDL: tl.constexpr = 0, PF_LINES: tl.constexpr = 1, PF_EPL: tl.constexpr = 64,
 ):
     N_TILES: tl.constexpr = (I + BLOCK_N - 1) // BLOCK_N
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     s = tl.program_id(2)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    r_ok = rows < num_rows
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = cols < I
+    pf_rows = w_ptr + tl.where(n_ok, cols, 0).to(tl.int64) * w_s0
+    pf_end = tl.minimum(s * K_CHUNK + K_CHUNK, K)
+    prefetch_weights_l2(pf_rows, s * K_CHUNK, pf_end, PF_LINES, PF_EPL, PDL)
+    prefetch_weights_l2(pf_rows + I * w_s0, s * K_CHUNK, pf_end, PF_LINES, PF_EPL, PDL)
+    pdl_prologue(PDL)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    r_ok = rows < num_rows
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_s0
     g_rows = w_ptr + cols.to(tl.int64)[:, None] * w_s0
     gate, up, ss = paired_dot(x_rows, g_rows, g_rows + I * w_s0, r_ok, n_ok, s, ln_ptr, K,
@@ -214,7 +221,8 @@ def fused_gate_up_silu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | No
         I=inter, K=K, K_CHUNK=chunk, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, SPLITS=splits, HAS_BIAS=bias is not None, NORM=norm,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_chain_args(_gate_up_silu_kernel, x, chunk))
     return out
 
 

@@ -12,7 +12,10 @@ The contract every kernel here keeps (``pdl_prologue``, its first statement): it
 reads or writes any global memory, then lets its own dependents launch. So a PDL launch never
 reads a value its predecessor has not written, nor overwrites one the predecessor still reads;
 a kernel after it that is launched without PDL (cuBLAS, an inductor kernel) waits for its
-completion as usual. Both instructions are no-ops in a kernel launched without PDL.
+completion as usual. Both instructions are no-ops in a kernel launched without PDL. One
+exception, by design: the fused decode chain's kernels first ask the L2 for their weight lines
+(:func:`prefetch_weights_l2`: ``prefetch.global.L2``, constant data no kernel writes, nothing
+loaded into the program), so a small GEMM's weight stream overlaps the tail of the kernel ahead.
 
 The switch: ``PDL_ENABLED`` (environment ``PAGEDKV_PDL``, "1" on, "0" off, the default);
 launches use PDL only on CUDA devices of compute capability 9.0 or more, never under the
@@ -90,4 +93,43 @@ def pdl_prologue(PDL: tl.constexpr):
             tl.extra.cuda.gdc_launch_dependents()
 
 
-__all__ = ["PDL_ENABLED", "pdl_launch_args", "pdl_prologue", "pdl_supported", "use_pdl"]
+@triton.jit
+def prefetch_weights_l2(rows, k0, k_end, LINES: tl.constexpr, ELEMS_PER_LINE: tl.constexpr,
+                        PDL: tl.constexpr):
+    """Before a PDL kernel's wait (``PDL`` > 0; nothing otherwise): ask the L2 for the weight
+    lines this program will read: rows ``rows`` (``[R]`` pointers to each row's first
+    element), columns ``[k0, k_end)``, one ``prefetch.global.L2`` a 128-byte line
+    (``ELEMS_PER_LINE`` elements; ``LINES``, a power of two, covers the span). Weights are
+    constant, never written by an earlier kernel, so touching them before the wait keeps the
+    contract above; no register or shared memory is written. The point: a small decode GEMM's
+    weight stream starts while the kernel ahead of it still runs, instead of after its last
+    program exits (the fused decode chain's kernels: ``qkv_rope_cache``, ``gate_up_silu``,
+    ``splitk_residual``). Compiled only for a GPU (inline PTX; the interpreter never has
+    ``PDL`` > 0)."""
+    if PDL > 0:
+        cols = k0 + tl.arange(0, LINES) * ELEMS_PER_LINE
+        ptrs = rows[:, None] + tl.where(cols < k_end, cols, k0)[None, :]
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                  [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+
+
+def prefetch_lines(span: int, element_size: int) -> tuple[int, int]:
+    """``(LINES, ELEMS_PER_LINE)`` of :func:`prefetch_weights_l2` for a span of ``span``
+    columns of ``element_size``-byte elements (128-byte lines)."""
+    per_line = max(1, 128 // element_size)
+    lines = max(1, -(-span // per_line))
+    return 1 << (lines - 1).bit_length(), per_line
+
+
+def pdl_chain_args(kernel, x: torch.Tensor, span: int) -> dict:
+    """The launch keywords of a fused decode-chain kernel: :func:`pdl_launch_args`, and with
+    PDL on the weight prefetch's ``PF_LINES`` / ``PF_EPL`` for a span of ``span`` columns of
+    ``x``'s element size."""
+    args = pdl_launch_args(kernel, x.device)
+    if args["PDL"]:
+        args["PF_LINES"], args["PF_EPL"] = prefetch_lines(span, x.element_size())
+    return args
+
+
+__all__ = ["PDL_ENABLED", "pdl_chain_args", "pdl_launch_args", "pdl_prologue", "pdl_supported",
+           "prefetch_lines", "prefetch_weights_l2", "use_pdl"]

@@ -52,6 +52,8 @@ from pagedkv.kernels._common import (
     use_triton,
 )
 from pagedkv.kernels.fp8_kv import fp8_quantize, is_fp8_kv
+from pagedkv.kernels.pdl import pdl_chain_args as _pdl_args
+from pagedkv.kernels.pdl import pdl_prologue, prefetch_weights_l2
 from pagedkv.kernels.paired_splitk import (
     chunk_and_splits,
     counters,
@@ -186,6 +188,7 @@ def _qkv_rope_cache_kernel(
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
     DOT_PREC: tl.constexpr,
     k_scale=1.0, v_scale=1.0, FP8: tl.constexpr = False,
+    PDL: tl.constexpr = 0, PF_LINES: tl.constexpr = 1, PF_EPL: tl.constexpr = 64,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     NH: tl.constexpr = NUM_HEADS + 2 * NUM_KV_HEADS
@@ -193,6 +196,9 @@ def _qkv_rope_cache_kernel(
     mt = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
+    prefetch_weights_l2(w_ptr + (h * HEAD_DIM + tl.arange(0, HEAD_DIM)).to(tl.int64) * w_s0,
+                        s * K_CHUNK, tl.minimum(s * K_CHUNK + K_CHUNK, K), PF_LINES, PF_EPL, PDL)
+    pdl_prologue(PDL)
     rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
     r_ok = rows < num_rows
     d = tl.arange(0, HALF)
@@ -335,6 +341,7 @@ def qkv_rope_cache(
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
         k_scale=float(k_scale), v_scale=float(v_scale), FP8=is_fp8_kv(key_cache.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_pdl_args(_qkv_rope_cache_kernel, x, chunk),
     )
     return q_out
 

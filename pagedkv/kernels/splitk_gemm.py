@@ -37,6 +37,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from pagedkv.errors import ConfigError
 from pagedkv.kernels._common import arrive, cdiv, check_launch_config, use_triton
+from pagedkv.kernels.pdl import pdl_chain_args, pdl_prologue, prefetch_weights_l2
 
 GEMM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -119,17 +120,22 @@ def _splitk_residual_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
     RANGE_LOOP: tl.constexpr,
+    PDL: tl.constexpr = 0, PF_LINES: tl.constexpr = 1, PF_EPL: tl.constexpr = 64,
 ):
     """``out = hidden + x @ w^T (+ b)``: the split-K product summed by the last split to
     arrive (in split order, ``pagedkv.kernels._common.arrive``), the bias and the residual
-    added in float32, one rounding (:func:`splitk_residual`)."""
+    added in float32, one rounding (:func:`splitk_residual`). With PDL its weight lines are
+    requested before the wait (``pdl.prefetch_weights_l2``)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     s = tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = rm < M
     n_ok = rn < N
+    prefetch_weights_l2(w_ptr + tl.where(n_ok, rn, 0).to(tl.int64) * w_s0, s * k_per_split,
+                        tl.minimum(s * k_per_split + k_per_split, K), PF_LINES, PF_EPL, PDL)
+    pdl_prologue(PDL)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = rm < M
     mask = m_ok[:, None] & n_ok[None, :]
     rm64 = rm.to(tl.int64)
     k0 = s * k_per_split
@@ -310,7 +316,8 @@ def splitk_residual(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLITS=splits,
         HAS_BIAS=bias is not None, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
         RANGE_LOOP=not isinstance(_splitk_residual_kernel, InterpretedFunction),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_chain_args(_splitk_residual_kernel, x, chunk))
     return out
 
 

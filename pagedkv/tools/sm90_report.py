@@ -149,6 +149,8 @@ def report(kernel, constexprs: dict, pointers: dict, floats: set, aligned: set,
         "gdc_wait": k.asm["ptx"].count("griddepcontrol.wait"),
         "gdc_launch": k.asm["ptx"].count("griddepcontrol.launch_dependents"),
         "global_before_wait": _global_before_wait(k.asm["ptx"]),
+        # L2 prefetches before that wait (the fused decode chain's weight prefetch)
+        "prefetch_before_wait": _prefetch_before_wait(k.asm["ptx"]),
     }
     if sass:
         rep["sass_ops"] = sass_ops(k.asm["cubin"])
@@ -163,6 +165,23 @@ def _global_before_wait(ptx: str) -> int:
     cut = ptx.find("griddepcontrol.wait")
     head = ptx if cut < 0 else ptx[:cut]
     return len(re.findall(r"\b(?:ld|st|cp\.async|atom|red)\.(?:global|[a-z.]*global)", head))
+
+
+def _prefetch_before_wait(ptx: str) -> int:
+    """``prefetch.global.L2`` instructions in the PTX text before its first
+    ``griddepcontrol.wait`` (0 without a wait)."""
+    cut = ptx.find("griddepcontrol.wait")
+    return 0 if cut < 0 else ptx[:cut].count("prefetch.global.L2")
+
+
+def _chain_pdl(pdl: bool, span: int) -> dict:
+    """The PDL constexprs of a fused decode-chain kernel (``pdl.pdl_chain_args``, bf16)."""
+    from pagedkv.kernels.pdl import prefetch_lines
+
+    if not pdl:
+        return {"PDL": 0}
+    lines, per_line = prefetch_lines(span, 2)
+    return {"PDL": 1, "PF_LINES": lines, "PF_EPL": per_line}
 
 
 def prefill_report(config, causal: bool = True, sass: bool = False, off32: bool = True,
@@ -260,7 +279,7 @@ def splitk_report(config, sass: bool = False) -> dict:
 
 
 def qkv_rope_report(config, splits: int = 2, fp8: bool = False, sass: bool = False,
-                    ln: bool = False) -> dict:
+                    ln: bool = False, pdl: bool = False) -> dict:
     """The fused QKV projection (``pagedkv.kernels.qkv_rope_cache``) at the Qwen3-0.6B shape
     (hidden 1024, q/k norms, no bias) on bf16 inputs under ``config`` (a ``QKVRopeConfig``;
     its ``block_m`` as launched) with ``splits`` inner-dimension splits; ``fp8``: FP8 caches;
@@ -271,7 +290,8 @@ def qkv_rope_report(config, splits: int = 2, fp8: bool = False, sass: bool = Fal
     chunk = cdiv(cdiv(1024, splits), config.block_k) * config.block_k
     const = dict(K=1024, K_CHUNK=chunk, NUM_HEADS=HEADS, NUM_KV_HEADS=KV_HEADS,
                  HEAD_DIM=HEAD_DIM, HAS_NORM=True, HAS_BIAS=False, LN=ln, BLOCK_M=config.block_m,
-                 BLOCK_K=config.block_k, SPLITS=splits, DOT_PREC="tf32", FP8=fp8)
+                 BLOCK_K=config.block_k, SPLITS=splits, DOT_PREC="tf32", FP8=fp8,
+                 **_chain_pdl(pdl, chunk))
     cache = "*fp8e4nv" if fp8 else "*bf16"
     ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", q_ptr="*bf16", cos_ptr="*bf16",
                 sin_ptr="*bf16", qw_ptr="*bf16", kw_ptr="*bf16", slot_ptr="*i64",
@@ -283,7 +303,8 @@ def qkv_rope_report(config, splits: int = 2, fp8: bool = False, sass: bool = Fal
                   config.num_warps, config.num_stages, sass)
 
 
-def gate_up_report(config, splits: int = 1, sass: bool = False, ln: bool = False) -> dict:
+def gate_up_report(config, splits: int = 1, sass: bool = False, ln: bool = False,
+                   pdl: bool = False) -> dict:
     """The gate/up projection with SiLU in its epilogue (``pagedkv.kernels.gate_up_silu``) at
     the Qwen3-0.6B shape (I 3072, K 1024, no bias) on bf16 inputs under ``config`` (a
     ``GateUpConfig``; its ``block_m`` as launched) with ``splits`` inner-dimension splits;
@@ -294,7 +315,7 @@ def gate_up_report(config, splits: int = 1, sass: bool = False, ln: bool = False
     chunk, splits = chunk_and_splits(1024, splits, config.block_k)
     const = dict(I=3072, K=1024, K_CHUNK=chunk, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                  BLOCK_K=config.block_k, SPLITS=splits, HAS_BIAS=False, NORM=ln,
-                 DOT_PREC="tf32")
+                 DOT_PREC="tf32", **_chain_pdl(pdl, chunk))
     ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32",
                 cnt_ptr="*i32", ln_ptr="*bf16", ss_ptr="*fp32")
     return report(_gate_up_silu_kernel, const, ptrs, {"eps"},
@@ -302,14 +323,18 @@ def gate_up_report(config, splits: int = 1, sass: bool = False, ln: bool = False
                   config.num_warps, config.num_stages, sass)
 
 
-def splitk_residual_report(config, splits: int = 4, sass: bool = False) -> dict:
+def splitk_residual_report(config, splits: int = 4, sass: bool = False,
+                           pdl: bool = False) -> dict:
     """The split-K projection with its residual add in the epilogue
     (``splitk_gemm._splitk_residual_kernel``) on bf16 operands under ``config`` (a
     ``SplitKConfig``) with ``splits`` splits."""
     from pagedkv.kernels.splitk_gemm import _splitk_residual_kernel
 
+    from pagedkv.kernels.splitk_gemm import split_chunk
+
     const = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                 SPLITS=splits, HAS_BIAS=False, DOT_PREC="tf32", RANGE_LOOP=True)
+                 SPLITS=splits, HAS_BIAS=False, DOT_PREC="tf32", RANGE_LOOP=True,
+                 **_chain_pdl(pdl, split_chunk(2048, splits, config.block_k)))
     ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", h_ptr="*bf16", out_ptr="*bf16",
                 part_ptr="*fp32", cnt_ptr="*i32")
     return report(_splitk_residual_kernel, const, ptrs, set(),
@@ -378,7 +403,8 @@ def main(argv=None) -> int:
         if args.config:
             bm, bk, w, st, splits = _ints(args.config, 5, "qkv-rope config")
             cfg = QKVRopeConfig(block_m=bm, block_k=bk, num_warps=w, num_stages=st)
-        rep = qkv_rope_report(cfg, splits=splits, fp8=args.fp8, sass=args.sass, ln=args.ln)
+        rep = qkv_rope_report(cfg, splits=splits, fp8=args.fp8, sass=args.sass, ln=args.ln,
+                              pdl=args.pdl)
     elif args.kernel == "gate-up":
         from pagedkv.kernels.gate_up_silu import GateUpConfig
 
@@ -386,7 +412,7 @@ def main(argv=None) -> int:
         if args.config:
             bm, bn, bk, w, st, splits = _ints(args.config, 6, "gate-up config")
             cfg = GateUpConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st)
-        rep = gate_up_report(cfg, splits=splits, sass=args.sass, ln=args.ln)
+        rep = gate_up_report(cfg, splits=splits, sass=args.sass, ln=args.ln, pdl=args.pdl)
     elif args.kernel == "splitk-residual":
         from pagedkv.kernels.splitk_gemm import SplitKConfig
 
@@ -394,7 +420,7 @@ def main(argv=None) -> int:
         if args.config:
             *vals, splits = _ints(args.config, 6, "splitk-residual config")
             cfg = SplitKConfig(*vals)
-        rep = splitk_residual_report(cfg, splits=splits, sass=args.sass)
+        rep = splitk_residual_report(cfg, splits=splits, sass=args.sass, pdl=args.pdl)
     elif args.kernel == "prefill":
         from pagedkv.attention.triton_prefill import PrefillConfig
 

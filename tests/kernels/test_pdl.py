@@ -159,3 +159,99 @@ def test_launch_args_by_trigger(monkeypatch):
     monkeypatch.setattr(pdl, "PDL_TRIGGER", "late")
     with pytest.raises(ConfigError, match="PAGEDKV_PDL_TRIGGER"):
         pdl.pdl_launch_args(None, torch.device("cuda"))
+
+
+@pytest.mark.parametrize("args", [("qkv-rope", "16,64,4,4,4", "--ln"),
+                                  ("qkv-rope", "64,64,4,4,1", "--ln"),
+                                  ("gate-up", "64,32,64,4,4,1", "--ln"),
+                                  ("splitk-residual", "64,64,64,4,5,4")],
+                         ids=["qkv_split", "qkv", "gate_up", "residual"])
+def test_sm90_chain_kernels_prefetch_weights_before_the_wait(args, compiled_run):
+    """The fused decode chain's kernels under PDL: their only instructions before the grid
+    wait are L2 prefetches of their weight lines (no load or store), then the wait and the
+    early trigger; without PDL neither."""
+    def report(*extra: str) -> dict:
+        return json.loads(compiled_run("-m", "pagedkv.tools.sm90_report", *args, *extra,
+                                       "--json"))
+
+    on, off = report("--pdl"), report()
+    assert on["gdc_wait"] == 1 and on["gdc_launch"] == 1, on
+    assert on["global_before_wait"] == 0 and on["prefetch_before_wait"] > 0, on
+    assert off["gdc_wait"] == 0 and off["prefetch_before_wait"] == 0, off
+    assert on["local"] == 0 and on["waits"] == off["waits"], (on, off)
+
+
+def test_prefetch_lines_by_hand():
+    assert pdl.prefetch_lines(256, 2) == (4, 64)  # 256 bf16 columns: 4 lines of 64
+    assert pdl.prefetch_lines(1024, 2) == (16, 64)
+    assert pdl.prefetch_lines(200, 2) == (4, 64)  # 3.1 lines -> 4
+    assert pdl.prefetch_lines(96, 4) == (4, 32)  # fp32: 32 a line, 3 lines -> 4
+    assert pdl.prefetch_lines(1, 2) == (1, 64)
+
+
+@pytest.mark.gpu
+def test_pdl_fused_decode_chain_bitwise_equal_eager_and_graph(monkeypatch):
+    """Four layers of the fused decode chain's kernels (QKV with the norm on the fly, o with
+    the residual, gate/up with the norm, down with the residual) with PDL and the weight
+    prefetch against the same chain without PDL: bitwise equal, eager and over 20 graph
+    replays."""
+    if not pdl.pdl_supported(torch.device("cuda")):
+        pytest.skip("PDL needs compute capability 9.0+")
+    from pagedkv.kernels.gate_up_silu import fused_gate_up_silu
+    from pagedkv.kernels.qkv_rope_cache import qkv_rope_cache
+    from pagedkv.kernels.splitk_gemm import splitk_residual
+
+    H, HKV, D, HID, INTER, BS, NB, T = 16, 8, 128, 1024, 3072, 16, 64, 24
+    g = torch.Generator(device="cuda").manual_seed(5)
+    bf = torch.bfloat16
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(shape, generator=g, device="cuda") * scale).to(bf)
+
+    layers = [dict(qkv=rnd((H + 2 * HKV) * D, HID, scale=0.03), o=rnd(HID, H * D, scale=0.02),
+                   gu=rnd(2 * INTER, HID, scale=0.03), down=rnd(HID, INTER, scale=0.02),
+                   ln1=rnd(HID, scale=0.1) + 1, ln2=rnd(HID, scale=0.1) + 1,
+                   kv=torch.zeros(2, NB, BS, HKV, D, device="cuda", dtype=bf))
+              for _ in range(4)]
+    qn, kn = rnd(D, scale=0.1) + 1, rnd(D, scale=0.1) + 1
+    x0 = rnd(T, HID)
+    ang = torch.rand(T, D // 2, generator=g, device="cuda") * 6
+    cos, sin = ang.cos().to(bf), ang.sin().to(bf)
+    slots = torch.randperm(NB * BS, generator=g, device="cuda")[:T]
+    outs = []
+
+    def run():
+        outs.clear()
+        h = x0
+        for ly in layers:
+            q = qkv_rope_cache(h, ly["qkv"], None, H, HKV, D, qn, kn, 1e-6, cos, sin, slots,
+                               ly["kv"][0], ly["kv"][1], ln_weight=ly["ln1"], ln_eps=1e-6)
+            h = splitk_residual(q.reshape(T, -1), ly["o"], None, h, 4)
+            act = fused_gate_up_silu(h, ly["gu"], None, None, ly["ln2"], 1e-6)
+            h = splitk_residual(act, ly["down"], None, h, 4)
+            outs.extend([q, act, h])
+
+    def snapshot():
+        return [t.clone() for t in outs] + [ly["kv"].clone() for ly in layers]
+
+    monkeypatch.setattr(pdl, "PDL_ENABLED", False)
+    run()
+    torch.cuda.synchronize()
+    want = snapshot()
+    monkeypatch.setattr(pdl, "PDL_ENABLED", True)
+    for _ in range(3):
+        run()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(snapshot(), want))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(20):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(), want))
