@@ -287,20 +287,26 @@ class DecoderLayer(nn.Module):
                 self.post_attention_layernorm.eps, mlp.gate_up_proj.weight,
                 mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias)
 
+    def _head_args(self, plan) -> tuple[tuple, torch.Tensor]:
+        """What the fused KV-write kernels take from this layer and the step: ``(H, Hkv, D,
+        q_norm_weight, k_norm_weight, eps)`` and the plan's slot mapping of the real tokens."""
+        attn = self.self_attn
+        qn = attn.q_norm
+        metadata = plan.metadata
+        slots = metadata.slot_mapping[: int(metadata.num_actual_tokens)]
+        return (attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                None if qn is None else qn.weight, None if qn is None else attn.k_norm.weight,
+                0.0 if qn is None else qn.eps), slots
+
     def attend_fused(self, qkv_out, cos, sin, kv_cache, plan, backend) -> torch.Tensor:
         """The fused path's attention: q/k norms + RoPE + KV write (at the plan's slot mapping)
         in one kernel (``qk_norm_rope_cache``), then the backend with ``k = v = None``."""
         from pagedkv.kernels.qk_norm_rope_cache import qk_norm_rope_cache
 
         attn = self.self_attn
-        qn = attn.q_norm
-        metadata = plan.metadata
-        slots = metadata.slot_mapping[: int(metadata.num_actual_tokens)]
-        q = qk_norm_rope_cache(
-            qkv_out, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-            None if qn is None else qn.weight, None if qn is None else attn.k_norm.weight,
-            0.0 if qn is None else qn.eps, cos, sin, slots, kv_cache[0], kv_cache[1],
-            check=attn.layer_idx == 0)  # every layer has layer 0's shapes
+        heads, slots = self._head_args(plan)
+        q = qk_norm_rope_cache(qkv_out, *heads, cos, sin, slots, kv_cache[0], kv_cache[1],
+                               check=attn.layer_idx == 0)  # every layer has layer 0's shapes
         return backend.forward(attn.layer_idx, q, None, None, kv_cache, plan, attn.scale)
 
     def attend_projected(self, x, cos, sin, kv_cache, plan, backend,
@@ -312,15 +318,11 @@ class DecoderLayer(nn.Module):
         from pagedkv.kernels.qkv_rope_cache import qkv_rope_cache
 
         attn = self.self_attn
-        qn = attn.q_norm
         proj = attn.qkv_proj
         ln = self.input_layernorm
-        metadata = plan.metadata
-        slots = metadata.slot_mapping[: int(metadata.num_actual_tokens)]
+        heads, slots = self._head_args(plan)
         q = qkv_rope_cache(
-            x, proj.weight, proj.bias, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-            None if qn is None else qn.weight, None if qn is None else attn.k_norm.weight,
-            0.0 if qn is None else qn.eps, cos, sin, slots, kv_cache[0], kv_cache[1],
+            x, proj.weight, proj.bias, *heads, cos, sin, slots, kv_cache[0], kv_cache[1],
             check=attn.layer_idx == 0,  # every layer has layer 0's shapes
             ln_weight=None if normed else ln.weight, ln_eps=0.0 if normed else ln.eps)
         return backend.forward(attn.layer_idx, q, None, None, kv_cache, plan, attn.scale)
