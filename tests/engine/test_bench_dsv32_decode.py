@@ -6,6 +6,8 @@ import json
 import os
 import sys
 
+from engine_helpers import assert_decode_records
+
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "bench_dsv32_decode.py")
 
 
@@ -20,7 +22,5 @@ def test_tiny_main_path(tmp_path, capsys):
     assert res["prompt_len"] > res["index_topk"]  # decode tokens attend to a strict subset
     engines = [r["engine"] for r in res["results"]]
     assert engines == ["pagedkv", "transformers generate (static batch)"]
-    for r in res["results"]:
-        assert r["decode_s"] > 0 and r["decode_tokens_per_s"] > 0
-        assert r["output_tokens_per_s"] == res["batch"] * 3 / r["t_all_s"]
+    assert_decode_records(res, 3)
     assert "pagedkv / transformers (decode)" in capsys.readouterr().out

@@ -8,6 +8,7 @@ import os
 import sys
 
 import pytest
+from engine_helpers import assert_decode_records
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "bench_mamba2_decode.py")
 
@@ -29,9 +30,7 @@ def test_tiny_main_path(tmp_path, capsys):
     assert engines == ["pagedkv", "transformers generate (static batch)"]
     ours = res["results"][0]
     assert ours["state_groups"] >= 1 and ours["kv_cache_groups"] > ours["state_groups"]
-    for r in res["results"]:
-        assert r["decode_s"] > 0 and r["decode_tokens_per_s"] > 0
-        assert r["output_tokens_per_s"] == res["batch"] * 3 / r["t_all_s"]
+    assert_decode_records(res, 3)
     assert "pagedkv / transformers (decode)" in capsys.readouterr().out
 
 
