@@ -57,6 +57,14 @@ def test_compiled_regions_in_the_engine_on_cpu(tiny_dir, hf_ref):
     assert stats["unique_graphs"] <= 12
 
 
+def _counted(calls: list, name: str, fn):
+    """``fn`` that appends ``name`` to ``calls`` on every call."""
+    def call(*a):
+        calls.append(name)
+        return fn(*a)
+    return call
+
+
 @pytest.mark.parametrize("where", ["compile", "check"])
 def test_compile_failure_falls_back_to_eager(tiny_dir, caplog, monkeypatch, where):
     path = tiny_dir("llama")
@@ -92,15 +100,9 @@ def test_compiled_fused_path_in_the_engine_on_cpu(tiny_dir, hf_ref):
     assert model.fused_kv_write_usable(llm.engine.runner.kv_caches[0])
     calls = []
     pre, post, pre_qkv, mid = model._regions
-
-    def counted(name, fn):
-        def call(*a):
-            calls.append(name)
-            return fn(*a)
-        return call
-
-    model.__dict__["_compiled_regions"] = (pre, counted("post", post), counted("pre_qkv", pre_qkv),
-                                           counted("mid", mid))
+    model.__dict__["_compiled_regions"] = (pre, _counted(calls, "post", post),
+                                           _counted(calls, "pre_qkv", pre_qkv),
+                                           _counted(calls, "mid", mid))
     outs = llm.generate(TEXTS[:3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
                         use_tqdm=False)
     ref = hf_ref(path)
@@ -135,15 +137,8 @@ def test_compiled_fused_projection_in_the_engine_on_cpu(tiny_dir, hf_ref, monkey
     pre_norm, mid_norm = model._norm_regions
     assert pre_norm is not dec.pre_attention_norm and mid_norm is not dec.post_pre_norm
     calls = []
-
-    def counted(name, fn):
-        def call(*a):
-            calls.append(name)
-            return fn(*a)
-        return call
-
-    model.__dict__["_compiled_norm_regions"] = (counted("pre", pre_norm),
-                                                counted("mid", mid_norm))
+    model.__dict__["_compiled_norm_regions"] = (_counted(calls, "pre", pre_norm),
+                                                _counted(calls, "mid", mid_norm))
     outs = llm.generate(TEXTS[:3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
                         use_tqdm=False)
     ref = hf_ref(path)

@@ -99,6 +99,12 @@ def test_pdl_chain_bitwise_equal_eager_and_graph(monkeypatch):
     if not pdl.pdl_supported(torch.device("cuda")):
         pytest.skip("PDL needs compute capability 9.0+")
     run, poison, snapshot = _chain_case()
+    _assert_pdl_bitwise_equal(monkeypatch, run, snapshot, poison)
+
+
+def _assert_pdl_bitwise_equal(monkeypatch, run, snapshot, poison=lambda: None):
+    """``run()`` with PDL gives the bits it gives without: eager (3 runs) and over 20 replays
+    of a CUDA graph captured with PDL on (``poison()`` before each run / replay)."""
     monkeypatch.setattr(pdl, "PDL_ENABLED", False)
     poison()
     run()
@@ -234,24 +240,8 @@ def test_pdl_fused_decode_chain_bitwise_equal_eager_and_graph(monkeypatch):
     def snapshot():
         return [t.clone() for t in outs] + [ly["kv"].clone() for ly in layers]
 
-    monkeypatch.setattr(pdl, "PDL_ENABLED", False)
-    run()
-    torch.cuda.synchronize()
-    want = snapshot()
-    monkeypatch.setattr(pdl, "PDL_ENABLED", True)
-    for _ in range(3):
-        run()
-        torch.cuda.synchronize()
-        assert all(torch.equal(a, b) for a, b in zip(snapshot(), want))
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    for _ in range(20):
-        graph.replay()
-    torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(snapshot(), want))
+    def poison():  # a finite pattern: unwritten cache slots keep it on both sides (equal bits)
+        for t in outs + [ly["kv"] for ly in layers]:
+            t.fill_(7.0)
+
+    _assert_pdl_bitwise_equal(monkeypatch, run, snapshot, poison)
