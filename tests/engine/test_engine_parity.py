@@ -194,3 +194,32 @@ def test_fused_projections_through_the_engine(tiny_dir, hf_ref, monkeypatch, fam
                                                                                       rows[:8])
         else:
             assert not rows, name
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton backend on CPU tensors needs the Triton interpreter")
+def test_fused_decode_paths_apply_where_documented(tiny_dir):
+    """Where the opt-in fused decode paths apply: their switch, at most 256 rows, a head size
+    the QKV kernel serves, the fused-KV-write path (the Triton backend), no tensor-parallel
+    shard."""
+    from pagedkv.models.decoder import FUSED_DECODE_MAX_ROWS, FUSED_QKV_MAX_ROWS
+
+    llm = make_llm(tiny_dir("qwen3", head_dim=32), attention_backend="triton")
+    model, cache = llm.engine.model, llm.engine.runner.kv_caches[0]
+    assert not model.fused_qkv_usable(4, cache) and not model.decode_chain_usable(4, cache)
+    model.fuse_qkv_projection = model.fuse_decode_chain = True
+    assert model.fused_qkv_usable(FUSED_QKV_MAX_ROWS, cache)
+    assert not model.fused_qkv_usable(FUSED_QKV_MAX_ROWS + 1, cache)
+    assert model.decode_chain_usable(FUSED_DECODE_MAX_ROWS, cache)
+    assert not model.decode_chain_usable(FUSED_DECODE_MAX_ROWS + 1, cache)
+    model.fuse_kv_write = False  # the backend writes K/V itself: no fused path at all
+    assert not model.fused_qkv_usable(4, cache) and not model.decode_chain_usable(4, cache)
+    # head size 16: half of it is below tl.dot's 16
+    small = make_llm(tiny_dir("qwen3"), attention_backend="triton").engine
+    small.model.fuse_qkv_projection = small.model.fuse_decode_chain = True
+    assert not small.model.fused_qkv_usable(4, small.runner.kv_caches[0])
+    assert not small.model.decode_chain_usable(4, small.runner.kv_caches[0])
+    # the torch reference backend has no fused KV write
+    ref = make_llm(tiny_dir("qwen3", head_dim=32)).engine
+    ref.model.fuse_decode_chain = True
+    assert not ref.model.decode_chain_usable(4, ref.runner.kv_caches[0])
