@@ -44,17 +44,22 @@ def test_compiled_regions_in_the_engine_on_cpu(tiny_dir, hf_ref):
     torch._dynamo.utils.counters.clear()  # reset() keeps the counters of earlier tests' graphs
     assert model.compile_regions(allow_cpu=True, fullgraph=True)  # also checks against eager
     assert model.compiled and model._regions[0] is not dec.pre_attention
-    outs = llm.generate(TEXTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                        use_tqdm=False)
-    ref = hf_ref(path)
-    got = [t for o in outs for t in o.outputs[0].token_ids]
-    want = [t for o in outs for t in ref.greedy(o.prompt_token_ids, 8)]
-    assert sum(x == y for x, y in zip(got, want)) >= 0.9 * len(want)
+    _assert_mostly_greedy(llm, hf_ref(path), TEXTS, 8)
     # one graph per (layer-0 variant without a residual delta, T == 1 or not) and region
     # (pre_attention 4, post_attention 2, pre_attention_qkv 4, post_pre_qkv 2; the last two
     # compiled by the check): every layer and every token count reuse them
     stats = torch._dynamo.utils.counters["stats"]
     assert stats["unique_graphs"] <= 12
+
+
+def _assert_mostly_greedy(llm, ref, texts, n: int) -> None:
+    """Greedy tokens of ``n`` new tokens a text: at least 90% equal transformers' (compiled
+    regions keep float32 intermediates, so an occasional near-tie may flip)."""
+    outs = llm.generate(texts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                        use_tqdm=False)
+    got = [t for o in outs for t in o.outputs[0].token_ids]
+    want = [t for o in outs for t in ref.greedy(o.prompt_token_ids, n)]
+    assert sum(x == y for x, y in zip(got, want)) >= 0.9 * len(want)
 
 
 def _counted(calls: list, name: str, fn):
@@ -103,12 +108,7 @@ def test_compiled_fused_path_in_the_engine_on_cpu(tiny_dir, hf_ref):
     model.__dict__["_compiled_regions"] = (pre, _counted(calls, "post", post),
                                            _counted(calls, "pre_qkv", pre_qkv),
                                            _counted(calls, "mid", mid))
-    outs = llm.generate(TEXTS[:3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
-                        use_tqdm=False)
-    ref = hf_ref(path)
-    got = [t for o in outs for t in o.outputs[0].token_ids]
-    want = [t for o in outs for t in ref.greedy(o.prompt_token_ids, 6)]
-    assert sum(x == y for x, y in zip(got, want)) >= 0.9 * len(want)
+    _assert_mostly_greedy(llm, hf_ref(path), TEXTS[:3], 6)
     layers = len(model.layers)
     steps = calls.count("pre_qkv")
     assert steps > 0 and calls.count("mid") == steps * (layers - 1) and calls.count("post") == steps
@@ -139,12 +139,7 @@ def test_compiled_fused_projection_in_the_engine_on_cpu(tiny_dir, hf_ref, monkey
     calls = []
     model.__dict__["_compiled_norm_regions"] = (_counted(calls, "pre", pre_norm),
                                                 _counted(calls, "mid", mid_norm))
-    outs = llm.generate(TEXTS[:3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
-                        use_tqdm=False)
-    ref = hf_ref(path)
-    got = [t for o in outs for t in o.outputs[0].token_ids]
-    want = [t for o in outs for t in ref.greedy(o.prompt_token_ids, 6)]
-    assert sum(x == y for x, y in zip(got, want)) >= 0.9 * len(want)
+    _assert_mostly_greedy(llm, hf_ref(path), TEXTS[:3], 6)
     steps = calls.count("pre")
     assert steps > 0 and calls.count("mid") == steps * (len(model.layers) - 1)
     assert gu_rows  # the compiled regions called the fused gate/up op
