@@ -141,33 +141,32 @@ def decode_config_fields(text: str) -> dict:
     return kw
 
 
+# ``--[no-]X`` flags that set a module switch before the engine starts: (argument, module,
+# class or None, attribute)
+SWITCHES = (
+    ("splitk", "pagedkv.kernels.splitk_gemm", None, "SPLITK_ENABLED"),
+    ("splitk_gate_up", "pagedkv.kernels.splitk_gemm", None, "SPLITK_GATE_UP_ENABLED"),
+    ("fused_qkv", "pagedkv.models.decoder", "DecoderForCausalLM", "fuse_qkv_projection"),
+    ("fused_decode", "pagedkv.models.decoder", "DecoderForCausalLM", "fuse_decode_chain"),
+    ("fused_gate_up", "pagedkv.kernels.gate_up_silu", None, "FUSED_GATE_UP_ENABLED"),
+    ("pdl", "pagedkv.kernels.pdl", None, "PDL_ENABLED"),
+)
+
+
 def configure_splitk(args) -> None:
-    """``--[no-]splitk`` / ``--splitk-table``: the split-K decode projections on or off, and
-    the launches a sweep chose (entries with ``use`` false are left to cuBLAS: split count 1)."""
+    """The kernel switches (``SWITCHES``: split-K, the fused decode kernels, PDL) and
+    ``--splitk-table``: the split-K launches a sweep chose (entries with ``use`` false are left
+    to cuBLAS: split count 1)."""
+    import importlib
     import json
 
     from pagedkv.kernels import splitk_gemm as sk
 
-    if args.splitk is not None:
-        sk.SPLITK_ENABLED = args.splitk
-    if args.splitk_gate_up is not None:
-        sk.SPLITK_GATE_UP_ENABLED = args.splitk_gate_up
-    if args.fused_qkv is not None:
-        from pagedkv.models.decoder import DecoderForCausalLM
-
-        DecoderForCausalLM.fuse_qkv_projection = args.fused_qkv
-    if args.pdl is not None:
-        from pagedkv.kernels import pdl
-
-        pdl.PDL_ENABLED = args.pdl
-    if args.fused_decode is not None:
-        from pagedkv.models.decoder import DecoderForCausalLM
-
-        DecoderForCausalLM.fuse_decode_chain = args.fused_decode
-    if args.fused_gate_up is not None:
-        from pagedkv.kernels import gate_up_silu
-
-        gate_up_silu.FUSED_GATE_UP_ENABLED = args.fused_gate_up
+    for arg, module, owner, name in SWITCHES:
+        value = getattr(args, arg)
+        if value is not None:
+            mod = importlib.import_module(module)
+            setattr(getattr(mod, owner) if owner else mod, name, value)
     if args.splitk_table:
         with open(args.splitk_table) as f:
             table = json.load(f)

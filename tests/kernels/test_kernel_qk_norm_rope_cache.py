@@ -403,10 +403,14 @@ BAD = {
                          ids=["kernel", "ref"])
 @pytest.mark.parametrize("rule", list(BAD))
 def test_validation_errors(fn, rule):
-    kwargs = _good_kwargs()
-    before = (kwargs["key_cache"].clone(), kwargs["value_cache"].clone())
+    assert_refused_cleanly(fn, _good_kwargs(), *BAD[rule])
+
+
+def assert_refused_cleanly(fn, kwargs: dict, mutate, pattern: str) -> None:
+    """``fn(**kwargs)`` after ``mutate(kwargs)`` raises a ConfigError matching ``pattern`` and
+    leaves ``kwargs``' key and value caches untouched."""
     caches = (kwargs["key_cache"], kwargs["value_cache"])
-    mutate, pattern = BAD[rule]
+    before = tuple(c.clone() for c in caches)
     mutate(kwargs)
     with pytest.raises(ConfigError, match=pattern):
         fn(**kwargs)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from kernel_helpers import poison, to
 from test_kernel_qk_norm_rope_cache import (
     TOL,
+    assert_refused_cleanly,
     _assert_fp8_cache_matches,
     _same_bits,
     _written,
@@ -220,14 +221,7 @@ BAD = {
 @pytest.mark.parametrize("fn", [qkv_rope_cache, qkv_rope_cache_ref], ids=["kernel", "ref"])
 @pytest.mark.parametrize("rule", list(BAD))
 def test_validation_errors(fn, rule):
-    kwargs = _good_kwargs()
-    caches = (kwargs["key_cache"], kwargs["value_cache"])
-    before = tuple(c.clone() for c in caches)
-    mutate, pattern = BAD[rule]
-    mutate(kwargs)
-    with pytest.raises(ConfigError, match=pattern):
-        fn(**kwargs)
-    assert _same_bits(caches[0], before[0]) and _same_bits(caches[1], before[1])
+    assert_refused_cleanly(fn, _good_kwargs(), *BAD[rule])
 
 
 def test_good_kwargs_are_accepted():
