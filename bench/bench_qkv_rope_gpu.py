@@ -77,7 +77,8 @@ def main() -> int:
                                           cos, sin, slots, ly["kv"][0], ly["kv"][1], q,
                                           check=False, config=cfg)
 
-        # reference outputs of layer 0
+        # reference outputs of layer 0 (into a zeroed cache: the last M's runs wrote slots too)
+        layers[0]["kv"].zero_()
         unfused(layers[0])()
         torch.cuda.synchronize()
         q_ref = q.clone()

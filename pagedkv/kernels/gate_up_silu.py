@@ -62,7 +62,8 @@ class GateUpConfig:
     """Launch parameters. ``block_m``: the most rows a program takes (a launch uses the next
     power of two of the row count, at least 16, up to this); ``block_n``: gate (and as many
     up) columns a program; ``splits``: inner-dimension splits, 0 = by rows
-    (:func:`default_splits`). Not yet swept on the H200 (``bench/bench_gate_up_silu_gpu.py``)."""
+    (:func:`default_splits`). Swept on the H200 (``bench/bench_gate_up_silu_gpu.py``,
+    BENCHMARKS.md, twenty-sixth session): it beats cuBLAS + SiLU only up to ~64 rows."""
 
     block_m: int = 64
     block_n: int = 32
@@ -86,9 +87,11 @@ INTERPRET_CONFIG = GateUpConfig(block_m=16, block_n=16, block_k=16, num_warps=1,
 
 
 def default_splits(rows: int) -> int:
-    """Inner-dimension splits for ``rows`` rows: 2 up to 16 rows (96 column tiles of 32 at the
-    Qwen3-0.6B shape: 192 programs), 1 above (the scratch traffic grows with the rows)."""
-    return 2 if rows <= 16 else 1
+    """Inner-dimension splits for ``rows`` rows: 4 up to 16 rows (96 column tiles of 32 at the
+    Qwen3-0.6B shape: 384 programs), 2 up to 32, 1 above (the scratch traffic grows with the
+    rows). From the H200 sweep (twenty-sixth session, 28 layers in a graph, us a layer): 1 row
+    6.45 / 6.97 / 7.35 at 4 / 2 / 1 splits, 32 rows 9.1 / 12.85 at 2 / 1."""
+    return 4 if rows <= 16 else 2 if rows <= 32 else 1
 
 
 @triton.jit

@@ -65,7 +65,7 @@ def test_reference_is_the_product_then_the_activation():
 
 
 def test_default_splits_and_launch(kernel_device):
-    assert [default_splits(m) for m in (1, 16, 17, 256)] == [2, 2, 1, 1]
+    assert [default_splits(m) for m in (1, 16, 17, 32, 33, 256)] == [4, 4, 2, 2, 1, 1]
     gen = torch.Generator().manual_seed(6)
     x, w, b = _case(gen, 3, 32, 64, torch.float32, False)
     got = fused_gate_up_silu(x.to(kernel_device), w.to(kernel_device))  # default config

@@ -151,11 +151,8 @@ def test_fp8_cache_matches_reference(kernel_device, scales):
     (q_ref, kv_ref), (q, kv) = _run_both(kernel_device, args, H, Hkv, D, NB, BS, dtype,
                                          cache_dtype=F8, scales=scales, config=cfg)
     torch.testing.assert_close(q, q_ref, **TOL[dtype])
-    # V is a float32 sum here (not a copy): allow the K rule for both halves of the cache
-    _assert_fp8_cache_matches(kv[:1].expand(2, *kv.shape[1:]),
-                              kv_ref[:1].expand(2, *kv.shape[1:]), args[-1], NB, BS)
-    _assert_fp8_cache_matches(kv[1:].expand(2, *kv.shape[1:]),
-                              kv_ref[1:].expand(2, *kv.shape[1:]), args[-1], NB, BS)
+    # V is a float32 sum here (not a copy): the K rule for both halves of the cache
+    _assert_fp8_cache_matches(kv, kv_ref, args[-1], NB, BS, v_exact=False)
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -252,10 +249,7 @@ def test_gpu_qwen3_shapes(T, fp8, ln):
                                          scales=(0.5, 0.25) if fp8 else (1.0, 1.0), ln=lw)
     torch.testing.assert_close(q.float(), q_ref.float(), **TOL[dtype])
     if fp8:
-        for i in (0, 1):
-            _assert_fp8_cache_matches(kv[i:i + 1].expand(2, *kv.shape[1:]),
-                                      kv_ref[i:i + 1].expand(2, *kv.shape[1:]), args[-1],
-                                      NB, BS)
+        _assert_fp8_cache_matches(kv, kv_ref, args[-1], NB, BS, v_exact=False)
     else:
         _assert_written_close(kv, kv_ref, args[-1], NB, BS, TOL[dtype])
     assert int(counters(torch.empty(0, device="cuda").device, 0).abs().sum()) == 0
