@@ -18,7 +18,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/pagedkv-gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 cat COMMIT 2>/dev/null | tee "$OUT/env.txt"
-run() { local name=$1 t=$2; shift 2; echo "== $name"; timeout $t "$@" 2>&1 | grep -v -i warn | tee "$OUT/$name.log" | tail -${TAIL:-14}; }
+run() { local name=$1 t=$2; shift 2; echo "== $name"; timeout $t "$@" 2>&1 | grep -v -E "Warning: |warnings\.warn\(" | tee "$OUT/$name.log" | tail -${TAIL:-14}; }
 # ab_pairs PAIRS "WORKLOADS" "FLAGS" TXT ["BASE"]: PAIRS rounds of each workload through
 # bench_w1.py in alternating processes, BASE (default: none, the defaults) then FLAGS; one line
 # a run (tok/s, start-up) in $OUT/TXT
