@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import numbers
 import os
 import time
 from dataclasses import dataclass, field
@@ -58,6 +57,7 @@ from pagedkv.engine.memory import (
     size_kv_cache,
     warn_if_others_hold_memory,
 )
+from pagedkv.engine.validation import PromptType, validate_request
 from pagedkv.engine.outputs import OutputDelta, CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedkv.errors import ConfigError, InvalidRequestError, InvariantError, UnknownRequestError
 from pagedkv.kernels._common import TOKEN_BLOCK_LEVELS
@@ -77,7 +77,6 @@ from pagedkv.worker.kv_caches import kv_block_bytes
 # for explicitly
 ATTENTION_BACKENDS = ("auto", "torch_ref", "triton", "triton+cudnn")
 
-PromptType = str | Sequence[int]
 
 
 def make_attention_backend(name: str | AttentionBackend, device: torch.device) -> AttentionBackend:
@@ -799,77 +798,6 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 def allow_long_max_model_len_from_env() -> bool:
     return os.environ.get("PAGEDKV_ALLOW_LONG_MAX_MODEL_LEN", "") in ("1", "true", "True")
-
-
-def validate_request(prompt: PromptType, params: SamplingParams, *, tokenizer: Any,
-                 vocab_size: int, max_model_len: int
-                 ) -> tuple[str | None, list[int], SamplingParams]:
-    """``(prompt text or None, prompt token ids, params)`` of one request, or
-    ``InvalidRequestError``: the prompt forms vLLM accepts (a string, token ids,
-    ``{"prompt": ...}``, ``{"prompt_token_ids": ...}``), ids inside the vocabulary, room for
-    one output token within ``max_model_len``, stop strings only with a tokenizer. Needs no
-    engine (the server's front process validates with it before anything is queued)."""
-    if not isinstance(params, SamplingParams):
-        raise InvalidRequestError(
-            f"sampling_params must be a SamplingParams, got {type(params).__name__}"
-        )
-    params.check_vocab(vocab_size)
-    if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
-        keys = set(prompt)
-        if keys == {"prompt"}:
-            prompt = prompt["prompt"]
-            if not isinstance(prompt, str):
-                raise InvalidRequestError("{'prompt': ...} takes a string")
-        elif keys == {"prompt_token_ids"}:
-            prompt = prompt["prompt_token_ids"]
-            if isinstance(prompt, str):
-                raise InvalidRequestError("{'prompt_token_ids': ...} takes a list of ints")
-        else:
-            raise InvalidRequestError(
-                f"a dict prompt has exactly one key, 'prompt' or 'prompt_token_ids'; got {sorted(keys)}"
-            )
-    if params.stop and tokenizer is None:
-        raise InvalidRequestError(
-            "stop strings need a tokenizer; this model has none (use stop_token_ids)"
-        )
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise InvalidRequestError(
-                "this model has no tokenizer; pass prompts as lists of token ids"
-            )
-        text: str | None = prompt
-        ids = tokenizer.encode(prompt)
-    elif isinstance(prompt, (bytes, bytearray)) or not (
-            isinstance(prompt, Sequence) or hasattr(prompt, "tolist")):
-        raise InvalidRequestError(
-            f"a prompt is a string or a list of token ids, got {type(prompt).__name__}"
-        )
-    else:
-        text = None
-        raw = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
-        if raw and set(map(type, raw)) == {int}:  # the common case: plain ints, checked in C
-            ids = raw  # already a copy of the caller's sequence
-            in_vocab = 0 <= min(ids) and max(ids) < vocab_size
-        else:
-            bad = [t for t in raw if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
-            if bad:
-                raise InvalidRequestError(f"prompt token ids must be ints, got {bad[:5]!r}")
-            ids = [int(t) for t in raw]
-            in_vocab = all(0 <= t < vocab_size for t in ids)
-        out = [] if in_vocab else [t for t in ids if not 0 <= t < vocab_size]
-        if out:
-            raise InvalidRequestError(
-                f"prompt token ids {out[:5]} are outside the vocabulary [0, {vocab_size})"
-            )
-    if not ids:
-        raise InvalidRequestError("the prompt is empty" + (" (it encodes to no tokens)" if text else ""))
-    if len(ids) >= max_model_len:
-        raise InvalidRequestError(
-            f"the prompt has {len(ids)} tokens; with max_model_len={max_model_len} at "
-            f"most {max_model_len - 1} leave room for one output token. Shorten the "
-            "prompt or raise max_model_len"
-        )
-    return text, ids, params
 
 
 def attention_block_size(groups, block_size: int) -> int:

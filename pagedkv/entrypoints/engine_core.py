@@ -223,7 +223,7 @@ class EngineFront:
         return copy.copy(self._default_params)
 
     def validate(self, prompt, params):
-        from pagedkv.engine.llm_engine import validate_request
+        from pagedkv.engine.validation import validate_request
 
         if params is None:
             params = self.default_sampling_params()

@@ -310,6 +310,39 @@ def test_load_with_disconnects(live, ref):
     assert "pagedkv:num_requests_running{model_name=\"tiny\"} 0.0" in text
 
 
+def _mapped_libraries(pid: int) -> set[str] | None:
+    """The shared libraries process ``pid`` has mapped (None where /proc has no maps)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return {line.split()[-1] for line in f if ".so" in line.rsplit("/", 1)[-1]}
+    except OSError:
+        return None
+
+
+def test_serve_front_loads_nothing_on_its_first_requests():
+    """`pagedkv serve --shape`: the front process maps no new library for its first requests
+    (text and token-id prompts, a streamed one, a refused one) and never torch (the engine is
+    in its own process). The front once imported the engine module lazily to validate its first
+    request: torch, 1.1 s on the 2-core CPU machine inside the event loop, ~4 s of TTFT for
+    every request of a first W1 burst on the H200 host."""
+    with ServeProcess(["--shape", "llama-tiny", "--device", "cpu", "--max-model-len", "64",
+                       "--kv-cache-memory-bytes", "1000000"]) as server:
+        before = _mapped_libraries(server.pid)
+        if before is None:
+            pytest.skip("no /proc/PID/maps here")
+        for prompt, stream in (("t5 t6", False), ([5, 6, 7], False), ([8, 9], True)):
+            r = httpx.post(server.url + "/v1/completions", timeout=60,
+                           json={"model": "llama-tiny", "prompt": prompt, "max_tokens": 2,
+                                 "stream": stream, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+        bad = httpx.post(server.url + "/v1/completions", timeout=60,
+                         json={"model": "llama-tiny", "prompt": [10 ** 9], "max_tokens": 2})
+        assert bad.status_code == 400
+        after = _mapped_libraries(server.pid)
+        assert after - before == set()
+        assert not any("libtorch" in lib for lib in after)
+
+
 def test_serve_command_and_graceful_sigterm(model_dir):
     """`pagedkv serve DIR`: answers, and on SIGTERM lets the running request finish and exits 0."""
     with ServeProcess([model_dir, "--device", "cpu", "--dtype", "float32", "--max-model-len",
