@@ -139,6 +139,17 @@ def test_triton_engine_matches_transformers(tiny_dir, family):
     _assert_greedy_matches_hf(llm, hf)
 
 
+def test_block_size_64_engine_matches_transformers(tiny_dir):
+    """Pages of 64 tokens (the H200's faster block size for the prefill and W2, BENCHMARKS.md
+    twenty-sixth session) through the Triton engine in float32: chunked prefill mixed with
+    decodes, CUDA graphs; greedy tokens equal transformers'."""
+    path = tiny_dir("qwen3")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    llm = _gpu_llm(path, max_num_batched_tokens=32, block_size=64, num_gpu_blocks_override=64)
+    assert llm.engine.scheduler.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size == 64
+    _assert_greedy_matches_hf(llm, hf)
+
+
 def test_flat_split_engine_matches_transformers(tiny_dir):
     """The decode kernel's flat split (``DecodeConfig.flat_split``) through the engine: decode
     CUDA graphs and chunked prefill mixed with decodes; greedy tokens equal transformers'."""
@@ -448,13 +459,14 @@ def _long_prompts_case(tiny_dir, seed: int):
                                          logprobs=1)
 
 
-@pytest.mark.parametrize("mixed_graphs", [True, False])
-def test_cudnn_paged_prefill_engine_matches_triton(tiny_dir, mixed_graphs):
+@pytest.mark.parametrize("mixed_graphs,block_size", [(True, 16), (False, 16), (True, 64)],
+                         ids=["graphs", "eager", "graphs-block64"])
+def test_cudnn_paged_prefill_engine_matches_triton(tiny_dir, mixed_graphs, block_size):
     """The engine with every prefill request through cuDNN's paged attention
     (``paged_prefill="cudnn"``; bf16) against the paged Triton kernel: prompts of 40-1,500
     token ids in chunked, mixed steps (a 1,024-token budget: chunks after cached context),
-    with mixed-step CUDA graphs (the cuDNN launch captured) and eager; greedy tokens and
-    their logprobs."""
+    with mixed-step CUDA graphs (the cuDNN launch captured) and eager, pages of 16 and 64;
+    greedy tokens and their logprobs."""
     from pagedkv.attention.cudnn_paged import frontend
     from pagedkv.attention.triton_backend import TritonAttentionBackend
 
@@ -465,8 +477,8 @@ def test_cudnn_paged_prefill_engine_matches_triton(tiny_dir, mixed_graphs):
     for mode in ("triton", "cudnn"):
         backend = TritonAttentionBackend(paged_prefill=mode)
         llm = _gpu_llm(path, dtype="bfloat16", max_num_batched_tokens=1024, max_model_len=2048,
-                       num_gpu_blocks_override=1024, attention_backend=backend,
-                       mixed_cuda_graphs=mixed_graphs)
+                       num_gpu_blocks_override=1024 * 16 // block_size, block_size=block_size,
+                       attention_backend=backend, mixed_cuda_graphs=mixed_graphs)
         outs[mode] = llm.generate(prompts, params, use_tqdm=False)
         graphs = list(backend._cudnn_graphs.values())
         assert bool(graphs) is (mode == "cudnn") and all(graphs)  # the path ran, none declined
