@@ -497,7 +497,10 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time config / split variants")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--block-size", type=int, default=BS,
+                    help=f"tokens a page (default {BS}, the engine's default block)")
     args = ap.parse_args()
+    globals()["BS"] = args.block_size  # the module's page size, read by every case
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU (run it on the H200 machine)")
     if os.environ.get("TRITON_INTERPRET") == "1":
