@@ -46,7 +46,7 @@ def _tensor_parallel_engine(model, ec: EngineConfig, dtype, device, attention_ba
     from pagedkv.distributed.executor import build_tensor_parallel_engine
     from pagedkv.models.config import load_model_config
     from pagedkv.models.generation_config import load_generation_defaults
-    from pagedkv.models.loader import load_tokenizer
+    from pagedkv.models.tokenizer import load_tokenizer
 
     path = os.fspath(model)
     config = load_model_config(path, max_model_len=ec.max_model_len)

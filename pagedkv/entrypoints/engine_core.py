@@ -94,7 +94,7 @@ class EngineSpec:
             return synthetic_tokenizer(vocab_size), None
         from pagedkv.errors import ChatTemplateError
         from pagedkv.models.chat_template import ChatTemplate
-        from pagedkv.models.loader import load_tokenizer
+        from pagedkv.models.tokenizer import load_tokenizer
 
         tok = load_tokenizer(self.model, self.tokenizer)
         tdir = (os.fspath(self.tokenizer) if isinstance(self.tokenizer, (str, os.PathLike))

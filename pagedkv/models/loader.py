@@ -24,7 +24,7 @@ from pagedkv.models.config import ModelArchConfig, load_model_config, normalize_
 from pagedkv.models.decoder import DecoderForCausalLM
 from pagedkv.models.generation_config import GenerationDefaults, load_generation_defaults
 from pagedkv.models.registry import get_model_class
-from pagedkv.models.tokenizer import Tokenizer
+from pagedkv.models.tokenizer import Tokenizer, load_tokenizer
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -199,25 +199,6 @@ class LoadedCheckpoint:
     model: DecoderForCausalLM
     tokenizer: Tokenizer | None
     generation: GenerationDefaults = GenerationDefaults()
-
-
-def load_tokenizer(model_dir: str | os.PathLike,
-                   tokenizer: bool | str | os.PathLike = "auto") -> Tokenizer | None:
-    """The tokenizer ``load_checkpoint`` gives a checkpoint: True (required, from
-    ``model_dir``), "auto" (``model_dir``'s, None when absent), False (none), or a directory
-    to load it from."""
-    model_dir = os.fspath(model_dir)
-    if tokenizer is True or (tokenizer == "auto" and os.path.isfile(os.path.join(model_dir, "tokenizer.json"))):
-        return Tokenizer.from_dir(model_dir)
-    if isinstance(tokenizer, (str, os.PathLike)) and tokenizer != "auto":
-        tok_dir = os.fspath(tokenizer)
-        if not os.path.isdir(tok_dir):
-            raise ConfigError(f"tokenizer directory {tok_dir!r} does not exist")
-        return Tokenizer.from_dir(tok_dir)
-    if tokenizer not in (False, "auto"):
-        raise ConfigError(
-            f"tokenizer must be a directory, 'auto', True or False, got {tokenizer!r}")
-    return None
 
 
 def load_checkpoint(

@@ -11,7 +11,7 @@ import json
 import os
 from typing import Iterable
 
-from pagedkv.errors import CheckpointError
+from pagedkv.errors import CheckpointError, ConfigError
 
 
 def _token_str(v) -> str | None:
@@ -109,4 +109,23 @@ def synthetic_tokenizer(vocab_size: int) -> Tokenizer:
     return Tokenizer(tok, source=f"synthetic word-level tokenizer ({vocab_size} ids)")
 
 
-__all__ = ["Tokenizer", "synthetic_tokenizer"]
+def load_tokenizer(model_dir: str | os.PathLike,
+                   tokenizer: bool | str | os.PathLike = "auto") -> Tokenizer | None:
+    """The tokenizer ``load_checkpoint`` gives a checkpoint: True (required, from
+    ``model_dir``), "auto" (``model_dir``'s, None when absent), False (none), or a directory
+    to load it from. Torch-free, so the serving front loads it without the engine."""
+    model_dir = os.fspath(model_dir)
+    if tokenizer is True or (tokenizer == "auto" and os.path.isfile(os.path.join(model_dir, "tokenizer.json"))):
+        return Tokenizer.from_dir(model_dir)
+    if isinstance(tokenizer, (str, os.PathLike)) and tokenizer != "auto":
+        tok_dir = os.fspath(tokenizer)
+        if not os.path.isdir(tok_dir):
+            raise ConfigError(f"tokenizer directory {tok_dir!r} does not exist")
+        return Tokenizer.from_dir(tok_dir)
+    if tokenizer not in (False, "auto"):
+        raise ConfigError(
+            f"tokenizer must be a directory, 'auto', True or False, got {tokenizer!r}")
+    return None
+
+
+__all__ = ["Tokenizer", "load_tokenizer", "synthetic_tokenizer"]

@@ -344,10 +344,14 @@ def test_serve_front_loads_nothing_on_its_first_requests():
 
 
 def test_serve_command_and_graceful_sigterm(model_dir):
-    """`pagedkv serve DIR`: answers, and on SIGTERM lets the running request finish and exits 0."""
+    """`pagedkv serve DIR`: its front process loads the checkpoint's tokenizer without torch
+    (the engine, in its own process, has it); it answers, and on SIGTERM lets the running
+    request finish and exits 0."""
     with ServeProcess([model_dir, "--device", "cpu", "--dtype", "float32", "--max-model-len",
                        "128", "--kv-cache-memory-bytes", "1000000", "--served-model-name",
                        "tiny"]) as server:
+        libs = _mapped_libraries(server.pid)
+        assert libs is None or not any("libtorch" in lib for lib in libs)
         with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
                           json={"model": "tiny", "prompt": "Hello", "max_tokens": 40,
                                 "temperature": 0, "stream": True, "ignore_eos": True}) as r:
