@@ -78,7 +78,6 @@ from pagedkv.worker.kv_caches import kv_block_bytes
 ATTENTION_BACKENDS = ("auto", "torch_ref", "triton", "triton+cudnn")
 
 
-
 def make_attention_backend(name: str | AttentionBackend, device: torch.device) -> AttentionBackend:
     """``"auto"``: the Triton backend on CUDA, the torch reference on CPU; ``"triton"`` needs
     CUDA (or ``TRITON_INTERPRET=1``) and sends its prefill requests through cuDNN's paged
