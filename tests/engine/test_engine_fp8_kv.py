@@ -293,7 +293,10 @@ def test_gpu_qwen3_0_6b_shape_bf16_fp8_cache(tiny_cache):
 
     family, opts = shape_spec_options("qwen3-0.6b", dtype="bfloat16", init_std=0.02)
     path = build_tiny_checkpoint(family, tiny_cache, **opts)
-    per_block = 28 * 2 * 16 * 8 * 128 * 2  # bf16 bytes of one block, all layers
+    from pagedkv.config import EngineConfig
+
+    block = EngineConfig().resolved("cuda").block_size  # the default engine's block size
+    per_block = 28 * 2 * block * 8 * 128 * 2  # bf16 bytes of one block, all layers
     common = dict(tokenizer=False, dtype="bfloat16", device="cuda", max_model_len=2048,
                   max_num_seqs=8, max_num_batched_tokens=1024,
                   kv_cache_memory_bytes=400 * per_block, attention_backend="triton")
