@@ -110,6 +110,25 @@ def test_chunked_prefill_and_prefix_hits_in_align_mode(tiny_dir, hf_ref, twins):
     assert llm.get_kv_stats()["prefix_cache_hits"] >= hits + block
 
 
+def test_align_mode_at_pages_of_64(tiny_dir, hf_ref, twins):
+    """Pages of 64 (the block size the GPU default was tried at, twenty-seventh session): the
+    state page fits, so the attention block stays 64 and the align-mode checkpoints fall every
+    64 tokens; the prompts of the GPU bf16 test (5, 40 and 100 tokens) on a 64-token budget,
+    chunked across block boundaries, then the longest again (a hit at its 64-token block)."""
+    path = tiny_dir("qwen3_next")
+    ref = hf_ref(path)
+    llm = make_llm(path, block_size=64, max_num_batched_tokens=64, max_num_seqs=8,
+                   kv_cache_memory_bytes=8 << 20)
+    state, attn = groups_of(llm)
+    assert state[0].kv_cache_spec.mamba_cache_mode == MambaCacheMode.ALIGN
+    assert state[0].kv_cache_spec.block_size == attn[0].kv_cache_spec.block_size == 64
+    prompts = [list(range(3, 3 + n)) for n in (5, 40, 100)]
+    check_greedy(llm, ref, prompts, 24)
+    assert llm.get_kv_stats()["prefix_cache_hits"] == 0
+    check_greedy(llm, ref, prompts[2:], 8)
+    assert llm.get_kv_stats()["prefix_cache_hits"] == 64
+
+
 def test_prefix_caching_off_mode_none(tiny_dir, hf_ref, twins):
     path = tiny_dir("qwen3_next", **VARIANTS["4-layers-stacked"])
     llm = make_llm(path, enable_prefix_caching=False, max_num_batched_tokens=24,
