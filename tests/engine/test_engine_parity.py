@@ -48,6 +48,31 @@ def test_block_sizes(tiny_dir, hf_ref, block_size):
     assert pool_is_idle(llm)
 
 
+def test_triton_kernels_at_pages_of_64(tiny_dir, hf_ref):
+    """Pages of 64 (tried as the CUDA default in the twenty-seventh session) through the Triton
+    kernels (interpreted on CPU): the batch of ``test_balanced_graph_variants_match_eager`` (6
+    prompts of 40 tokens, each within one page for its whole run) with the balanced one-range
+    decode forced on, then TEXTS; greedy tokens equal transformers'."""
+    import dataclasses
+
+    import torch
+
+    from pagedkv.attention.triton_backend import TritonAttentionBackend
+    from pagedkv.attention.triton_decode import default_decode_config
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernels on CPU tensors need the interpreter")
+    path = tiny_dir("qwen3")
+    cfg = dataclasses.replace(default_decode_config(torch.device("cpu")),
+                              balanced_min_programs_per_sm=0.0, wave_programs_per_sm=1.0)
+    llm = make_llm(path, block_size=64, attention_backend=TritonAttentionBackend(decode_config=cfg))
+    equal = [[5 + (i * 7 + j) % 300 for j in range(40)] for i in range(6)]
+    outs = llm.generate(equal, greedy(), use_tqdm=False) + llm.generate(TEXTS, greedy(), use_tqdm=False)
+    check_against_hf(hf_ref(path), outs)
+    assert llm.get_kv_stats()["block_size"] == 64
+    assert pool_is_idle(llm)
+
+
 def _record_steps(llm):
     """Wrap the runner so every (scheduled tokens, sampled tokens) pair is kept."""
     runner = llm.runner
