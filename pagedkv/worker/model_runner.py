@@ -581,12 +581,18 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     def _to_device(self, values: np.ndarray) -> torch.Tensor:
-        """A small int64 host array on the device without a sync (through pinned memory on
-        CUDA: torch's caching host allocator keeps the block until the copy has run)."""
-        # a copy when ``values`` is a read-only view (a staging buffer's rows in strict mode,
-        # pagedkv.worker.buffers): torch wraps no read-only array, and the CPU device's tensor
-        # would otherwise alias the staging bytes the next step rewrites
-        t = torch.from_numpy(np.require(values, np.int64, ("C", "W")))
+        """A small int64 host array on the device without a sync, holding ``values`` as they
+        are at the call: later writes to ``values`` never reach it.
+
+        Always through a private copy. ``values`` may be rows of a staging buffer that the next
+        step's input preparation rewrites (the prefill logits rows are
+        ``preparer.logits_indices.np``), and on CUDA that buffer is pinned: ``pin_memory()`` of
+        a tensor already in pinned memory returns the tensor itself, so the non-blocking copy
+        would read the staging bytes when the device reaches it, after the host had written the
+        next step's rows there (async scheduling, a device behind the host: a step's tokens
+        then came from the next step's rows). A pageable private copy is pinned into a new block
+        of torch's caching host allocator, which keeps it until the copy has run."""
+        t = torch.from_numpy(np.array(values, dtype=np.int64))
         if self.device.type != "cuda":
             return t.to(self.device)
         return t.pin_memory().to(self.device, non_blocking=True)

@@ -148,3 +148,46 @@ def test_engine_writes_no_staging_bytes_under_a_pending_copy(tiny_dir, monkeypat
     stats = run_churn(llm, prompts, params, abort_tokens=20)
     assert det.copies > 80 and stats["preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     assert det.violations == [], "\n\n".join(det.violations[:3])
+
+
+@pytest.mark.parametrize("strict_staging", [False, True])
+def test_runner_device_rows_keep_the_values_of_their_call(tiny_dir, monkeypatch, strict_staging):
+    """The runner's small host arrays on the device (``ModelRunner._to_device``: a prefill
+    step's logits rows, pending-token and penalty rows) leave by a non-blocking copy on CUDA,
+    which reads its bytes when the device reaches it. So each tensor it returns must keep the
+    values of its call after the host has written the next steps' staging rows.
+
+    It did not: a prefill step in which every request samples passed its logits rows as
+    ``preparer.logits_indices.np`` (the pinned staging area), and ``pin_memory()`` of memory
+    already pinned returns the same memory: with async scheduling and a device behind the
+    host, the step projected the next step's rows (the hidden rows of the first request's
+    first tokens). On the CPU the returned tensor aliased the staging bytes the same way,
+    which this test sees after the later steps. Strict staging (read-only views until the
+    copy is waited for) had hidden it: a read-only array was copied."""
+    from pagedkv.worker import buffers
+
+    prev = buffers.set_strict_staging(strict_staging)
+    try:
+        llm = make_llm(tiny_dir("qwen3"), async_scheduling=True, max_num_batched_tokens=512,
+                       attention_backend="triton", sanitize=False)
+        runner = llm.runner
+        made = []
+        inner = runner._to_device
+
+        def to_device(values):
+            t = inner(values)
+            made.append((t, t.clone()))
+            return t
+
+        monkeypatch.setattr(runner, "_to_device", to_device)
+        # six prompts of 40 tokens: one prefill step in which every request samples (its logits
+        # rows 39, 79, ..., 239), then decode steps whose preparation rewrites those rows
+        prompts = [[5 + (i * 7 + j) % 300 for j in range(40)] for i in range(6)]
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                            use_tqdm=False)
+    finally:
+        buffers.set_strict_staging(prev)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+    changed = [(then.tolist(), now.tolist()) for now, then in made if not torch.equal(now, then)]
+    assert changed == [], f"(at the call, after the later steps): {changed[:3]}"
+    assert [39, 79, 119, 159, 199, 239] in [then.tolist() for _, then in made]

@@ -250,3 +250,43 @@ def test_gpu_host_ahead_of_a_held_back_device_matches_transformers(tiny_dir, str
             want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                                do_sample=False, eos_token_id=None, pad_token_id=0)
             assert o.outputs[0].token_ids == want[0, ids.shape[1]:].tolist(), o.prompt
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_gpu_prefill_logits_rows_with_the_device_behind(tiny_dir, enforce_eager):
+    """A prefill step in which every request samples hands its logits rows (rows of the pinned
+    staging area) to a non-blocking copy queued after the forward pass. A sleep kernel queued
+    before that copy holds the device back while the host prepares the next step, which
+    rewrites those staging rows (strict mode off, as served). Eight prompts (a CUDA-graph size,
+    so the graph engine pads nothing either). Before ``ModelRunner._to_device`` copied its
+    input, the step projected the next step's rows 0-7: every request's first token was the
+    first prompt's second one's prediction (the twenty-seventh session's eager failure at pages
+    of 64: 199 where transformers says 139). Tokens must equal transformers'."""
+    transformers = pytest.importorskip("transformers")
+    from pagedkv import LLM
+
+    path = tiny_dir("qwen3")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    llm = LLM(path, dtype="float32", device="cuda", max_num_seqs=16, max_num_batched_tokens=512,
+              max_model_len=256, num_gpu_blocks_override=256, attention_backend="triton",
+              enforce_eager=enforce_eager)
+    runner = llm.runner
+    assert llm.engine.async_scheduling
+    rows = runner._logits_rows
+
+    def held_back(r):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        return rows(r)
+
+    runner._logits_rows = held_back
+    prompts = [[5 + (i * 7 + j) % 300 for j in range(40)] for i in range(8)]
+    n = 6
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+                        use_tqdm=False)
+    with torch.no_grad():
+        for o in outs:
+            ids = torch.tensor([o.prompt_token_ids], device="cuda")
+            want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                               do_sample=False, eos_token_id=None, pad_token_id=0)
+            assert o.outputs[0].token_ids == want[0, ids.shape[1]:].tolist(), o.prompt_token_ids[:3]
