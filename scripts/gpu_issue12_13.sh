@@ -205,7 +205,7 @@ fi
 if [ -n "${EAGER_TOKENS:-}" ]; then  # twenty-seventh session: at pages of 64 the fp32 enforce_eager engine of test_balanced_graph_variants_match_eager differed from its first token under the suite's 4 workers; which GPU variants give the CPU reference's tokens, at 64 and 16, on a quiet GPU (bench/diag_eager_tokens_gpu.py), then that test alone; eager_tokens_bs*.log
   # EAGER_BS: the block sizes (default 64 alone: 8 variants + the two pairs build 12 engines, ~3-4 min)
   for bs in ${EAGER_BS:-64}; do TAIL=16 run eager_tokens_bs$bs 330 python3 bench/diag_eager_tokens_gpu.py --block-size $bs --json "$OUT/eager_tokens_bs$bs.json"; done
-  TAIL=4 run eager_tokens_test 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_engine_gpu.py -k "balanced_graph_variants or block_size_64"
+  TAIL=4 run eager_tokens_test 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_engine_gpu.py tests/engine/test_strict_staging.py -k "balanced_graph_variants or block_size_64 or logits_rows"
 fi
 if [ -n "${FLAKE:-}" ]; then  # the exact fp32 parity failures seen only under the suite's 4 workers (twenty-first to twenty-fourth sessions): (1) the host-ahead test (a sleep kernel before every step's copies, strict staging), (2) the sequence a failing worker ran, serially on a quiet GPU (test-order state), (3) the parity tests FLAKE_ROUNDS times under FLAKE_LOAD background matmul processes (GPU contention without other tests); results in flake.txt
   tf=${TMPDIR:-/tmp}/pagedkv-transformers
