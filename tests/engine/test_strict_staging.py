@@ -223,11 +223,25 @@ def _delay_each_step(runner) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("strict_mode", [True, False], ids=["strict", "as-served"])
 @pytest.mark.parametrize("family", ["mistral", "llama"])
-def test_gpu_host_ahead_of_a_held_back_device_matches_transformers(tiny_dir, strict, family):
+def test_gpu_host_ahead_of_a_held_back_device_matches_transformers(tiny_dir, family,
+                                                                   strict_mode):
+    """Also with strict mode off, as the engine serves: strict mode's read-only views made
+    ``ModelRunner._to_device`` copy the prefill logits rows, which hid the race that mode
+    exists to show (see test_gpu_prefill_logits_rows_with_the_device_behind)."""
     transformers = pytest.importorskip("transformers")
     from pagedkv import LLM
 
+    prev = buffers.set_strict_staging(strict_mode)
+    try:
+        _host_ahead_matches_transformers(tiny_dir, family, transformers, LLM)
+    finally:
+        buffers.set_strict_staging(prev)
+
+
+def _host_ahead_matches_transformers(tiny_dir, family, transformers, LLM) -> None:
+    """The held-back device run of the test above and its comparison with transformers."""
     path = tiny_dir(family)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     # test_engine_gpu's parity configuration: async scheduling, compiled regions and CUDA
@@ -260,9 +274,9 @@ def test_gpu_prefill_logits_rows_with_the_device_behind(tiny_dir, enforce_eager)
     before that copy holds the device back while the host prepares the next step, which
     rewrites those staging rows (strict mode off, as served). Eight prompts (a CUDA-graph size,
     so the graph engine pads nothing either). Before ``ModelRunner._to_device`` copied its
-    input, the step projected the next step's rows 0-7: every request's first token was the
-    first prompt's second one's prediction (the twenty-seventh session's eager failure at pages
-    of 64: 199 where transformers says 139). Tokens must equal transformers'."""
+    input, the step projected the next step's rows 0-7: request i's first token was the
+    prediction after the first prompt's first i + 1 tokens (the twenty-seventh session's eager
+    failure at pages of 64: 199 where transformers says 139). Tokens must equal transformers'."""
     transformers = pytest.importorskip("transformers")
     from pagedkv import LLM
 
