@@ -28,6 +28,9 @@ class RaceDetector:
         self.pending: dict[int, tuple[CpuGpuBuffer, torch.Tensor, torch.Tensor, str]] = {}
         self.violations: list[str] = []
         self.copies = 0
+        self.rows: list = []  # [tensor, its values at the call, checks so far] (watch_device_rows)
+        self.rows_made = 0
+        self._monkeypatch = monkeypatch
         det = self
         orig_copy = CpuGpuBuffer.copy_to_gpu
         orig_wait = CpuGpuBuffer.wait_for_copy
@@ -69,6 +72,34 @@ class RaceDetector:
         monkeypatch.setattr(CpuGpuBuffer, "copy_to_gpu", copy_to_gpu)
         monkeypatch.setattr(CpuGpuBuffer, "wait_for_copy", wait_for_copy)
         monkeypatch.setattr(StagingArea, "copy_to_gpu", area_copy)
+
+    def watch_device_rows(self) -> None:
+        """Also watch ``ModelRunner._to_device`` (small host arrays on the device: a
+        non-blocking copy on CUDA, see the last test) of the engines built after this call
+        (their pieces keep the bound method): every tensor it returns must keep the values of
+        its call; :meth:`check_rows` compares them (each over its next three checks)."""
+        from pagedkv.worker.model_runner import ModelRunner
+
+        inner = ModelRunner._to_device
+        det = self
+
+        def to_device(runner, values):
+            t = inner(runner, values)
+            det.rows.append([t, t.clone(), 0])
+            det.rows_made += 1
+            return t
+
+        self._monkeypatch.setattr(ModelRunner, "_to_device", to_device)
+
+    def check_rows(self, when: str) -> None:
+        for entry in self.rows:
+            now, then, _ = entry
+            if not torch.equal(now, then):
+                self.violations.append(f"{when}: a device row tensor of ModelRunner._to_device "
+                                       f"changed after its call: {then.tolist()[:8]} -> "
+                                       f"{now.tolist()[:8]}")
+            entry[2] += 1
+        self.rows = [e for e in self.rows if e[2] < 3]
 
     def track(self, buf, src: torch.Tensor) -> None:
         import traceback
@@ -124,6 +155,7 @@ def test_engine_writes_no_staging_bytes_under_a_pending_copy(tiny_dir, monkeypat
     staging): every host -> device copy's bytes unchanged until their buffer waited. (With
     the input preparer's wait removed, this test fails on its first later copy.)"""
     det = RaceDetector(monkeypatch)
+    det.watch_device_rows()
     path = tiny_dir("qwen3")
     # a small pool (8 usable blocks of 16 for 4 running requests of up to ~80 tokens):
     # preemption; 24 tokens a step: chunked prefills beside decodes
@@ -138,6 +170,7 @@ def test_engine_writes_no_staging_bytes_under_a_pending_copy(tiny_dir, monkeypat
     def step(*a, **kw):
         out = inner(*a, **kw)
         det.check("after a step")
+        det.check_rows("after a step")
         steps.append(1)
         return out
 
@@ -147,6 +180,7 @@ def test_engine_writes_no_staging_bytes_under_a_pending_copy(tiny_dir, monkeypat
                                     unshared_len=60)
     stats = run_churn(llm, prompts, params, abort_tokens=20)
     assert det.copies > 80 and stats["preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert det.rows_made > 20, det.rows_made
     assert det.violations == [], "\n\n".join(det.violations[:3])
 
 
@@ -167,19 +201,11 @@ def test_runner_device_rows_keep_the_values_of_their_call(tiny_dir, monkeypatch,
     from pagedkv.worker import buffers
 
     prev = buffers.set_strict_staging(strict_staging)
+    det = RaceDetector(monkeypatch)
+    det.watch_device_rows()
     try:
         llm = make_llm(tiny_dir("qwen3"), async_scheduling=True, max_num_batched_tokens=512,
                        attention_backend="triton", sanitize=False)
-        runner = llm.runner
-        made = []
-        inner = runner._to_device
-
-        def to_device(values):
-            t = inner(values)
-            made.append((t, t.clone()))
-            return t
-
-        monkeypatch.setattr(runner, "_to_device", to_device)
         # six prompts of 40 tokens: one prefill step in which every request samples (its logits
         # rows 39, 79, ..., 239), then decode steps whose preparation rewrites those rows
         prompts = [[5 + (i * 7 + j) % 300 for j in range(40)] for i in range(6)]
@@ -188,6 +214,7 @@ def test_runner_device_rows_keep_the_values_of_their_call(tiny_dir, monkeypatch,
     finally:
         buffers.set_strict_staging(prev)
     assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
-    changed = [(then.tolist(), now.tolist()) for now, then in made if not torch.equal(now, then)]
-    assert changed == [], f"(at the call, after the later steps): {changed[:3]}"
-    assert [39, 79, 119, 159, 199, 239] in [then.tolist() for _, then in made]
+    calls = [then.tolist() for _, then, _ in det.rows]
+    assert [39, 79, 119, 159, 199, 239] in calls
+    det.check_rows("after the later steps")
+    assert det.violations == [], det.violations[:3]
