@@ -37,9 +37,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from bench_attention_gpu import BS, COPY_TBPS, D, DTYPE, H, HKV, SCALE, rel_err, time_graph  # noqa: E402
+from bench_attention_gpu import BS, COPY_TBPS, D, DTYPE, H, HKV, SCALE, time_graph  # noqa: E402
+from bench_decode_mixed import decode_rel_err  # noqa: E402
 from pagedkv.attention._triton_common import num_sms  # noqa: E402
-from pagedkv.attention.torch_ref import paged_attention_ref  # noqa: E402
 from pagedkv.attention.triton_decode import DecodeConfig, one_range_for, paged_decode_attention  # noqa: E402
 
 PLACEMENTS = ("contig", "dense", "scatter")
@@ -108,14 +108,7 @@ class LayerSetup:
     def check(self) -> float:
         self.outs[0].fill_(float("nan"))
         self.call(0)()
-        n = min(6, self.batch)
-        meta = type("M", (), {})()
-        meta.query_start_loc_cpu = torch.arange(n + 1, dtype=torch.int32)
-        meta.num_reqs = n
-        meta.seq_lens_cpu = self.lens[:n]
-        meta.block_table_tensor = self.tables[0][:n]
-        ref = paged_attention_ref(self.qs[0][:n].float(), self.caches[0], meta, SCALE)
-        return rel_err(self.outs[0][:n], ref)
+        return decode_rel_err(self.qs[0], self.caches[0], self.tables[0], self.lens, self.outs[0])
 
     def time(self) -> float:
         return time_graph([self.call(i) for i in range(self.layers)], min_ms=20.0, trials=5)

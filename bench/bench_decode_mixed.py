@@ -124,6 +124,18 @@ VARIANTS = {
 }
 
 
+def decode_rel_err(q, cache, table, lens, out, n: int = 6) -> float:
+    """Relative error of a decode launch's first ``n`` requests (one query token each, block
+    table rows ``table``, lengths ``lens`` on the host) against the torch reference."""
+    n = min(n, q.shape[0])
+    meta = type("M", (), {})()
+    meta.query_start_loc_cpu = torch.arange(n + 1, dtype=torch.int32)
+    meta.num_reqs = n
+    meta.seq_lens_cpu = lens[:n]
+    meta.block_table_tensor = table[:n]
+    return rel_err(out[:n], paged_attention_ref(q[:n].float(), cache, meta, SCALE))
+
+
 class MixedSetup:
     """R rotations of (query, block table, output) over disjoint pages; lengths U[lo, hi]."""
 
@@ -167,14 +179,7 @@ class MixedSetup:
         self.outs[0].fill_(float("nan"))
         self.call(0, **kw)()
         torch.cuda.synchronize()
-        n = min(6, self.batch)
-        meta = type("M", (), {})()
-        meta.query_start_loc_cpu = torch.arange(n + 1, dtype=torch.int32)
-        meta.num_reqs = n
-        meta.seq_lens_cpu = self.lens[:n]
-        meta.block_table_tensor = self.tables[0][:n]
-        ref = paged_attention_ref(self.qs[0][:n].float(), self.cache, meta, SCALE)
-        return rel_err(self.outs[0][:n], ref)
+        return decode_rel_err(self.qs[0], self.cache, self.tables[0], self.lens, self.outs[0])
 
     def time(self, **kw) -> float:
         return time_graph([self.call(i, **kw) for i in range(self.rot)], min_ms=10.0, trials=5)
