@@ -8,7 +8,9 @@ on a GPU.
 The detector here makes it visible on the CPU: every host -> device copy of a
 ``CpuGpuBuffer`` or ``StagingArea`` keeps a snapshot of the bytes it copied until the buffer's
 ``wait_for_copy()``; before each later copy and after every engine step, any snapshot that no
-longer matches its bytes is a write that did not wait, i.e. a race on the GPU. The engine then
+longer matches its bytes is a write that did not wait, i.e. a race on the GPU. The tensors the
+runner's ``_to_device`` returns (small host arrays sent by their own non-blocking copies) are
+watched as well: each must keep the values of its call. The engine then
 runs a workload with every staging path busy (async scheduling, chunked prefills beside
 decodes, prefix-cache hits, preemption, aborts, a request finishing while others run)."""
 
