@@ -72,13 +72,14 @@ def block_tables(lens: torch.Tensor, num_blocks: int, placement: str,
 
 
 class LayerSetup:
-    """``layers`` caches (or views of one), their block tables and queries, one output each."""
+    """``layers`` caches (``distinct``) or one shared by every layer, their block tables, and
+    per layer a query and an output."""
 
     def __init__(self, lens: torch.Tensor, layers: int, num_blocks: int, placement: str,
                  distinct: bool, device: torch.device, seed: int = 0, dtype=DTYPE):
         gen = torch.Generator().manual_seed(seed)  # block tables
         dgen = torch.Generator(device=device).manual_seed(seed)  # values, made on the device
-        self.lens, self.batch, self.device = lens, lens.numel(), device
+        self.lens, self.batch = lens, lens.numel()
         n_caches = layers if distinct else 1
         self.caches, self.tables = [], []
         for _ in range(n_caches):
