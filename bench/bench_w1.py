@@ -343,7 +343,8 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default=None)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (default: the engine's, 64 on CUDA)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="default: LLM()'s (16384 on a >= 70 GiB GPU that is not an A100, else 8192)")

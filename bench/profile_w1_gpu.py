@@ -180,7 +180,7 @@ def main(argv=None) -> int:
             fresh_prefill=args.fresh_prefill or "auto")
         print(f"decode config for this run: {backend_kw['attention_backend'].decode_config}")
     t_build = time.perf_counter()
-    llm = LLM.from_shape(args.shape, block_size=16, max_num_seqs=256,
+    llm = LLM.from_shape(args.shape, max_num_seqs=256,
                          max_model_len=WORKLOAD_MAX_MODEL_LEN[args.workload],
                          gpu_memory_utilization=0.9,
                          enforce_eager=args.enforce_eager,

@@ -195,7 +195,8 @@ def _engine_args(p: argparse.ArgumentParser, batched_tokens: int | None = None) 
     g = p.add_argument_group("engine")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     g.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (default: 64 on CUDA, 16 on CPU)")
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=batched_tokens,
                    help="tokens scheduled per step (default: " + (

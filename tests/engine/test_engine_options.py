@@ -160,6 +160,34 @@ def test_engine_config_owns_the_options(tiny_dir):
     assert EngineConfig(cuda_graph_sizes=[1, 2, 8]).cuda_graph_sizes == (1, 2, 8)
 
 
+def test_block_size_default_follows_the_device(tiny_dir):
+    """``block_size=None`` (the default): pages of 64 on CUDA, 16 elsewhere; an explicit value
+    always wins, and the DCP interleave rule is checked on the resolved size."""
+    import torch
+
+    from pagedkv.config import EngineConfig, default_block_size
+
+    assert EngineConfig().block_size is None
+    assert EngineConfig().resolved("cpu").block_size == 16
+    assert EngineConfig().resolved("cuda").block_size == 64
+    assert EngineConfig().resolved(torch.device("cuda", 1)).block_size == 64
+    assert EngineConfig(block_size=16).resolved("cuda").block_size == 16
+    assert EngineConfig(block_size=128).resolved("cpu").block_size == 128
+    assert default_block_size("cuda:0") == 64 and default_block_size(torch.device("cpu")) == 16
+    with pytest.raises(ConfigError, match="block_size must be an int >= 1"):
+        EngineConfig(block_size=0)
+    with pytest.raises(ConfigError, match="block_size"):
+        EngineConfig(block_size=True)
+    # interleave 32 fits CUDA's 64-token pages but not CPU's 16
+    assert EngineConfig(dcp_kv_cache_interleave_size=32).resolved("cuda").block_size == 64
+    with pytest.raises(ConfigError, match="must divide block_size=16"):
+        EngineConfig(dcp_kv_cache_interleave_size=32).resolved("cpu")
+    # the engine runs with the resolved size
+    llm = make_llm(tiny_dir("qwen3"))
+    groups = llm.engine.scheduler.kv_cache_config.kv_cache_groups
+    assert groups[0].kv_cache_spec.block_size == 16 and llm.engine.runner.block_size == 16
+
+
 def test_max_num_batched_tokens_default_follows_the_device(tiny_dir, monkeypatch):
     """``max_num_batched_tokens=None`` (the default): 16,384 on a CUDA GPU of >= 70 GiB that
     is not an A100 (vLLM's ``LLM`` rule), 8,192 elsewhere; an explicit value always wins."""
