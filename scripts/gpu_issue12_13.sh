@@ -18,6 +18,16 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/pagedkv-gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 cat COMMIT 2>/dev/null | tee "$OUT/env.txt"
+# The carried cuDNN frontend (.whl/cudnn_fe: scripts/cudnn_wheels.sh; CUDNN_FE=0 skips it) into a
+# side dir on the path, so every section times the engine's default prefill (cuDNN's over the
+# pages where the frontend imports): the twenty-sixth and twenty-ninth sessions' block-64 pairs
+# ran without it, on Triton's prefill.
+if [ -d .whl/cudnn_fe ] && [ "${CUDNN_FE:-1}" != 0 ]; then
+  side=${TMPDIR:-/tmp}/pagedkv-cudnn-fe
+  rm -rf "$side"; python3 -m pip install -q --no-index --no-deps --target "$side" .whl/cudnn_fe/*.whl 2>/dev/null
+  export PYTHONPATH=$PYTHONPATH:$side
+fi
+python3 -c "import cudnn; print('cudnn frontend', cudnn.__version__, 'backend', cudnn.backend_version())" 2>&1 | tail -1 | tee -a "$OUT/env.txt"
 run() { local name=$1 t=$2; shift 2; echo "== $name"; timeout $t "$@" 2>&1 | grep -v -E "Warning: |warnings\.warn\(" | tee "$OUT/$name.log" | tail -${TAIL:-14}; }
 # ab_pairs PAIRS "WORKLOADS" "FLAGS" TXT ["BASE"]: PAIRS rounds of each workload through
 # bench_w1.py in alternating processes, BASE (default: none, the defaults) then FLAGS; one line
@@ -171,10 +181,7 @@ if [ -n "${WS_PROBE:-}" ]; then  # Triton 3.6 warp specialization on a paged cau
   TAIL=30 run ws_probe 240 python3 bench/bench_ws_prefill_gpu.py --out "$OUT/ws_prefill.json"
 fi
 if [ -n "${CUDNN_PAGED:-}" ]; then  # cuDNN's paged attention for prefills (twenty-third session; the default paged_prefill since the twenty-fourth): the carried frontend (.whl/cudnn_fe: scripts/cudnn_wheels.sh) into a side dir, its GPU tests, the kernel bench, then CUDNN_PAIRS rounds of CUDNN_WORKLOADS (w2 w3 w1) in alternating processes, the defaults against --paged-prefill triton; tok/s in cudnn_paged.txt
-  side=${TMPDIR:-/tmp}/pagedkv-cudnn-fe
-  rm -rf "$side"; python3 -m pip install -q --no-index --no-deps --target "$side" .whl/cudnn_fe/*.whl 2>/dev/null
-  export PYTHONPATH=$PYTHONPATH:$side
-  python3 -c "import cudnn; print('cudnn frontend', cudnn.__version__, 'backend', cudnn.backend_version())" | tee -a "$OUT/cudnn_paged.txt"
+  cat "$OUT/env.txt" >> "$OUT/cudnn_paged.txt"
   [ -z "${SKIP_CUDNN_TESTS:-}" ] && TAIL=3 run cudnn_paged_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/attention/test_cudnn_paged.py tests/engine/test_engine_gpu.py -k "cudnn_paged"
   [ -z "${SKIP_CUDNN_BENCH:-}" ] && TAIL=24 run cudnn_paged_bench 200 python3 bench/bench_cudnn_paged_gpu.py --out "$OUT/cudnn_paged_bench.json"
   ab_pairs "${CUDNN_PAIRS:-1}" "${CUDNN_WORKLOADS:-w2 w3 w1}" "--paged-prefill triton" cudnn_paged.txt
@@ -197,7 +204,7 @@ if [ -n "${FUSED_PROJ:-}" ]; then  # the fused decode kernels (twenty-fifth sess
   [ -n "${PROJ_FIT:-}" ] && for f in ${PROJ_FIT_FLAGS:---no-fused-decode --fused-decode}; do TAIL=12 run "fit$f" 150 python3 bench/profile_w1_gpu.py --skip-profile ${f//,/ } --out "$OUT/fit$f"; done
   ab_pairs "${PROJ_PAIRS:-2}" "${PROJ_WORKLOADS:-w1}" "${PROJ_FLAGS:---fused-decode}" fused_proj.txt
 fi
-if [ -n "${BLOCK64:-}" ]; then  # block size 64 against 16 (twenty-sixth session: W2 +1.9-2.4%, W1 +0.6%, W3 mixed; cuDNN's prefill 451 against 418 TFLOP/s): the pages-of-64 GPU tests, the attention anchors at pages of 16 and 64 (bench_attention_gpu.py --block-size), then BLOCK64_PAIRS (2) pairs of BLOCK64_WORKLOADS (w2 w3 w1), --block-size 16 then 64; tok/s in block64.txt
+if [ -n "${BLOCK64:-}" ]; then  # block size 64 against 16 (twenty-sixth session, Triton's prefill: W2 +1.9-2.4%, W1 +0.6%, W3 mixed; cuDNN's prefill kernel 451 against 418 TFLOP/s; the CUDA default since the twenty-ninth): the pages-of-64 GPU tests, the attention anchors at pages of 16 and 64 (bench_attention_gpu.py --block-size), then BLOCK64_PAIRS (2) pairs of BLOCK64_WORKLOADS (w2 w3 w1), --block-size 16 then 64; tok/s in block64.txt
   [ -z "${SKIP_B64_TESTS:-}" ] && TAIL=4 run block64_tests 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/attention/test_cudnn_paged.py tests/engine/test_engine_gpu.py -k "64 or cudnn"
   [ -z "${SKIP_B64_KERNELS:-}" ] && for bs in 16 64; do TAIL=10 run attention_bs$bs 200 python3 bench/bench_attention_gpu.py --block-size $bs --out "$OUT/attention_bs$bs.json"; done
   ab_pairs "${BLOCK64_PAIRS:-2}" "${BLOCK64_WORKLOADS:-w2 w3 w1}" "--block-size 64" block64.txt "--block-size 16"
