@@ -331,9 +331,11 @@ class EngineConfig:
         )
 
 
-# Pages of 64 tokens on CUDA, 16 elsewhere (vLLM's default). On the H200 (twenty-sixth
-# session, bench_w1.py --block-size, alternating pairs): W1 +0.6-0.7%, W2 +1.9-2.4%, W3 -0.9 /
-# +1.3%; cuDNN's paged prefill 451 against 418 TFLOP/s (fewer, longer page reads). The price: a
+# Pages of 64 tokens on CUDA, 16 elsewhere (vLLM's default). On the H200 (bench_w1.py
+# --block-size, alternating pairs, Triton's prefill: the cuDNN frontend was not installed in
+# those runs): W1 +0.6-0.7%, W2 +1.9-2.4% (twenty-sixth session) and +0.9% (twenty-ninth), W3
+# -0.9 / +1.3%; cuDNN's paged prefill kernel 451 against 418 TFLOP/s (fewer, longer page
+# reads); the workloads with cuDNN's prefill at 64 are not measured yet. The price: a
 # prefix-cache hit covers whole blocks, so a shared prefix is reused in steps of 64 tokens.
 CUDA_BLOCK_SIZE = 64
 DEFAULT_BLOCK_SIZE = 16
