@@ -9,7 +9,9 @@ transformers in bf16 (the test's scorer) and in fp32 (the checkpoint's own weigh
 
 - ``hf_bf16``: transformers' own bf16 greedy tokens (its ``generate``), the noise floor;
 - ``engine_bf16_bs{16,64}``: the engine as the test builds it (Triton attention, CUDA graphs);
-- ``engine_fp32_bs{16,64}``: the engine in fp32 on the same weights.
+- ``engine_fp32_bs{16,64}``: the engine in fp32 on the same weights;
+- ``engine_bf16_bs{16,64}_triton_prefill``: bf16 with Triton's paged prefill kernel (the rows
+  above take cuDNN's where its frontend imports).
 
 Usage: ``python3 bench/diag_qwen3_next_bf16_gpu.py --json out.json``."""
 
@@ -40,10 +42,14 @@ def score(model, outs: list[list[int]]) -> dict:
     return {"exact": exact, "total": total, "max_margin": round(worst, 4)}
 
 
-def engine_tokens(path: str, dtype: str, block_size: int, device: str) -> list[list[int]]:
-    # the test's engine (make_llm's pool and sanitizer, Triton attention on CUDA)
-    llm = LLM(path, device=device, dtype=dtype,
-              attention_backend="triton" if device == "cuda" else "torch_ref", max_num_seqs=8,
+def engine_tokens(path: str, dtype: str, block_size: int, device: str,
+                  prefill: str = "auto") -> list[list[int]]:
+    # the test's engine (make_llm's pool and sanitizer, Triton attention on CUDA; prefill
+    # "triton": Triton's paged prefill kernel rather than cuDNN's where the frontend imports)
+    from pagedkv.attention.triton_backend import TritonAttentionBackend
+
+    backend = TritonAttentionBackend(paged_prefill=prefill) if device == "cuda" else "torch_ref"
+    llm = LLM(path, device=device, dtype=dtype, attention_backend=backend, max_num_seqs=8,
               max_num_batched_tokens=64, max_model_len=256, block_size=block_size,
               kv_cache_memory_bytes=2 << 20, sanitize=True)
     params = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)
@@ -76,6 +82,10 @@ def main() -> None:
         for bs in (16, 64):
             rows[f"engine_{'bf16' if dtype == 'bfloat16' else 'fp32'}_bs{bs}"] = \
                 engine_tokens(path, dtype, bs, args.device)
+    if args.device == "cuda":
+        for bs in (16, 64):
+            rows[f"engine_bf16_bs{bs}_triton_prefill"] = \
+                engine_tokens(path, "bfloat16", bs, args.device, prefill="triton")
     result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "torch": torch.__version__, "transformers": transformers.__version__, "commit": os.environ.get("COMMIT"),
               "rows": {}}
@@ -85,7 +95,7 @@ def main() -> None:
                                     "under_hf_fp32": score(hf32, toks)}
     for name, r in result["rows"].items():
         a, b = r["under_hf_bf16"], r["under_hf_fp32"]
-        print(f"{name:18s} under hf bf16 {a['exact']}/{a['total']} margin {a['max_margin']:.3f}"
+        print(f"{name:32s} under hf bf16 {a['exact']}/{a['total']} margin {a['max_margin']:.3f}"
               f" | under hf fp32 {b['exact']}/{b['total']} margin {b['max_margin']:.3f}")
     if args.json:
         with open(args.json, "w") as f:
