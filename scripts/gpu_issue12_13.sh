@@ -18,16 +18,12 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/pagedkv-gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 cat COMMIT 2>/dev/null | tee "$OUT/env.txt"
-# The carried cuDNN frontend (.whl/cudnn_fe: scripts/cudnn_wheels.sh; CUDNN_FE=0 skips it) into a
-# side dir on the path, so every section times the engine's default prefill (cuDNN's over the
-# pages where the frontend imports): the twenty-sixth and twenty-ninth sessions' block-64 pairs
-# ran without it, on Triton's prefill.
-if [ -d .whl/cudnn_fe ] && [ "${CUDNN_FE:-1}" != 0 ]; then
-  side=${TMPDIR:-/tmp}/pagedkv-cudnn-fe
-  rm -rf "$side"; python3 -m pip install -q --no-index --no-deps --target "$side" .whl/cudnn_fe/*.whl 2>/dev/null
-  export PYTHONPATH=$PYTHONPATH:$side
-fi
-python3 -c "import cudnn; print('cudnn frontend', cudnn.__version__, 'backend', cudnn.backend_version())" 2>&1 | tail -1 | tee -a "$OUT/env.txt"
+# The carried cuDNN frontend (scripts/cudnn_path.sh; CUDNN_FE=0 skips it), so every section
+# times the engine's default prefill (cuDNN's over the pages where the frontend imports): the
+# twenty-sixth and twenty-ninth sessions' block-64 pairs ran without it, on Triton's prefill.
+# shellcheck source=scripts/cudnn_path.sh
+# (not in a pipeline: its export must reach this shell)
+. scripts/cudnn_path.sh; cudnn_path > "$OUT/cudnn.txt" 2>&1; tail -1 "$OUT/cudnn.txt" | tee -a "$OUT/env.txt"; rm -f "$OUT/cudnn.txt"
 run() { local name=$1 t=$2; shift 2; echo "== $name"; timeout $t "$@" 2>&1 | grep -v -E "Warning: |warnings\.warn\(" | tee "$OUT/$name.log" | tail -${TAIL:-14}; }
 # ab_pairs PAIRS "WORKLOADS" "FLAGS" TXT ["BASE"]: PAIRS rounds of each workload through
 # bench_w1.py in alternating processes, BASE (default: none, the defaults) then FLAGS; one line

@@ -16,6 +16,9 @@ if ! python3 -c "import fastapi, uvicorn" 2>/dev/null; then
     --target /tmp/site "${SERVE_WHEELS:-.whl/serve}"/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
 fi
+# the carried cuDNN frontend (the engine's default prefill where it imports): scripts/cudnn_path.sh
+# shellcheck source=scripts/cudnn_path.sh
+. scripts/cudnn_path.sh; cudnn_path > "$OUT/cudnn.txt" 2>&1; cat "$OUT/cudnn.txt"
 PORT=${PORT:-8011}
 RATES=${RATES:-"4 16 64 inf"}
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader

@@ -14,15 +14,9 @@ if [ -n "${TRANSFORMERS_WHEELS:-}" ]; then
     && PYTHONPATH=$side:$PYTHONPATH python3 -c "import transformers; transformers.AutoConfig" \
     && export PYTHONPATH=$side:$PYTHONPATH || echo "carried transformers did not import: using the device's"
 fi
-# CUDNN_WHEELS=DIR (default .whl/cudnn_fe when present: scripts/cudnn_wheels.sh): the
-# nvidia-cudnn-frontend wheel, installed the same way (cuDNN's paged attention tests need it)
-cw=${CUDNN_WHEELS:-.whl/cudnn_fe}
-if [ -d "$cw" ]; then
-  side=${TMPDIR:-/tmp}/pagedkv-cudnn-fe
-  rm -rf "$side"; python3 -m pip install -q --no-index --no-deps --target "$side" "$cw"/*.whl 2>/dev/null \
-    && PYTHONPATH=$side:$PYTHONPATH python3 -c "import cudnn; print('cudnn frontend', cudnn.__version__, 'backend', cudnn.backend_version())" \
-    && export PYTHONPATH=$PYTHONPATH:$side || echo "carried cudnn frontend did not import"
-fi
+# The carried cuDNN frontend (cuDNN's paged attention tests need it): scripts/cudnn_path.sh
+# shellcheck source=scripts/cudnn_path.sh
+. scripts/cudnn_path.sh; cudnn_path
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
   cat COMMIT 2>/dev/null; } | tee "$OUT/env.txt"
