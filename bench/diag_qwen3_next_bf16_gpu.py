@@ -13,13 +13,16 @@ transformers in bf16 (the test's scorer) and in fp32 (the checkpoint's own weigh
 - ``engine_bf16_bs{16,64}_triton_prefill``: bf16 with Triton's paged prefill kernel (the rows
   above take cuDNN's where its frontend imports).
 
+A second set of ``--random`` seeded prompts (U[5, 200] tokens) gives the same rows over more
+tokens: how many sit more than 0.5 below the scorer's top-1 and the mean margin say whether a
+row is noisier than another beyond one token.
+
 Usage: ``python3 bench/diag_qwen3_next_bf16_gpu.py --json out.json``."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 
 import torch
@@ -33,16 +36,27 @@ PROMPTS = [list(range(3, 3 + n)) for n in (5, 40, 100)]  # the test's prompts
 N = 24  # the test's tokens a prompt
 
 
-def score(model, outs: list[list[int]]) -> dict:
-    exact = total = 0
-    worst = 0.0
-    for p, o in zip(PROMPTS, outs):
-        tf = teacher_forced_check(model, p, o)
-        exact, total, worst = exact + tf.exact, total + len(tf.margins), max(worst, tf.max_margin)
-    return {"exact": exact, "total": total, "max_margin": round(worst, 4)}
+def random_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """``n`` seeded prompts of U[5, 200] token ids in [3, vocab): a distribution of margins
+    beside the test's three prompts."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(5, 201, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab, (m,), generator=g).tolist() for m in lens]
 
 
-def engine_tokens(path: str, dtype: str, block_size: int, device: str,
+def score(model, prompts: list[list[int]], outs: list[list[int]]) -> dict:
+    """Teacher-forced agreement of ``outs`` under ``model``: exact / total, the largest margin,
+    how many tokens sit more than 0.5 below the top-1, and the mean margin."""
+    margins: list[float] = []
+    for p, o in zip(prompts, outs):
+        margins += teacher_forced_check(model, p, o).margins
+    exact = sum(m == 0.0 for m in margins)
+    return {"exact": exact, "total": len(margins), "max_margin": round(max(margins), 4),
+            "over_0.5": sum(m > 0.5 for m in margins),
+            "mean_margin": round(sum(margins) / len(margins), 5)}
+
+
+def engine_tokens(path: str, prompts: list[list[int]], dtype: str, block_size: int, device: str,
                   prefill: str = "auto") -> list[list[int]]:
     # the test's engine (make_llm's pool and sanitizer, Triton attention on CUDA; prefill
     # "triton": Triton's paged prefill kernel rather than cuDNN's where the frontend imports)
@@ -53,7 +67,7 @@ def engine_tokens(path: str, dtype: str, block_size: int, device: str,
               max_num_batched_tokens=64, max_model_len=256, block_size=block_size,
               kv_cache_memory_bytes=2 << 20, sanitize=True)
     params = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)
-    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     toks = [list(o.outputs[0].token_ids) for o in outs]
     del llm
     if device == "cuda":
@@ -66,37 +80,46 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--cache", default=None, help="where the checkpoint is built (a temp dir)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (torch_ref attention)")
+    ap.add_argument("--random", type=int, default=24,
+                    help="seeded random prompts scored as a second set (0: none)")
     args = ap.parse_args()
     cache = args.cache or tempfile.mkdtemp(prefix="qwen3next-bf16-")
     path = build_tiny_checkpoint("qwen3_next", cache, dtype="bfloat16")
     auto = transformers.AutoModelForCausalLM
     hf16 = auto.from_pretrained(path, dtype=torch.bfloat16).to(args.device).eval()
     hf32 = auto.from_pretrained(path, dtype=torch.float32).to(args.device).eval()
-    rows: dict[str, list[list[int]]] = {}
-    with torch.no_grad():
-        for p in PROMPTS:
-            ids = torch.tensor([p], device=args.device)
-            out = hf16.generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False)
-            rows.setdefault("hf_bf16", []).append(out[0, len(p):].tolist())
-    for dtype in ("bfloat16", "float32"):
-        for bs in (16, 64):
-            rows[f"engine_{'bf16' if dtype == 'bfloat16' else 'fp32'}_bs{bs}"] = \
-                engine_tokens(path, dtype, bs, args.device)
-    if args.device == "cuda":
-        for bs in (16, 64):
-            rows[f"engine_bf16_bs{bs}_triton_prefill"] = \
-                engine_tokens(path, "bfloat16", bs, args.device, prefill="triton")
+    sets = {"test": PROMPTS}
+    if args.random:
+        sets["random"] = random_prompts(args.random, hf32.config.vocab_size)
     result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-              "torch": torch.__version__, "transformers": transformers.__version__, "commit": os.environ.get("COMMIT"),
-              "rows": {}}
-    with torch.no_grad():
-        for name, toks in rows.items():
-            result["rows"][name] = {"under_hf_bf16": score(hf16, toks),
-                                    "under_hf_fp32": score(hf32, toks)}
-    for name, r in result["rows"].items():
-        a, b = r["under_hf_bf16"], r["under_hf_fp32"]
-        print(f"{name:32s} under hf bf16 {a['exact']}/{a['total']} margin {a['max_margin']:.3f}"
-              f" | under hf fp32 {b['exact']}/{b['total']} margin {b['max_margin']:.3f}")
+              "torch": torch.__version__, "transformers": transformers.__version__,
+              "sets": {}}
+    variants = [("bfloat16", bs, "auto") for bs in (16, 64)]
+    variants += [("float32", bs, "auto") for bs in (16, 64)]
+    if args.device == "cuda":
+        variants += [("bfloat16", bs, "triton") for bs in (16, 64)]
+    for set_name, prompts in sets.items():
+        rows: dict[str, list[list[int]]] = {"hf_bf16": []}
+        with torch.no_grad():
+            for p in prompts:
+                ids = torch.tensor([p], device=args.device)
+                out = hf16.generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False)
+                rows["hf_bf16"].append(out[0, len(p):].tolist())
+        for dtype, bs, prefill in variants:
+            name = f"engine_{'bf16' if dtype == 'bfloat16' else 'fp32'}_bs{bs}"
+            name += "_triton_prefill" if prefill == "triton" else ""
+            rows[name] = engine_tokens(path, prompts, dtype, bs, args.device, prefill)
+        out_rows = result["sets"][set_name] = {}
+        print(f"== {set_name} prompts ({len(prompts)} x {N} tokens): exact / total, largest "
+              "margin, tokens over 0.5, mean margin")
+        with torch.no_grad():
+            for name, toks in rows.items():
+                a, b = score(hf16, prompts, toks), score(hf32, prompts, toks)
+                out_rows[name] = {"under_hf_bf16": a, "under_hf_fp32": b}
+                print(f"{name:32s} under hf bf16 {a['exact']}/{a['total']} {a['max_margin']:.3f} "
+                      f"{a['over_0.5']} {a['mean_margin']:.4f} | under hf fp32 "
+                      f"{b['exact']}/{b['total']} {b['max_margin']:.3f} {b['over_0.5']} "
+                      f"{b['mean_margin']:.4f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
