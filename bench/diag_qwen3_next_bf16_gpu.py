@@ -82,22 +82,33 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (torch_ref attention)")
     ap.add_argument("--random", type=int, default=24,
                     help="seeded random prompts scored as a second set (0: none)")
+    ap.add_argument("--no-test-set", action="store_true", help="the random set alone")
+    ap.add_argument("--variants", default=None,
+                    help="engine rows, comma-separated DTYPE_BS[_triton] (e.g. bf16_64,"
+                         "fp32_16,bf16_64_triton); default: bf16 / fp32 at 16 and 64, and on "
+                         "CUDA bf16 with Triton's prefill at 16 and 64")
     args = ap.parse_args()
     cache = args.cache or tempfile.mkdtemp(prefix="qwen3next-bf16-")
     path = build_tiny_checkpoint("qwen3_next", cache, dtype="bfloat16")
     auto = transformers.AutoModelForCausalLM
     hf16 = auto.from_pretrained(path, dtype=torch.bfloat16).to(args.device).eval()
     hf32 = auto.from_pretrained(path, dtype=torch.float32).to(args.device).eval()
-    sets = {"test": PROMPTS}
+    sets = {} if args.no_test_set else {"test": PROMPTS}
     if args.random:
         sets["random"] = random_prompts(args.random, hf32.config.vocab_size)
     result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "torch": torch.__version__, "transformers": transformers.__version__,
               "sets": {}}
-    variants = [("bfloat16", bs, "auto") for bs in (16, 64)]
-    variants += [("float32", bs, "auto") for bs in (16, 64)]
-    if args.device == "cuda":
-        variants += [("bfloat16", bs, "triton") for bs in (16, 64)]
+    if args.variants:
+        dtypes = {"bf16": "bfloat16", "fp32": "float32"}
+        variants = [(dtypes[v.split("_")[0]], int(v.split("_")[1]),
+                     "triton" if v.endswith("_triton") else "auto")
+                    for v in args.variants.split(",")]
+    else:
+        variants = [("bfloat16", bs, "auto") for bs in (16, 64)]
+        variants += [("float32", bs, "auto") for bs in (16, 64)]
+        if args.device == "cuda":
+            variants += [("bfloat16", bs, "triton") for bs in (16, 64)]
     for set_name, prompts in sets.items():
         rows: dict[str, list[list[int]]] = {"hf_bf16": []}
         with torch.no_grad():

@@ -217,7 +217,8 @@ if [ -n "${QWEN3_NEXT_BF16:-}" ]; then  # thirtieth session: the Qwen3-Next bf16
   tf=${TMPDIR:-/tmp}/pagedkv-transformers
   [ -n "${TRANSFORMERS_WHEELS:-}" ] && { rm -rf "$tf"; python3 -m pip install -q --no-index --no-deps --target "$tf" "$TRANSFORMERS_WHEELS"/*.whl && export PYTHONPATH=$tf:$PYTHONPATH; }
   [ -z "${SKIP_Q3N_TESTS:-}" ] && TAIL=4 run qwen3_next_tests 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/engine/test_engine_qwen3_next.py -rfE
-  TAIL=6 run qwen3_next_bf16 200 python3 bench/diag_qwen3_next_bf16_gpu.py --json "$OUT/qwen3_next_bf16.json"
+  # shellcheck disable=SC2086
+  TAIL=${Q3N_TAIL:-6} run qwen3_next_bf16 200 python3 bench/diag_qwen3_next_bf16_gpu.py ${Q3N_ARGS:-} --json "$OUT/qwen3_next_bf16.json"
 fi
 if [ -n "${FLAKE:-}" ]; then  # the exact fp32 parity failures seen only under the suite's 4 workers (twenty-first to twenty-fourth sessions; twenty-eighth: likely the logits-rows staging race fixed in 6b97d13): (1) the host-ahead test (a sleep kernel before every step's copies, strict staging), (2) the sequence a failing worker ran, serially on a quiet GPU (test-order state), (3) the parity tests FLAKE_ROUNDS times under FLAKE_LOAD background matmul processes (GPU contention without other tests); results in flake.txt
   tf=${TMPDIR:-/tmp}/pagedkv-transformers
