@@ -33,6 +33,12 @@ from pagedkv.models.harness import teacher_forced_check
 from pagedkv.models.tiny import build_tiny_checkpoint
 
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 40, 100)]  # the test's prompts
+# --checkpoint: the test's default checkpoint and two ablations (where large margins come from)
+CHECKPOINTS = {
+    "default": {},  # linear + full attention, both MoE
+    "dense": dict(mlp_only_layers=(0, 1)),  # the same with dense MLPs
+    "full_moe": dict(linear_options={"layer_types": ["full_attention"] * 2}),
+}
 N = 24  # the test's tokens a prompt
 
 
@@ -83,13 +89,15 @@ def main() -> None:
     ap.add_argument("--random", type=int, default=24,
                     help="seeded random prompts scored as a second set (0: none)")
     ap.add_argument("--no-test-set", action="store_true", help="the random set alone")
+    ap.add_argument("--checkpoint", default="default", choices=sorted(CHECKPOINTS))
     ap.add_argument("--variants", default=None,
                     help="engine rows, comma-separated DTYPE_BS[_triton] (e.g. bf16_64,"
                          "fp32_16,bf16_64_triton); default: bf16 / fp32 at 16 and 64, and on "
                          "CUDA bf16 with Triton's prefill at 16 and 64")
     args = ap.parse_args()
     cache = args.cache or tempfile.mkdtemp(prefix="qwen3next-bf16-")
-    path = build_tiny_checkpoint("qwen3_next", cache, dtype="bfloat16")
+    path = build_tiny_checkpoint("qwen3_next", cache, dtype="bfloat16",
+                                 **CHECKPOINTS[args.checkpoint])
     auto = transformers.AutoModelForCausalLM
     hf16 = auto.from_pretrained(path, dtype=torch.bfloat16).to(args.device).eval()
     hf32 = auto.from_pretrained(path, dtype=torch.float32).to(args.device).eval()
@@ -98,7 +106,7 @@ def main() -> None:
         sets["random"] = random_prompts(args.random, hf32.config.vocab_size)
     result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "torch": torch.__version__, "transformers": transformers.__version__,
-              "sets": {}}
+              "checkpoint": args.checkpoint, "sets": {}}
     if args.variants:
         dtypes = {"bf16": "bfloat16", "fp32": "float32"}
         variants = [(dtypes[v.split("_")[0]], int(v.split("_")[1]),
@@ -126,7 +134,7 @@ def main() -> None:
         with torch.no_grad():
             for name, toks in rows.items():
                 a, b = score(hf16, prompts, toks), score(hf32, prompts, toks)
-                out_rows[name] = {"under_hf_bf16": a, "under_hf_fp32": b}
+                out_rows[name] = {"under_hf_bf16": a, "under_hf_fp32": b, "tokens": toks}
                 print(f"{name:32s} under hf bf16 {a['exact']}/{a['total']} {a['max_margin']:.3f} "
                       f"{a['over_0.5']} {a['mean_margin']:.4f} | under hf fp32 "
                       f"{b['exact']}/{b['total']} {b['max_margin']:.3f} {b['over_0.5']} "
