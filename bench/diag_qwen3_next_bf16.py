@@ -1,6 +1,9 @@
-"""A bf16 yardstick for ``test_gpu_bf16_teacher_forced_top1[default]`` (tests/engine/
-test_engine_qwen3_next.py) on the GPU: how far bf16 rounding alone moves the tiny Qwen3-Next
-checkpoint's greedy tokens, beside the engine's at pages of 16 and 64.
+"""A bf16 yardstick for the tiny Qwen3-Next checkpoint: how far bf16 rounding alone moves its
+greedy tokens in transformers, beside the engine's at pages of 16 and 64. Written for
+``test_gpu_bf16_teacher_forced_top1[default]`` (tests/engine/test_engine_qwen3_next.py) on
+the GPU; ``--device cpu`` runs the engine's torch twins and reference attention, and
+``test_cpu_bf16_as_close_to_fp32_as_transformers_bf16`` runs it that way on the
+``--checkpoint dense`` ablation.
 
 For the test's checkpoint (``build_tiny_checkpoint("qwen3_next", dtype="bfloat16")``) and
 prompts, every row scores one set of greedy tokens teacher-forced (``teacher_forced_check``:
@@ -8,7 +11,8 @@ how many are the scorer's top-1, and the largest logit margin of one that is not
 transformers in bf16 (the test's scorer) and in fp32 (the checkpoint's own weights upcast):
 
 - ``hf_bf16``: transformers' own bf16 greedy tokens (its ``generate``), the noise floor;
-- ``engine_bf16_bs{16,64}``: the engine as the test builds it (Triton attention, CUDA graphs);
+- ``engine_bf16_bs{16,64}``: the engine as the test builds it (Triton attention, CUDA graphs
+  on the GPU);
 - ``engine_fp32_bs{16,64}``: the engine in fp32 on the same weights;
 - ``engine_bf16_bs{16,64}_triton_prefill``: bf16 with Triton's paged prefill kernel (the rows
   above take cuDNN's where its frontend imports).
@@ -17,7 +21,7 @@ A second set of ``--random`` seeded prompts (U[5, 200] tokens) gives the same ro
 tokens: how many sit more than 0.5 below the scorer's top-1 and the mean margin say whether a
 row is noisier than another beyond one token.
 
-Usage: ``python3 bench/diag_qwen3_next_bf16_gpu.py --json out.json``."""
+Usage: ``python3 bench/diag_qwen3_next_bf16.py [--device cpu] --json out.json``."""
 
 from __future__ import annotations
 
