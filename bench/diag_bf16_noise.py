@@ -1,27 +1,30 @@
-"""A bf16 yardstick for the tiny Qwen3-Next checkpoint: how far bf16 rounding alone moves its
-greedy tokens in transformers, beside the engine's at pages of 16 and 64. Written for
-``test_gpu_bf16_teacher_forced_top1[default]`` (tests/engine/test_engine_qwen3_next.py) on
-the GPU; ``--device cpu`` runs the engine's torch twins and reference attention, and
-``test_cpu_bf16_as_close_to_fp32_as_transformers_bf16`` runs it that way on the
-``--checkpoint dense`` ablation.
+"""bf16 noise against the fp32 model: how far bf16 rounding alone moves a tiny checkpoint's
+greedy tokens in transformers, beside the engine's (pages of 16 and 64, bf16 and fp32).
 
-For the test's checkpoint (``build_tiny_checkpoint("qwen3_next", dtype="bfloat16")``) and
-prompts, every row scores one set of greedy tokens teacher-forced (``teacher_forced_check``:
-how many are the scorer's top-1, and the largest logit margin of one that is not) under
-transformers in bf16 (the test's scorer) and in fp32 (the checkpoint's own weights upcast):
+Written for the tiny Qwen3-Next checkpoint of ``test_gpu_bf16_teacher_forced_top1[default]``
+(tests/engine/test_engine_qwen3_next.py) on the GPU (the default ``--family qwen3_next``,
+``--checkpoint default``); ``--checkpoint dense`` / ``full_moe`` are its ablations, and
+``--family F [--options JSON]`` any other tiny family. ``--device cpu`` runs the engine's
+torch twins and reference attention; ``tests/engine/test_engine_bf16_cpu.py`` runs it that way
+for several families.
+
+Every row scores one set of greedy tokens teacher-forced (``teacher_forced_check``: how many
+are the scorer's top-1, the largest logit margin of one that is not, how many sit more than 0.5
+below the top-1, the mean margin) under transformers in bf16 (the GPU test's scorer) and in
+fp32 (the checkpoint's own weights upcast):
 
 - ``hf_bf16``: transformers' own bf16 greedy tokens (its ``generate``), the noise floor;
-- ``engine_bf16_bs{16,64}``: the engine as the test builds it (Triton attention, CUDA graphs
-  on the GPU);
+- ``engine_bf16_bs{16,64}``: the engine as the GPU test builds it (Triton attention, CUDA
+  graphs on the GPU);
 - ``engine_fp32_bs{16,64}``: the engine in fp32 on the same weights;
 - ``engine_bf16_bs{16,64}_triton_prefill``: bf16 with Triton's paged prefill kernel (the rows
   above take cuDNN's where its frontend imports).
 
-A second set of ``--random`` seeded prompts (U[5, 200] tokens) gives the same rows over more
-tokens: how many sit more than 0.5 below the scorer's top-1 and the mean margin say whether a
-row is noisier than another beyond one token.
+Two prompt sets: ``test``, the Qwen3-Next GPU test's three prompts, and ``random``, ``--random``
+seeded prompts of U[5, 200] tokens (more tokens: whether a row is noisier than another beyond
+one token).
 
-Usage: ``python3 bench/diag_qwen3_next_bf16.py [--device cpu] --json out.json``."""
+Usage: ``python3 bench/diag_bf16_noise.py [--device cpu] [--family F] --json out.json``."""
 
 from __future__ import annotations
 
@@ -63,7 +66,7 @@ def score(model, prompts: list[list[int]], outs: list[list[int]]) -> dict:
     exact = sum(m == 0.0 for m in margins)
     return {"exact": exact, "total": len(margins), "max_margin": round(max(margins), 4),
             "over_0.5": sum(m > 0.5 for m in margins),
-            "mean_margin": round(sum(margins) / len(margins), 5)}
+            "mean_margin": round(sum(margins) / len(margins), 7)}
 
 
 def engine_tokens(path: str, prompts: list[list[int]], dtype: str, block_size: int, device: str,
@@ -93,15 +96,21 @@ def main() -> None:
     ap.add_argument("--random", type=int, default=24,
                     help="seeded random prompts scored as a second set (0: none)")
     ap.add_argument("--no-test-set", action="store_true", help="the random set alone")
-    ap.add_argument("--checkpoint", default="default", choices=sorted(CHECKPOINTS))
+    ap.add_argument("--checkpoint", default="default", choices=sorted(CHECKPOINTS),
+                    help="qwen3_next's checkpoint: the test's or an ablation")
+    ap.add_argument("--family", default="qwen3_next",
+                    help="another tiny family (pagedkv.models.tiny) instead of qwen3_next")
+    ap.add_argument("--options", default=None,
+                    help="JSON of TinySpec options for --family (replaces --checkpoint's)")
     ap.add_argument("--variants", default=None,
                     help="engine rows, comma-separated DTYPE_BS[_triton] (e.g. bf16_64,"
                          "fp32_16,bf16_64_triton); default: bf16 / fp32 at 16 and 64, and on "
                          "CUDA bf16 with Triton's prefill at 16 and 64")
     args = ap.parse_args()
-    cache = args.cache or tempfile.mkdtemp(prefix="qwen3next-bf16-")
-    path = build_tiny_checkpoint("qwen3_next", cache, dtype="bfloat16",
-                                 **CHECKPOINTS[args.checkpoint])
+    cache = args.cache or tempfile.mkdtemp(prefix="bf16-noise-")
+    options = json.loads(args.options) if args.options else (
+        CHECKPOINTS[args.checkpoint] if args.family == "qwen3_next" else {})
+    path = build_tiny_checkpoint(args.family, cache, dtype="bfloat16", **options)
     auto = transformers.AutoModelForCausalLM
     hf16 = auto.from_pretrained(path, dtype=torch.bfloat16).to(args.device).eval()
     hf32 = auto.from_pretrained(path, dtype=torch.float32).to(args.device).eval()
@@ -110,7 +119,7 @@ def main() -> None:
         sets["random"] = random_prompts(args.random, hf32.config.vocab_size)
     result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "torch": torch.__version__, "transformers": transformers.__version__,
-              "checkpoint": args.checkpoint, "sets": {}}
+              "family": args.family, "options": options, "sets": {}}
     if args.variants:
         dtypes = {"bf16": "bfloat16", "fp32": "float32"}
         variants = [(dtypes[v.split("_")[0]], int(v.split("_")[1]),
@@ -140,9 +149,9 @@ def main() -> None:
                 a, b = score(hf16, prompts, toks), score(hf32, prompts, toks)
                 out_rows[name] = {"under_hf_bf16": a, "under_hf_fp32": b, "tokens": toks}
                 print(f"{name:32s} under hf bf16 {a['exact']}/{a['total']} {a['max_margin']:.3f} "
-                      f"{a['over_0.5']} {a['mean_margin']:.4f} | under hf fp32 "
+                      f"{a['over_0.5']} {a['mean_margin']:.5f} | under hf fp32 "
                       f"{b['exact']}/{b['total']} {b['max_margin']:.3f} {b['over_0.5']} "
-                      f"{b['mean_margin']:.4f}")
+                      f"{b['mean_margin']:.5f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
