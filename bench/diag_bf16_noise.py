@@ -36,7 +36,7 @@ import torch
 import transformers
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.models.harness import teacher_forced_check
+from pagedkv.models.harness import teacher_forced_checks
 from pagedkv.models.tiny import build_tiny_checkpoint
 
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 40, 100)]  # the test's prompts
@@ -60,13 +60,9 @@ def random_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 def score(model, prompts: list[list[int]], outs: list[list[int]]) -> dict:
     """Teacher-forced agreement of ``outs`` under ``model``: exact / total, the largest margin,
     how many tokens sit more than 0.5 below the top-1, and the mean margin."""
-    margins: list[float] = []
-    for p, o in zip(prompts, outs):
-        margins += teacher_forced_check(model, p, o).margins
-    exact = sum(m == 0.0 for m in margins)
-    return {"exact": exact, "total": len(margins), "max_margin": round(max(margins), 4),
-            "over_0.5": sum(m > 0.5 for m in margins),
-            "mean_margin": round(sum(margins) / len(margins), 7)}
+    tf = teacher_forced_checks(model, prompts, outs)
+    return {"exact": tf.exact, "total": len(tf.margins), "max_margin": round(tf.max_margin, 4),
+            "over_0.5": tf.count_over(0.5), "mean_margin": round(tf.mean_margin, 7)}
 
 
 def engine_tokens(path: str, prompts: list[list[int]], dtype: str, block_size: int, device: str,

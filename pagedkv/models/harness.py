@@ -217,6 +217,14 @@ class TeacherForcedCheck:
     def max_margin(self) -> float:
         return max(self.margins) if self.margins else 0.0
 
+    @property
+    def mean_margin(self) -> float:
+        return sum(self.margins) / len(self.margins) if self.margins else 0.0
+
+    def count_over(self, bound: float) -> int:
+        """How many of our tokens sit more than ``bound`` below the reference's top-1."""
+        return sum(m > bound for m in self.margins)
+
 
 @torch.no_grad()
 def teacher_forced_check(ref_model, prompt: Sequence[int], ours: Sequence[int]) -> TeacherForcedCheck:
@@ -229,3 +237,13 @@ def teacher_forced_check(ref_model, prompt: Sequence[int], ours: Sequence[int]) 
     top = logits.max(-1).values
     mine = logits.gather(1, torch.tensor(list(ours), device=device)[:, None])[:, 0]
     return TeacherForcedCheck((top - mine).tolist())
+
+
+def teacher_forced_checks(ref_model, prompts: Sequence[Sequence[int]],
+                          outs: Sequence[Sequence[int]]) -> TeacherForcedCheck:
+    """:func:`teacher_forced_check` of every prompt (``outs[i]``: our tokens after
+    ``prompts[i]``), their margins in one :class:`TeacherForcedCheck`."""
+    margins: list[float] = []
+    for prompt, ours in zip(prompts, outs, strict=True):
+        margins += teacher_forced_check(ref_model, prompt, ours).margins
+    return TeacherForcedCheck(margins)

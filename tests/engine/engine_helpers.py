@@ -167,17 +167,12 @@ def log_scheduled_steps(scheduler) -> list[dict]:
 def teacher_forced_agreement(hf_model, prompts, outs) -> tuple[int, int, float]:
     """``(exact, total, worst margin)`` of the engine's greedy outputs ``outs`` of ``prompts``
     under the transformers model ``hf_model`` fed our own tokens
-    (``pagedkv.models.harness.teacher_forced_check`` per prompt): how many of our tokens are
-    its top-1, out of how many, and the largest logit margin of one that is not."""
-    from pagedkv.models.harness import teacher_forced_check
+    (``pagedkv.models.harness.teacher_forced_checks``): how many of our tokens are its top-1,
+    out of how many, and the largest logit margin of one that is not."""
+    from pagedkv.models.harness import teacher_forced_checks
 
-    exact = total = 0
-    worst = 0.0
-    for p, o in zip(prompts, outs):
-        tf = teacher_forced_check(hf_model, p, o.outputs[0].token_ids)
-        exact, total = exact + tf.exact, total + len(tf.margins)
-        worst = max(worst, tf.max_margin)
-    return exact, total, worst
+    tf = teacher_forced_checks(hf_model, prompts, [o.outputs[0].token_ids for o in outs])
+    return tf.exact, len(tf.margins), tf.max_margin
 
 
 def check_bf16_teacher_forced(llm, path: str, prompts, label: str, n: int = 24,
