@@ -10,6 +10,9 @@ MoE layer's chosen experts (``SparseMoeBlock.route``) at every row. A router fli
 different experts at a row; the flip rate of the rows that predicted those tokens against
 that of all the other rows says whether flips explain them.
 
+On the GPU (``--device cuda --family qwen3_next --test-prompts --block-size 64``): the
+engine's tokens as the Qwen3-Next bf16 GPU test makes them, the routing replayed eagerly.
+
 Usage: ``python3 bench/diag_moe_flips.py [--family F] [--random N] [--json out.json]``."""
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ def routed_experts(llm: LLM, seq: list[int]) -> list[torch.Tensor]:
         moe.SparseMoeBlock.route = inner
     # one prefill of the whole sequence (prefix caching off): one route call a MoE layer
     assert seen and all(ids.shape[0] == len(seq) for ids in seen), [i.shape for i in seen]
-    return [ids.sort(dim=-1).values for ids in seen]
+    return [ids.sort(dim=-1).values.cpu() for ids in seen]
 
 
 def main() -> None:
@@ -58,17 +61,28 @@ def main() -> None:
     ap.add_argument("--family", default="deepseek_v3")
     ap.add_argument("--random", type=int, default=32)
     ap.add_argument("--bound", type=float, default=0.5)
+    ap.add_argument("--device", default="cpu",
+                    help="cuda: the engine's tokens as diag_bf16_noise's GPU rows make them "
+                         "(Triton attention, CUDA graphs); the routing runs eagerly")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--test-prompts", action="store_true",
+                    help="the Qwen3-Next GPU test's three prompts instead of --random ones")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     path = build_tiny_checkpoint(args.family, tempfile.mkdtemp(prefix="moe-flips-"),
                                  dtype="bfloat16")
-    hf32 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    prompts = noise.random_prompts(args.random, hf32.config.vocab_size)
-    outs = noise.engine_tokens(path, prompts, "bfloat16", 16, "cpu")
-    engines = {dt: LLM(path, device="cpu", dtype=dt, attention_backend="torch_ref",
+    hf32 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf32 = hf32.to(args.device).eval()
+    prompts = (noise.PROMPTS if args.test_prompts
+               else noise.random_prompts(args.random, hf32.config.vocab_size))
+    outs = noise.engine_tokens(path, prompts, "bfloat16", args.block_size, args.device)
+    # every run prefills the whole sequence (prefix caching off), eagerly (a hook inside a
+    # captured graph would record the capture's tensors, not the replay's)
+    engines = {dt: LLM(path, device=args.device, dtype=dt,
+                       attention_backend="triton" if args.device == "cuda" else "torch_ref",
                        max_num_seqs=1, max_num_batched_tokens=512, max_model_len=256,
-                       block_size=16, kv_cache_memory_bytes=2 << 20,
-                       enable_prefix_caching=False)  # every run prefills the whole sequence
+                       block_size=args.block_size, kv_cache_memory_bytes=2 << 20,
+                       enable_prefix_caching=False, enforce_eager=True)
                for dt in ("float32", "bfloat16")}
     rows, flips_by_kind = [], {"over": [0, 0], "within": [0, 0]}  # [flipped rows, rows]
     for prompt, ours in zip(prompts, outs):
@@ -93,7 +107,9 @@ def main() -> None:
           f"top-1, {fw} of {nw} others")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"family": args.family, "prompts": args.random, "bound": args.bound,
+            json.dump({"family": args.family, "device": args.device,
+                       "block_size": args.block_size,
+                       "prompts": "test" if args.test_prompts else args.random, "bound": args.bound,
                        "flips": flips_by_kind, "rows": rows}, f, indent=1)
 
 
