@@ -88,7 +88,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--cache", default=None, help="where the checkpoint is built (a temp dir)")
-    ap.add_argument("--device", default="cuda", help="cpu: a smoke run (torch_ref attention)")
+    ap.add_argument("--device", default="cuda",
+                    help="cpu: the torch twins and reference attention (as test_engine_bf16_cpu)")
     ap.add_argument("--random", type=int, default=24,
                     help="seeded random prompts scored as a second set (0: none)")
     ap.add_argument("--no-test-set", action="store_true", help="the random set alone")
