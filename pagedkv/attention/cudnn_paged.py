@@ -30,7 +30,7 @@ pool), the scheduler asks for every new block to be zeroed (``needs_kv_zeroing``
 so a page reaches this path zeroed or written by the same layout. A caller driving the backend
 itself must keep its caches finite the same way (``torch.zeros``, not ``torch.empty``).
 
-Not for: FP8 caches, sliding windows, logit soft caps, attention sinks, log-sum-exp outputs
+Not for: pages of a block size other than a power of two, FP8 caches, sliding windows, logit soft caps, attention sinks, log-sum-exp outputs
 (cascade); the Triton kernel serves those. Availability: CUDA, bf16 / fp16, head size a
 multiple of 8, the frontend importable and cuDNN >= 9.5 (paged K / V).
 """
@@ -70,6 +70,13 @@ def cudnn_paged_available(dtype: torch.dtype, device: torch.device, head_dim: in
     frontend importable with cuDNN >= 9.5."""
     return (device.type == "cuda" and dtype in _DTYPES and head_dim % 8 == 0
             and torch.cuda.is_available() and frontend() is not None)
+
+
+def cudnn_paged_block_size_ok(block_size: int) -> bool:
+    """Whether cuDNN's paged K / V load takes pages of ``block_size`` tokens: a power of two
+    (its graph check; a hybrid model's attention pages, sized to hold a state's bytes, often
+    are not, and the Triton kernel serves those)."""
+    return block_size > 0 and block_size & (block_size - 1) == 0
 
 
 def _pow2_at_least(n: int, floor: int) -> int:
@@ -123,14 +130,17 @@ class CudnnPagedGraph:
                  max_q: int, cache_shape: tuple, cache_strides: tuple, width: int,
                  q_token_stride: int, o_token_stride: int, scale: float,
                  device: torch.device):
-        cudnn = frontend()
-        if cudnn is None:
-            raise ConfigError("cuDNN paged attention needs the nvidia-cudnn-frontend package "
-                              "and cuDNN >= 9.5")
         nb, bs, hkv, d = cache_shape
         if d != head_dim or num_heads % hkv:
             raise ConfigError(f"cuDNN paged attention: cache {tuple(cache_shape)} against "
                               f"{num_heads} query heads of {head_dim}")
+        if not cudnn_paged_block_size_ok(bs):
+            raise ConfigError(f"cuDNN paged attention: pages of {bs} tokens (cuDNN takes a "
+                              "power of two)")
+        cudnn = frontend()
+        if cudnn is None:
+            raise ConfigError("cuDNN paged attention needs the nvidia-cudnn-frontend package "
+                              "and cuDNN >= 9.5")
         io = {torch.bfloat16: cudnn.data_type.BFLOAT16,
               torch.float16: cudnn.data_type.HALF}[dtype]
         i32 = cudnn.data_type.INT32

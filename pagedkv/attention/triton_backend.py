@@ -87,6 +87,7 @@ from pagedkv.attention.backend import (
 from pagedkv.attention.cudnn_paged import (
     CudnnPagedGraph,
     cudnn_paged_available,
+    cudnn_paged_block_size_ok,
     cudnn_paged_inputs,
     declared_shape,
 )
@@ -453,6 +454,8 @@ class TritonAttentionBackend(AttentionBackend):
                 return None
             if q.stride(2) != 1 or q.stride(1) != q.shape[2] or out.stride(1) != out.shape[2]:
                 return None  # heads not packed in their rows: the Triton kernel
+            if not cudnn_paged_block_size_ok(half.shape[1]):
+                return None  # pages cuDNN does not take (a hybrid's): the Triton kernel
             try:
                 graph = CudnnPagedGraph(
                     dtype=q.dtype, num_heads=q.shape[1], head_dim=q.shape[2], batch=batch,

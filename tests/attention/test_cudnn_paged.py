@@ -11,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedkv.attention.cudnn_paged import (
+    CudnnPagedGraph,
     cudnn_paged_available,
+    cudnn_paged_block_size_ok,
     cudnn_paged_inputs,
     declared_shape,
     frontend,
@@ -100,6 +102,20 @@ def test_backend_option_and_fallback():
     assert not b.wants_cudnn_paged(cpu)  # no CUDA here: the Triton / reference path
 
 
+def test_block_size_check_by_hand():
+    """cuDNN's paged load takes pages of a power of two tokens (its graph rejects others:
+    "block size needs to be non-zero and a power of 2"); the graph says so before it asks for
+    the frontend, so the check runs here without CUDA."""
+    assert [b for b in range(0, 130) if cudnn_paged_block_size_ok(b)] == [1, 2, 4, 8, 16, 32,
+                                                                           64, 128]
+    kw = dict(dtype=torch.bfloat16, num_heads=4, head_dim=64, batch=8, max_q=1024, width=4,
+              q_token_stride=256, o_token_stride=256, scale=0.125, device=torch.device("cpu"))
+    with pytest.raises(ConfigError, match="pages of 48 tokens"):
+        CudnnPagedGraph(cache_shape=(10, 48, 2, 64), cache_strides=(6144, 128, 64, 1), **kw)
+    with pytest.raises(ConfigError, match="cache"):  # heads before pages
+        CudnnPagedGraph(cache_shape=(10, 48, 3, 64), cache_strides=(9216, 192, 64, 1), **kw)
+
+
 def test_cpu_engine_with_cudnn_asked_matches_default(tiny_dir):
     """Asked for where it cannot run (CPU), the backend serves prefills as the default does."""
     from pagedkv import LLM, SamplingParams
@@ -156,8 +172,6 @@ def test_cudnn_paged_matches_reference_gpu(dtype, bs):
     rows are left alone; the same launch replayed in a CUDA graph."""
     if frontend() is None:
         pytest.skip("nvidia-cudnn-frontend not installed (or cuDNN < 9.5)")
-    from pagedkv.attention.cudnn_paged import CudnnPagedGraph
-
     H, HKV, D = 8, 2, 128
     q_lens, ctx = [1, 300, 77, 0, 129], [40, 0, 500, 0, 1]
     q, cache, table, qsl, seq = (t.cuda() for t in _case(q_lens, ctx, bs, H, HKV, D, dtype))

@@ -491,3 +491,31 @@ def test_cudnn_paged_prefill_engine_matches_triton(tiny_dir, mixed_graphs, block
         assert k >= 4, (ta, tb)
         for la, lb, t in zip(a.outputs[0].logprobs[:k], b.outputs[0].logprobs[:k], ta[:k]):
             assert abs(la[t].logprob - lb[t].logprob) < 5e-2
+
+
+def test_cudnn_paged_prefill_leaves_odd_pages_to_triton(tiny_dir):
+    """Pages of 48 tokens (not a power of two, as a hybrid's attention pages often are):
+    asked for cuDNN's paged prefill, the backend builds no graph and warns nothing (the
+    thirty-first session's Qwen3-Next run had cuDNN reject such a graph and print), and the
+    engine's tokens and logprobs equal the Triton-only engine's: the same kernels ran."""
+    import warnings
+
+    from pagedkv.attention.cudnn_paged import frontend
+    from pagedkv.attention.triton_backend import TritonAttentionBackend
+
+    if frontend() is None:
+        pytest.skip("nvidia-cudnn-frontend not installed (or cuDNN < 9.5)")
+    path, prompts, params = _long_prompts_case(tiny_dir, 5)
+    outs = {}
+    for mode in ("triton", "cudnn"):
+        backend = TritonAttentionBackend(paged_prefill=mode)
+        llm = _gpu_llm(path, dtype="bfloat16", max_num_batched_tokens=1024, max_model_len=2048,
+                       num_gpu_blocks_override=400, block_size=48, attention_backend=backend)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            outs[mode] = llm.generate(prompts, params, use_tqdm=False)
+        assert backend._cudnn_graphs == {}
+    for a, b in zip(outs["triton"], outs["cudnn"]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [d[t].logprob for d, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)] == \
+            [d[t].logprob for d, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)]
