@@ -289,6 +289,7 @@ class DecodeConfig:
     lpt_load_fraction: float = 0.75
     fused_reduce: bool = False
     fused_reduce_programs_per_sm: float = 5.0
+    table_ahead: bool = False
 
     def __post_init__(self):
         check_launch_config(self, ("tile_n",), warps=False)
@@ -619,17 +620,35 @@ def _lse(m_i, l_i):
 
 
 @triton.jit
-def _decode_tile(acc, l_i, m_i, q, t, seq_len, lo, k_ptr, v_ptr, bt_row, bt_width, c_sb, c_st,
-                 head_off, d, scale_log2, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+def _tile_blocks(bt_row, bt_width, start, limit, BLOCK_SIZE: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """The block-table entries of key tile ``[start, start + BLOCK_N)``, one per key (0 for
+    keys at or past ``limit`` and columns past the table width: never read). The prefill
+    loops (and the decode loop with ``DecodeConfig.table_ahead``) load them one tile ahead
+    (the next tile's while this one is computed), so each tile's K / V copies depend on no
+    load of their own iteration and Triton's pipeliner can issue them ``num_stages - 1``
+    tiles ahead (a table load in the same iteration held the prefill's to one tile ahead:
+    H200, 8 x 2048 causal, BENCHMARKS.md)."""
+    n = start + tl.arange(0, BLOCK_N)
+    col = n // BLOCK_SIZE
+    return tl.load(bt_row + col, mask=(n < limit) & (col < bt_width), other=0)
+
+
+@triton.jit
+def _decode_tile(acc, l_i, m_i, q, t, seq_len, lo, k_ptr, v_ptr, bt_row, bt_width, blk, c_sb,
+                 c_st, head_off, d, scale_log2, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PREC: tl.constexpr,
                  SOFTCAP: tl.constexpr):
     """Positions ``[t * TILE_N, (t + 1) * TILE_N)`` of the online softmax; positions before
     ``lo`` (outside the sliding window) are neither read nor attended. K / V are cast to
-    ``q``'s dtype after the load (a no-op unless the cache is FP8)."""
+    ``q``'s dtype after the load (a no-op unless the cache is FP8). ``blk``: the tile's
+    block-table entries loaded ahead (:func:`_tile_blocks`), or None: loaded here."""
     n = t * TILE_N + tl.arange(0, TILE_N)
     col = n // BLOCK_SIZE
     valid = (n < seq_len) & (n >= lo) & (col < bt_width)
-    blk = tl.load(bt_row + col, mask=valid, other=0).to(tl.int64)
+    if blk is None:
+        blk = tl.load(bt_row + col, mask=valid, other=0)
+    blk = blk.to(tl.int64)
     tok = blk * c_sb + (n % BLOCK_SIZE).to(tl.int64) * c_st + head_off
     if HEAD_DIM == D_PAD:
         kv_mask = valid[:, None]
@@ -653,7 +672,7 @@ def _decode_range(q_ptr, q_s0, q_s1, q_row, head, d, gd_mask, t0, t1, seq_len, l
                   GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PREC: tl.constexpr,
                   SOFTCAP: tl.constexpr, RANGE_LOOP: tl.constexpr, KV_FP8: tl.constexpr,
-                  Q_FP16: tl.constexpr):
+                  Q_FP16: tl.constexpr, TABLE_AHEAD: tl.constexpr = False):
     """The online softmax of one request's query heads ``head`` (query row ``q_row``) over
     tiles ``[t0, t1)`` of its context: ``(acc, l, m)`` in fp32, base 2, ``acc`` unnormalized
     (times ``v_scale`` for an FP8 cache)."""
@@ -666,16 +685,38 @@ def _decode_range(q_ptr, q_s0, q_s1, q_row, head, d, gd_mask, t0, t1, seq_len, l
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-    if RANGE_LOOP:  # compiled: a for-range loop, software-pipelined by Triton
+    if TABLE_AHEAD:  # the next tile's block-table entries loaded while this one is computed
+        blk = _tile_blocks(bt_row, bt_width, t0 * TILE_N, seq_len, BLOCK_SIZE, TILE_N)
+        if RANGE_LOOP:
+            for t in range(t0, t1):
+                nxt = _tile_blocks(bt_row, bt_width, (t + 1) * TILE_N, seq_len, BLOCK_SIZE,
+                                   TILE_N)
+                acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, t, seq_len, lo, k_ptr, v_ptr,
+                                             bt_row, bt_width, blk, c_sb, c_st, head_off, d,
+                                             scale_log2, HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N,
+                                             DOT_PREC, SOFTCAP)
+                blk = nxt
+        else:  # the interpreter cannot iterate range() over runtime scalars
+            t = t0
+            while t < t1:
+                nxt = _tile_blocks(bt_row, bt_width, (t + 1) * TILE_N, seq_len, BLOCK_SIZE,
+                                   TILE_N)
+                acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, t, seq_len, lo, k_ptr, v_ptr,
+                                             bt_row, bt_width, blk, c_sb, c_st, head_off, d,
+                                             scale_log2, HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N,
+                                             DOT_PREC, SOFTCAP)
+                blk = nxt
+                t += 1
+    elif RANGE_LOOP:  # compiled: a for-range loop, software-pipelined by Triton
         for t in range(t0, t1):
             acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, t, seq_len, lo, k_ptr, v_ptr, bt_row,
-                                         bt_width, c_sb, c_st, head_off, d, scale_log2,
+                                         bt_width, None, c_sb, c_st, head_off, d, scale_log2,
                                          HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, DOT_PREC, SOFTCAP)
     else:  # the interpreter cannot iterate range() over runtime scalars
         t = t0
         while t < t1:
             acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, t, seq_len, lo, k_ptr, v_ptr, bt_row,
-                                         bt_width, c_sb, c_st, head_off, d, scale_log2,
+                                         bt_width, None, c_sb, c_st, head_off, d, scale_log2,
                                          HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, DOT_PREC, SOFTCAP)
             t += 1
     if KV_FP8:
@@ -825,6 +866,7 @@ def _decode_kernel(
     FUSED_REDUCE: tl.constexpr = False,
     GROUP_P2: tl.constexpr = 1,
     SPLIT_CHUNK: tl.constexpr = 8,
+    TABLE_AHEAD: tl.constexpr = False,
 ):
     pdl_prologue(PDL)
     if ORDERED:  # grid (splits, KV heads, requests): a request's programs dispatch together,
@@ -862,7 +904,7 @@ def _decode_kernel(
         q_ptr, q_s0, q_s1, q_row, head, d, gd_mask, t0, t1, seq_len, lo,
         k_ptr, v_ptr, bt_ptr + r.to(tl.int64) * bt_s0, bt_width, c_sb, c_st,
         kvh.to(tl.int64) * c_sh, scale_log2, v_scale, GROUP_PAD, HEAD_DIM, D_PAD, BLOCK_SIZE,
-        TILE_N, DOT_PREC, SOFTCAP, RANGE_LOOP, KV_FP8, Q_FP16)
+        TILE_N, DOT_PREC, SOFTCAP, RANGE_LOOP, KV_FP8, Q_FP16, TABLE_AHEAD)
     _decode_write(acc, l_i, m_i, per >= n_tiles, (r.to(tl.int64) * NUM_HEADS + head) * num_splits + s,
                   out_ptr, o_s0, o_s1, q_row, head, g, d, gd_mask, m_ptr, l_ptr, acc_ptr,
                   sinks_ptr, lse_ptr, lse_s0, GROUP, D_PAD, HAS_SINKS, WRITE_LSE)
@@ -1277,7 +1319,7 @@ def paged_decode_attention(
         RANGE_LOOP=not interpreted(_decode_kernel),
         order_ptr=order if ordered else None, ORDERED=ordered,
         cnt_ptr=_counters(workspace, num_reqs * shape.num_kv_heads, q.device) if fused else None,
-        FUSED_REDUCE=fused, GROUP_P2=next_pow2(shape.group),
+        FUSED_REDUCE=fused, GROUP_P2=next_pow2(shape.group), TABLE_AHEAD=cfg.table_ahead,
         **_attend_args(q, kv_cache, block_table, out, shape, cfg, scale, softcap, sinks, lse,
                        k_scale, v_scale, fp8, d_pad),
         **pdl_launch_args(_decode_kernel, q.device),

@@ -61,6 +61,7 @@ from pagedkv.attention.triton_decode import (
     _lse,
     _sink_denominator,
     _soft_cap,
+    _tile_blocks,
     check_lse,
     check_sinks,
 )
@@ -115,20 +116,6 @@ INTERPRET_PREFILL_CONFIG = PrefillConfig(block_m=16, block_n=16, num_warps=1, nu
 
 def default_prefill_config(device: torch.device) -> PrefillConfig:
     return PrefillConfig() if device.type == "cuda" else INTERPRET_PREFILL_CONFIG
-
-
-@triton.jit
-def _tile_blocks(bt_row, bt_width, start, limit, BLOCK_SIZE: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
-    """The block-table entries of key tile ``[start, start + BLOCK_N)``, one per key (0 for
-    keys at or past ``limit`` and columns past the table width: never read). The loops load
-    them one tile ahead (the next tile's while this one is computed), so each tile's K / V
-    copies depend on no load of their own iteration and Triton's pipeliner can issue them
-    ``num_stages - 1`` tiles ahead (a table load in the same iteration held them to one tile
-    ahead: H200, 8 x 2048 causal, BENCHMARKS.md)."""
-    n = start + tl.arange(0, BLOCK_N)
-    col = n // BLOCK_SIZE
-    return tl.load(bt_row + col, mask=(n < limit) & (col < bt_width), other=0)
 
 
 @triton.jit

@@ -224,6 +224,8 @@ def decode_report(config, sass: bool = False, pdl: bool = False, flat: bool = Fa
                 seq_ptr="*i32", out_ptr="*bf16", m_ptr="*fp32", l_ptr="*fp32",
                 acc_ptr="*fp32", sinks_ptr="*bf16", lse_ptr="*fp32")
     const.update(FUSED_REDUCE=fused_reduce, GROUP_P2=group, SPLIT_CHUNK=8)
+    if not flat:
+        const["TABLE_AHEAD"] = config.table_ahead
     ptrs["cnt_ptr"] = "*i32"
     if flat:
         kernel = _decode_flat_kernel
@@ -367,6 +369,9 @@ def main(argv=None) -> int:
                    help="the programmatic-dependent-launch variant (pagedkv.kernels.pdl)")
     p.add_argument("--fused-reduce", action="store_true",
                    help="decode, decode-flat: the split kernel that merges its own ranges")
+    p.add_argument("--table-ahead", action="store_true",
+                   help="decode: the block-table entries loaded a tile ahead "
+                        "(DecodeConfig.table_ahead)")
     p.add_argument("--maxnreg", type=int, default=None,
                    help="decode-flat: the register cap (0: none; default DecodeConfig's)")
     p.add_argument("--fp8", action="store_true", help="qkv-rope: FP8 caches")
@@ -440,10 +445,11 @@ def main(argv=None) -> int:
         if args.maxnreg is not None:
             cfg = DecodeConfig(tile_n=cfg.tile_n, num_warps=cfg.num_warps,
                                num_stages=cfg.num_stages, flat_max_registers=args.maxnreg or None)
-        if args.fused_reduce:
+        if args.fused_reduce or args.table_ahead:
             import dataclasses
 
-            cfg = dataclasses.replace(cfg, fused_reduce=True)
+            cfg = dataclasses.replace(cfg, fused_reduce=args.fused_reduce,
+                                      table_ahead=args.table_ahead)
         rep = decode_report(cfg, sass=args.sass, pdl=args.pdl, flat=args.kernel == "decode-flat",
                             fused_reduce=args.fused_reduce)
     if args.json:
