@@ -30,15 +30,19 @@ pool), the scheduler asks for every new block to be zeroed (``needs_kv_zeroing``
 so a page reaches this path zeroed or written by the same layout. A caller driving the backend
 itself must keep its caches finite the same way (``torch.zeros``, not ``torch.empty``).
 
-Not for: pages of a block size other than a power of two, FP8 caches, sliding windows, logit soft caps, attention sinks, log-sum-exp outputs
-(cascade); the Triton kernel serves those. Availability: CUDA, bf16 / fp16, head size a
-multiple of 8, the frontend importable and cuDNN >= 9.5 (paged K / V).
+Not for: pages of a block size other than a power of two, FP8 caches, sliding windows,
+logit soft caps, attention sinks, log-sum-exp outputs (cascade); the Triton kernel serves
+those. Availability: CUDA, bf16 / fp16, head size a multiple of 8, the frontend importable
+and cuDNN >= 9.5 (paged K / V).
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
+import gc
 import time
+import weakref
 
 import torch
 
@@ -121,6 +125,21 @@ def cudnn_paged_inputs(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
             "table": table.view(batch, 1, width, 1)}
 
 
+# Every built graph, so that the interpreter's exit can drop their frontend objects first: a
+# graph alive at exit (an engine held by a module global, a server's app) otherwise made the
+# frontend's bindings report dozens of "leaked instances" on stderr as Python shut down.
+_LIVE: "weakref.WeakSet[CudnnPagedGraph]" = weakref.WeakSet()
+
+
+@atexit.register
+def release_all() -> None:
+    """Drop every live graph's frontend objects (see :meth:`CudnnPagedGraph.release`); run at
+    interpreter exit, before the frontend's module is torn down."""
+    for graph in list(_LIVE):
+        graph.release()
+    gc.collect()
+
+
 class CudnnPagedGraph:
     """One built cuDNN graph (see the module docstring) for ``batch`` requests of up to
     ``max_q`` query rows over a cache half of ``cache_shape`` / ``cache_strides``
@@ -189,6 +208,16 @@ class CudnnPagedGraph:
         self.workspace = torch.empty(max(1, g.get_workspace_size()), dtype=torch.uint8,
                                      device=device)
         self.build_s = time.perf_counter() - t0
+        _LIVE.add(self)
+
+    _FRONTEND_ATTRS = ("graph", "q", "q_off", "k", "v", "table_k", "table_v", "seq_q", "seq_kv",
+                       "o", "o_off", "handle", "workspace")
+
+    def release(self) -> None:
+        """Drop the frontend's graph, tensors and handle (the graph cannot run after this)."""
+        for name in self._FRONTEND_ATTRS:
+            self.__dict__.pop(name, None)
+        _LIVE.discard(self)
 
     def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
                  inputs: dict) -> None:
