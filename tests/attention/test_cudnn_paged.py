@@ -274,10 +274,10 @@ def test_graph_alive_at_exit_leaks_nothing_gpu(how):
     """A process that exits with a graph alive (held by a reference cycle here, by an engine in
     a server's engine process) prints nothing from the frontend's bindings: the exit hook drops
     every live graph first. The thirty-first session's serving run (H100, same command) ended
-    with 65 "leaked instance" lines on stderr before the hook and none after it; this script
-    with the hook unregistered and a module global instead of the cycle printed none either,
-    hence the cycle (its own run without the hook: not yet made). Released by hand first, the
-    same."""
+    with nanobind's "leaked 65 instances!" report on stderr before the hook and with none
+    after; this script with the hook unregistered and a module global instead of the cycle
+    printed none either, hence the cycle (its own run without the hook: not yet made).
+    Released by hand first, the same."""
     import os
     import subprocess
     import sys
