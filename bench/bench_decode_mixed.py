@@ -121,19 +121,20 @@ VARIANTS = {
     "sw3": DecodeConfig(small_waves=3.0, few_waves=None),
     "sw4": DecodeConfig(small_waves=4.0, few_waves=None),
     "sw8": DecodeConfig(small_waves=8.0, few_waves=None),
-    # the block table a tile ahead (DecodeConfig.table_ahead; thirty-first session): the K / V
+    # the block table a tile ahead (DecodeConfig.table_ahead at table_ahead_stages; thirty-first
+    # session; its first run set num_stages, which the per-request kernel then used): the K / V
     # copies (num_stages - 2) tiles ahead of the one computed (sm_90 TTGIR: the loop waits
     # with 2 x (stages - 2) copy groups outstanding) against ~one for the plain loop; shared
     # memory 37 / 54 / 71 / 87 / 103 KB at 3-7 stages (5 / 4 / 3 / 2 / 2 programs an SM); tile
     # 64 x 4 stages 104 KB (2 an SM)
-    "ta3": DecodeConfig(table_ahead=True, num_stages=3),
-    "ta4": DecodeConfig(table_ahead=True, num_stages=4),
-    "ta5": DecodeConfig(table_ahead=True, num_stages=5),
-    "ta6": DecodeConfig(table_ahead=True, num_stages=6),
-    "ta7": DecodeConfig(table_ahead=True, num_stages=7),
-    "ta7_ms16": DecodeConfig(table_ahead=True, num_stages=7, max_splits=16),
-    "ta4_t64": DecodeConfig(table_ahead=True, num_stages=4, tile_n=64),
-    "ta4_ms64": DecodeConfig(table_ahead=True, num_stages=4, max_splits=64),
+    "ta3": DecodeConfig(table_ahead=True, table_ahead_stages=3),
+    "ta4": DecodeConfig(table_ahead=True, table_ahead_stages=4),
+    "ta5": DecodeConfig(table_ahead=True, table_ahead_stages=5),
+    "ta6": DecodeConfig(table_ahead=True, table_ahead_stages=6),
+    "ta7": DecodeConfig(table_ahead=True, table_ahead_stages=7),
+    "ta7_ms16": DecodeConfig(table_ahead=True, table_ahead_stages=7, max_splits=16),
+    "ta4_t64": DecodeConfig(table_ahead=True, table_ahead_stages=4, tile_n=64),
+    "ta4_ms64": DecodeConfig(table_ahead=True, table_ahead_stages=4, max_splits=64),
 }
 
 

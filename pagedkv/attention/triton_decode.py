@@ -259,6 +259,17 @@ class DecodeConfig:
     70 KB of shared memory (3 programs an SM): B64/L2048 one range 174.9 us against 129.5, W2
     2,950 against 3,514 output tok/s; at 3 stages (4 programs an SM) 1-7% faster on mixed
     lengths, not measured on the balanced one-wave launches (whose rule counts 5 an SM).
+
+    ``table_ahead`` (thirty-first session, off by default): the per-request kernel loads each
+    tile's block-table entries one iteration ahead (:func:`_tile_blocks`, as the prefill loop
+    does) and launches with ``table_ahead_stages``; Triton then keeps the K / V copies
+    ``table_ahead_stages - 2`` tiles ahead (sm_90: 37 KB of shared memory and 5 programs an SM
+    at 3 stages, 54 / 71 / 87 / 103 KB at 4-7). H100, B1-B16 at L512 / L2048 / L8192 /
+    U[1000, 8000] (``bench_decode_mixed.py --variants ta3,...``): more copies in flight are
+    slower (B1/L8192 24.6 us at 7 stages against 20.2), so the small batches are not bound by
+    a program's copy latency; at 3 stages 0.9-5.8% faster in 20 of 20 cells. Not measured on
+    the H200, on the balanced or longest-first launches, or end to end: hence off. The flat
+    kernel ignores it.
     """
 
     tile_n: int = 32
@@ -290,6 +301,7 @@ class DecodeConfig:
     fused_reduce: bool = False
     fused_reduce_programs_per_sm: float = 5.0
     table_ahead: bool = False
+    table_ahead_stages: int = 3
 
     def __post_init__(self):
         check_launch_config(self, ("tile_n",), warps=False)
@@ -304,8 +316,9 @@ class DecodeConfig:
                 or not self.few_max_programs_per_sm >= 0:
             raise ConfigError("DecodeConfig: need few_waves > 0 (or None) and "
                               "few_max_programs_per_sm >= 0")
-        if self.num_warps < 1 or self.num_stages < 1:
-            raise ConfigError("DecodeConfig: num_warps and num_stages must be positive")
+        if self.num_warps < 1 or self.num_stages < 1 or self.table_ahead_stages < 1:
+            raise ConfigError("DecodeConfig: num_warps, num_stages and table_ahead_stages must "
+                              "be positive")
         if self.flat_programs_per_sm <= 0 or self.flat_min_split_tokens < 1 \
                 or (self.flat_max_registers is not None and self.flat_max_registers < 24) \
                 or not self.flat_min_programs_per_sm >= 0:
@@ -342,6 +355,11 @@ class DecodeConfig:
     def unfused(self) -> "DecodeConfig":
         """This config with every split merged by a reduce launch."""
         return dataclasses.replace(self, fused_reduce=False, fused_reduce_programs_per_sm=0.0)
+
+    def per_request_stages(self) -> int:
+        """The per-request kernel's ``num_stages``: ``table_ahead_stages`` with
+        ``table_ahead``, else ``num_stages``."""
+        return self.table_ahead_stages if self.table_ahead else self.num_stages
 
     def flat_registers(self) -> int | None:
         """The flat kernel's register cap (``maxnreg``): ``flat_max_registers`` when set; with
@@ -1320,8 +1338,9 @@ def paged_decode_attention(
         order_ptr=order if ordered else None, ORDERED=ordered,
         cnt_ptr=_counters(workspace, num_reqs * shape.num_kv_heads, q.device) if fused else None,
         FUSED_REDUCE=fused, GROUP_P2=next_pow2(shape.group), TABLE_AHEAD=cfg.table_ahead,
-        **_attend_args(q, kv_cache, block_table, out, shape, cfg, scale, softcap, sinks, lse,
-                       k_scale, v_scale, fp8, d_pad),
+        **{**_attend_args(q, kv_cache, block_table, out, shape, cfg, scale, softcap, sinks, lse,
+                          k_scale, v_scale, fp8, d_pad),
+           "num_stages": cfg.per_request_stages()},
         **pdl_launch_args(_decode_kernel, q.device),
     )
     if num_splits > 1 and not fused:

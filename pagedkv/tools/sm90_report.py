@@ -237,7 +237,8 @@ def decode_report(config, sass: bool = False, pdl: bool = False, flat: bool = Fa
     aligned = set(ptrs) | {"q_s0", "q_s1", "c_sb", "c_st", "c_sh", "o_s0", "o_s1", "bt_s0",
                            "lse_s0"}
     return report(kernel, const, ptrs, {"scale_log2", "v_scale"}, aligned,
-                  config.num_warps, config.num_stages, sass,
+                  config.num_warps, config.num_stages if flat else config.per_request_stages(),
+                  sass,
                   maxnreg=config.flat_registers() if flat else None)
 
 
@@ -371,7 +372,7 @@ def main(argv=None) -> int:
                    help="decode, decode-flat: the split kernel that merges its own ranges")
     p.add_argument("--table-ahead", action="store_true",
                    help="decode: the block-table entries loaded a tile ahead "
-                        "(DecodeConfig.table_ahead)")
+                        "(DecodeConfig.table_ahead; config's STAGES are its stages)")
     p.add_argument("--maxnreg", type=int, default=None,
                    help="decode-flat: the register cap (0: none; default DecodeConfig's)")
     p.add_argument("--fp8", action="store_true", help="qkv-rope: FP8 caches")
@@ -448,8 +449,10 @@ def main(argv=None) -> int:
         if args.fused_reduce or args.table_ahead:
             import dataclasses
 
+            # with a config, its STAGES are the table-ahead loop's
+            stages = cfg.num_stages if args.config else cfg.table_ahead_stages
             cfg = dataclasses.replace(cfg, fused_reduce=args.fused_reduce,
-                                      table_ahead=args.table_ahead)
+                                      table_ahead=args.table_ahead, table_ahead_stages=stages)
         rep = decode_report(cfg, sass=args.sass, pdl=args.pdl, flat=args.kernel == "decode-flat",
                             fused_reduce=args.fused_reduce)
     if args.json:

@@ -1,4 +1,5 @@
-"""The prefill kernel's K/V copies are software-pipelined two tiles ahead (no GPU needed).
+"""The prefill kernel's K/V copies are software-pipelined two tiles ahead, and the decode loop's
+with ``DecodeConfig.table_ahead`` ``stages - 2`` tiles ahead (no GPU needed).
 
 Triton's pipeliner gives each load a latency of ``(num_stages - 1) / (indirection + 1)``
 iterations. With the block-table load inside the key tile (the K/V addresses depending on a
@@ -28,13 +29,13 @@ pytestmark = pytest.mark.skipif(
     not triton.__version__.startswith("3.6."),
     reason="the pipelining checked here is Triton 3.6's (the version on the H200)")
 
-def _compile(mode: str) -> dict:
-    """``pagedkv.tools.sm90_report`` of the default ``PrefillConfig`` (a fresh process: it
-    clears ``TRITON_INTERPRET``)."""
+def _compile(mode: str, kernel: str = "prefill", *extra: str) -> dict:
+    """``pagedkv.tools.sm90_report`` of ``kernel`` (default: the default ``PrefillConfig``;
+    ``extra``: more arguments) in a fresh process: it clears ``TRITON_INTERPRET``."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    args = ["--prefix"] if mode == "prefix" else []
-    res = subprocess.run([sys.executable, "-m", "pagedkv.tools.sm90_report", "prefill", "--json",
-                          "--sass", *args], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    args = [kernel, *extra, "--json", "--sass"] + (["--prefix"] if mode == "prefix" else [])
+    res = subprocess.run([sys.executable, "-m", "pagedkv.tools.sm90_report", *args],
+                         capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -53,3 +54,18 @@ def test_prefill_kv_copies_two_tiles_ahead(mode):
     assert got["programs_per_sm"] == 2 and got["local"] == 0, got
     ops = got["sass_ops"]
     assert ops.get("HGMMA", 0) > 0 and ops.get("LDGSTS", 0) > 0 and ops.get("HMMA", 0) == 0, ops
+
+
+@pytest.mark.parametrize("stages,waits,shared_kb,per_sm", [(3, [2, 0], 37, 5), (7, [10, 0], 101, 2)])
+def test_decode_table_ahead_copies_ahead(stages, waits, shared_kb, per_sm):
+    """The decode loop with ``DecodeConfig.table_ahead`` (the same :func:`_tile_blocks`): its
+    in-loop wait leaves ``2 x (stages - 2)`` copy groups (K and V of ``stages - 2`` tiles) in
+    flight, where the default loop (table entries loaded in the tile) waits down to 3 at 5
+    stages; shared memory and programs an SM as BENCHMARKS.md's thirty-first session lists."""
+    got = _compile("causal", "decode", f"32,4,{stages}", "--table-ahead")
+    assert got["num_stages"] == stages and got["loops"] == 1, got
+    assert got["waits"] == waits, got
+    assert got["shared"] // 1024 == shared_kb and got["programs_per_sm"] == per_sm, got
+    assert got["local"] == 0 and got["sass_ops"].get("LDGSTS", 0) > 0, got
+    plain = _compile("causal", "decode")
+    assert plain["num_stages"] == 5 and plain["waits"] == [1, 3, 3, 0], plain

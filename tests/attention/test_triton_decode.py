@@ -437,9 +437,19 @@ def test_decode_config_errors():
                 dict(balanced_fraction=0.0), dict(balanced_fraction=1.5),
                 dict(balanced_min_programs_per_sm=-1.0),
                 dict(balanced_min_programs_per_sm=6.0, wave_programs_per_sm=5.0),
-                dict(few_waves=0.0), dict(few_max_programs_per_sm=-0.5)):
+                dict(few_waves=0.0), dict(few_max_programs_per_sm=-0.5),
+                dict(table_ahead_stages=0)):
         with pytest.raises(ConfigError):
             DecodeConfig(**bad)
+
+
+def test_per_request_stages():
+    """The per-request kernel launches at ``table_ahead_stages`` only with ``table_ahead``."""
+    assert DecodeConfig().per_request_stages() == DecodeConfig().num_stages == 5
+    assert DecodeConfig(table_ahead=True).per_request_stages() == 3
+    assert DecodeConfig(table_ahead=True, table_ahead_stages=6,
+                        num_stages=4).per_request_stages() == 6
+    assert DecodeConfig(table_ahead_stages=6, num_stages=4).per_request_stages() == 4
 
 
 def test_decode_argument_errors():
@@ -645,7 +655,7 @@ def test_decode_gpu_table_ahead(stages, tile):
                          head_dim=128, dtype=torch.bfloat16, device="cuda", write_new=True,
                          seed=stages + bs)
         plain = DecodeConfig(tile_n=tile, num_stages=stages, flat_split=False)
-        ahead = dataclasses.replace(plain, table_ahead=True)
+        ahead = dataclasses.replace(plain, table_ahead=True, table_ahead_stages=stages)
         for splits in (None, 1, 32):
             out = run_decode(case, num_splits=splits, config=ahead)
             check(case, out)
