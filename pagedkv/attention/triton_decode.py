@@ -685,6 +685,20 @@ def _decode_tile(acc, l_i, m_i, q, t, seq_len, lo, k_ptr, v_ptr, bt_row, bt_widt
 
 
 @triton.jit
+def _decode_tile_ahead(acc, l_i, m_i, q, t, seq_len, lo, k_ptr, v_ptr, bt_row, bt_width, blk,
+                       c_sb, c_st, head_off, d, scale_log2, HEAD_DIM: tl.constexpr,
+                       D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+                       DOT_PREC: tl.constexpr, SOFTCAP: tl.constexpr):
+    """:func:`_decode_tile` of tile ``t`` on its entries ``blk`` (loaded an iteration ago),
+    with tile ``t + 1``'s entries loaded first: ``(acc, l, m, next entries)``."""
+    nxt = _tile_blocks(bt_row, bt_width, (t + 1) * TILE_N, seq_len, BLOCK_SIZE, TILE_N)
+    acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, t, seq_len, lo, k_ptr, v_ptr, bt_row,
+                                 bt_width, blk, c_sb, c_st, head_off, d, scale_log2, HEAD_DIM,
+                                 D_PAD, BLOCK_SIZE, TILE_N, DOT_PREC, SOFTCAP)
+    return acc, l_i, m_i, nxt
+
+
+@triton.jit
 def _decode_range(q_ptr, q_s0, q_s1, q_row, head, d, gd_mask, t0, t1, seq_len, lo,
                   k_ptr, v_ptr, bt_row, bt_width, c_sb, c_st, head_off, scale_log2, v_scale,
                   GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
@@ -707,23 +721,17 @@ def _decode_range(q_ptr, q_s0, q_s1, q_row, head, d, gd_mask, t0, t1, seq_len, l
         blk = _tile_blocks(bt_row, bt_width, t0 * TILE_N, seq_len, BLOCK_SIZE, TILE_N)
         if RANGE_LOOP:
             for t in range(t0, t1):
-                nxt = _tile_blocks(bt_row, bt_width, (t + 1) * TILE_N, seq_len, BLOCK_SIZE,
-                                   TILE_N)
-                acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, t, seq_len, lo, k_ptr, v_ptr,
-                                             bt_row, bt_width, blk, c_sb, c_st, head_off, d,
-                                             scale_log2, HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N,
-                                             DOT_PREC, SOFTCAP)
-                blk = nxt
+                acc, l_i, m_i, blk = _decode_tile_ahead(
+                    acc, l_i, m_i, q, t, seq_len, lo, k_ptr, v_ptr, bt_row, bt_width, blk, c_sb,
+                    c_st, head_off, d, scale_log2, HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, DOT_PREC,
+                    SOFTCAP)
         else:  # the interpreter cannot iterate range() over runtime scalars
             t = t0
             while t < t1:
-                nxt = _tile_blocks(bt_row, bt_width, (t + 1) * TILE_N, seq_len, BLOCK_SIZE,
-                                   TILE_N)
-                acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, t, seq_len, lo, k_ptr, v_ptr,
-                                             bt_row, bt_width, blk, c_sb, c_st, head_off, d,
-                                             scale_log2, HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N,
-                                             DOT_PREC, SOFTCAP)
-                blk = nxt
+                acc, l_i, m_i, blk = _decode_tile_ahead(
+                    acc, l_i, m_i, q, t, seq_len, lo, k_ptr, v_ptr, bt_row, bt_width, blk, c_sb,
+                    c_st, head_off, d, scale_log2, HEAD_DIM, D_PAD, BLOCK_SIZE, TILE_N, DOT_PREC,
+                    SOFTCAP)
                 t += 1
     elif RANGE_LOOP:  # compiled: a for-range loop, software-pipelined by Triton
         for t in range(t0, t1):

@@ -461,6 +461,29 @@ def _long_prompts_case(tiny_dir, seed: int):
                                          logprobs=1)
 
 
+def _by_paged_prefill(tiny_dir, **llm_kw):
+    """The long prompts (:func:`_long_prompts_case`) through one bf16 engine a paged-prefill
+    mode, Triton's and cuDNN's (``llm_kw``: more ``LLM`` arguments); a decline warning from
+    cuDNN's path is an error: ``{mode: (outputs, backend)}``."""
+    import warnings
+
+    from pagedkv.attention.cudnn_paged import frontend
+    from pagedkv.attention.triton_backend import TritonAttentionBackend
+
+    if frontend() is None:
+        pytest.skip("nvidia-cudnn-frontend not installed (or cuDNN < 9.5)")
+    path, prompts, params = _long_prompts_case(tiny_dir, 5)
+    res = {}
+    for mode in ("triton", "cudnn"):
+        backend = TritonAttentionBackend(paged_prefill=mode)
+        llm = _gpu_llm(path, dtype="bfloat16", max_num_batched_tokens=1024, max_model_len=2048,
+                       attention_backend=backend, **llm_kw)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="cuDNN's paged attention declined")
+            res[mode] = (llm.generate(prompts, params, use_tqdm=False), backend)
+    return res
+
+
 @pytest.mark.parametrize("mixed_graphs,block_size", [(True, 16), (False, 16), (True, 64)],
                          ids=["graphs", "eager", "graphs-block64"])
 def test_cudnn_paged_prefill_engine_matches_triton(tiny_dir, mixed_graphs, block_size):
@@ -469,22 +492,12 @@ def test_cudnn_paged_prefill_engine_matches_triton(tiny_dir, mixed_graphs, block
     token ids in chunked, mixed steps (a 1,024-token budget: chunks after cached context),
     with mixed-step CUDA graphs (the cuDNN launch captured) and eager, pages of 16 and 64;
     greedy tokens and their logprobs."""
-    from pagedkv.attention.cudnn_paged import frontend
-    from pagedkv.attention.triton_backend import TritonAttentionBackend
-
-    if frontend() is None:
-        pytest.skip("nvidia-cudnn-frontend not installed (or cuDNN < 9.5)")
-    path, prompts, params = _long_prompts_case(tiny_dir, 5)
-    outs = {}
-    for mode in ("triton", "cudnn"):
-        backend = TritonAttentionBackend(paged_prefill=mode)
-        llm = _gpu_llm(path, dtype="bfloat16", max_num_batched_tokens=1024, max_model_len=2048,
-                       num_gpu_blocks_override=1024 * 16 // block_size, block_size=block_size,
-                       attention_backend=backend, mixed_cuda_graphs=mixed_graphs)
-        outs[mode] = llm.generate(prompts, params, use_tqdm=False)
+    res = _by_paged_prefill(tiny_dir, num_gpu_blocks_override=1024 * 16 // block_size,
+                            block_size=block_size, mixed_cuda_graphs=mixed_graphs)
+    for mode, (_, backend) in res.items():
         graphs = list(backend._cudnn_graphs.values())
         assert bool(graphs) is (mode == "cudnn") and all(graphs)  # the path ran, none declined
-    for a, b in zip(outs["triton"], outs["cudnn"]):
+    for a, b in zip(res["triton"][0], res["cudnn"][0]):
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
         # bf16: a near tie may flip; the tokens before it and the logprobs there must agree
         k = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
@@ -498,24 +511,9 @@ def test_cudnn_paged_prefill_leaves_odd_pages_to_triton(tiny_dir):
     asked for cuDNN's paged prefill, the backend builds no graph and warns nothing (the
     thirty-first session's Qwen3-Next run had cuDNN reject such a graph and print), and the
     engine's tokens and logprobs equal the Triton-only engine's: the same kernels ran."""
-    import warnings
-
-    from pagedkv.attention.cudnn_paged import frontend
-    from pagedkv.attention.triton_backend import TritonAttentionBackend
-
-    if frontend() is None:
-        pytest.skip("nvidia-cudnn-frontend not installed (or cuDNN < 9.5)")
-    path, prompts, params = _long_prompts_case(tiny_dir, 5)
-    outs = {}
-    for mode in ("triton", "cudnn"):
-        backend = TritonAttentionBackend(paged_prefill=mode)
-        llm = _gpu_llm(path, dtype="bfloat16", max_num_batched_tokens=1024, max_model_len=2048,
-                       num_gpu_blocks_override=400, block_size=48, attention_backend=backend)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", RuntimeWarning)
-            outs[mode] = llm.generate(prompts, params, use_tqdm=False)
-        assert backend._cudnn_graphs == {}
-    for a, b in zip(outs["triton"], outs["cudnn"]):
+    res = _by_paged_prefill(tiny_dir, num_gpu_blocks_override=400, block_size=48)
+    assert res["cudnn"][1]._cudnn_graphs == {}
+    for a, b in zip(res["triton"][0], res["cudnn"][0]):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert [d[t].logprob for d, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)] == \
             [d[t].logprob for d, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)]
