@@ -121,8 +121,9 @@ VARIANTS = {
     "sw3": DecodeConfig(small_waves=3.0, few_waves=None),
     "sw4": DecodeConfig(small_waves=4.0, few_waves=None),
     "sw8": DecodeConfig(small_waves=8.0, few_waves=None),
-    # the block table a tile ahead (DecodeConfig.table_ahead at table_ahead_stages; thirty-first
-    # session; its first run set num_stages, which the per-request kernel then used): the K / V
+    # the block table a tile ahead (DecodeConfig.table_ahead at table_ahead_stages, both decode
+    # kernels; thirty-first session; its first run, B1-B16 only (per-request launches), set
+    # num_stages, which the per-request kernel then used): the K / V
     # copies (num_stages - 2) tiles ahead of the one computed (sm_90 TTGIR: the loop waits
     # with 2 x (stages - 2) copy groups outstanding) against ~one for the plain loop; shared
     # memory 37 / 54 / 71 / 87 / 103 KB at 3-7 stages (5 / 4 / 3 / 2 / 2 programs an SM); tile

@@ -260,16 +260,16 @@ class DecodeConfig:
     2,950 against 3,514 output tok/s; at 3 stages (4 programs an SM) 1-7% faster on mixed
     lengths, not measured on the balanced one-wave launches (whose rule counts 5 an SM).
 
-    ``table_ahead`` (thirty-first session, off by default): the per-request kernel loads each
-    tile's block-table entries one iteration ahead (:func:`_tile_blocks`, as the prefill loop
-    does) and launches with ``table_ahead_stages``; Triton then keeps the K / V copies
+    ``table_ahead`` (thirty-first session, off by default): the decode kernels (per-request
+    and flat) load each tile's block-table entries one iteration ahead (:func:`_tile_blocks`,
+    as the prefill loop does) and launch with ``table_ahead_stages``; Triton then keeps the K / V copies
     ``table_ahead_stages - 2`` tiles ahead (sm_90: 37 KB of shared memory and 5 programs an SM
     at 3 stages, 54 / 71 / 87 / 103 KB at 4-7). H100, B1-B16 at L512 / L2048 / L8192 /
     U[1000, 8000] (``bench_decode_mixed.py --variants ta3,...``): more copies in flight are
     slower (B1/L8192 24.6 us at 7 stages against 20.2), so the small batches are not bound by
     a program's copy latency; at 3 stages 0.9-5.8% faster in 20 of 20 cells. Not measured on
-    the H200, on the balanced or longest-first launches, or end to end: hence off. The flat
-    kernel ignores it.
+    the H200, on the flat split's or the balanced / longest-first launches (B17 and up), or
+    end to end: hence off.
     """
 
     tile_n: int = 32
@@ -356,9 +356,9 @@ class DecodeConfig:
         """This config with every split merged by a reduce launch."""
         return dataclasses.replace(self, fused_reduce=False, fused_reduce_programs_per_sm=0.0)
 
-    def per_request_stages(self) -> int:
-        """The per-request kernel's ``num_stages``: ``table_ahead_stages`` with
-        ``table_ahead``, else ``num_stages``."""
+    def kernel_stages(self) -> int:
+        """The decode kernels' ``num_stages``: ``table_ahead_stages`` with ``table_ahead``,
+        else ``num_stages``."""
         return self.table_ahead_stages if self.table_ahead else self.num_stages
 
     def flat_registers(self) -> int | None:
@@ -1101,6 +1101,7 @@ def _decode_flat_kernel(
     FUSED_REDUCE: tl.constexpr = False,
     GROUP_P2: tl.constexpr = 1,
     SPLIT_CHUNK: tl.constexpr = 8,
+    TABLE_AHEAD: tl.constexpr = False,
 ):
     """The flat split, grid ``(P, Hkv)``: the decode requests' tiles laid end to end, program
     ``(p, h)`` takes flat tiles ``[p W, (p + 1) W)`` of KV head ``h`` (``W``:
@@ -1147,7 +1148,8 @@ def _decode_flat_kernel(
                 q_ptr, q_s0, q_s1, q_row, head, d, gd_mask, lo // TILE_N + s0,
                 lo // TILE_N + s1, seq_len, lo, k_ptr, v_ptr, bt_ptr + r.to(tl.int64) * bt_s0,
                 bt_width, c_sb, c_st, head_off, scale_log2, v_scale, GROUP_PAD, HEAD_DIM,
-                D_PAD, BLOCK_SIZE, TILE_N, DOT_PREC, SOFTCAP, RANGE_LOOP, KV_FP8, Q_FP16)
+                D_PAD, BLOCK_SIZE, TILE_N, DOT_PREC, SOFTCAP, RANGE_LOOP, KV_FP8, Q_FP16,
+                TABLE_AHEAD)
             _decode_write(acc, l_i, m_i, (s0 == 0) & (s1 == nt),
                           (p + r).to(tl.int64) * NUM_HEADS + head, out_ptr, o_s0, o_s1, q_row,
                           head, g, d, gd_mask, m_ptr, l_ptr, acc_ptr, sinks_ptr, lse_ptr, lse_s0,
@@ -1345,10 +1347,9 @@ def paged_decode_attention(
         RANGE_LOOP=not interpreted(_decode_kernel),
         order_ptr=order if ordered else None, ORDERED=ordered,
         cnt_ptr=_counters(workspace, num_reqs * shape.num_kv_heads, q.device) if fused else None,
-        FUSED_REDUCE=fused, GROUP_P2=next_pow2(shape.group), TABLE_AHEAD=cfg.table_ahead,
-        **{**_attend_args(q, kv_cache, block_table, out, shape, cfg, scale, softcap, sinks, lse,
-                          k_scale, v_scale, fp8, d_pad),
-           "num_stages": cfg.per_request_stages()},
+        FUSED_REDUCE=fused, GROUP_P2=next_pow2(shape.group),
+        **_attend_args(q, kv_cache, block_table, out, shape, cfg, scale, softcap, sinks, lse,
+                       k_scale, v_scale, fp8, d_pad),
         **pdl_launch_args(_decode_kernel, q.device),
     )
     if num_splits > 1 and not fused:
@@ -1414,7 +1415,7 @@ def _attend_args(q, kv_cache, block_table, out, shape, cfg: DecodeConfig, scale,
         DOT_PREC=dot_precision(q.dtype if fp8 else kv_cache.dtype),
         lse_ptr=lse, lse_s0=0 if lse is None else lse.stride(0), WRITE_LSE=lse is not None,
         v_scale=float(v_scale), KV_FP8=fp8, Q_FP16=fp8 and q.dtype == torch.bfloat16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        TABLE_AHEAD=cfg.table_ahead, num_warps=cfg.num_warps, num_stages=cfg.kernel_stages())
 
 
 def _flat_decode(q, kv_cache, block_table, query_start_loc, seq_lens, num_reqs, scale, out,

@@ -223,9 +223,8 @@ def decode_report(config, sass: bool = False, pdl: bool = False, flat: bool = Fa
     ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", bt_ptr="*i32", qsl_ptr="*i32",
                 seq_ptr="*i32", out_ptr="*bf16", m_ptr="*fp32", l_ptr="*fp32",
                 acc_ptr="*fp32", sinks_ptr="*bf16", lse_ptr="*fp32")
-    const.update(FUSED_REDUCE=fused_reduce, GROUP_P2=group, SPLIT_CHUNK=8)
-    if not flat:
-        const["TABLE_AHEAD"] = config.table_ahead
+    const.update(FUSED_REDUCE=fused_reduce, GROUP_P2=group, SPLIT_CHUNK=8,
+                 TABLE_AHEAD=config.table_ahead)
     ptrs["cnt_ptr"] = "*i32"
     if flat:
         kernel = _decode_flat_kernel
@@ -237,8 +236,7 @@ def decode_report(config, sass: bool = False, pdl: bool = False, flat: bool = Fa
     aligned = set(ptrs) | {"q_s0", "q_s1", "c_sb", "c_st", "c_sh", "o_s0", "o_s1", "bt_s0",
                            "lse_s0"}
     return report(kernel, const, ptrs, {"scale_log2", "v_scale"}, aligned,
-                  config.num_warps, config.num_stages if flat else config.per_request_stages(),
-                  sass,
+                  config.num_warps, config.kernel_stages(), sass,
                   maxnreg=config.flat_registers() if flat else None)
 
 
@@ -371,7 +369,7 @@ def main(argv=None) -> int:
     p.add_argument("--fused-reduce", action="store_true",
                    help="decode, decode-flat: the split kernel that merges its own ranges")
     p.add_argument("--table-ahead", action="store_true",
-                   help="decode: the block-table entries loaded a tile ahead "
+                   help="decode, decode-flat: the block-table entries loaded a tile ahead "
                         "(DecodeConfig.table_ahead; config's STAGES are its stages)")
     p.add_argument("--maxnreg", type=int, default=None,
                    help="decode-flat: the register cap (0: none; default DecodeConfig's)")

@@ -137,6 +137,24 @@ def test_flat_matches_reference(kernel_device, block_size, heads, programs, min_
     check(case, run_flat(case, cfg, workspace=poisoned_workspace(case, programs)))
 
 
+@pytest.mark.parametrize("block_size,programs,window", [(4, 3, None), (1, 5, None),
+                                                       (16, 2, None), (4, 3, 7)])
+def test_flat_table_ahead_equals_the_plain_loop(kernel_device, block_size, programs, window):
+    """``DecodeConfig.table_ahead`` in the flat kernel: each piece's table entries loaded a
+    tile ahead (pieces start mid-request and cross requests; a window's first tile starts
+    before it), the same outputs as the plain loop, bitwise, and as the reference."""
+    case = make_case(REQS, block_size=block_size, device=kernel_device, write_new=True,
+                     seed=block_size + programs, sliding_window=window)
+    plain = flat_cfg(programs, 2)
+    outs = [run_flat(case, cfg, sliding_window=window,
+                     workspace=poisoned_workspace(case, programs))
+            for cfg in (plain, dataclasses.replace(plain, table_ahead=True))]
+    # (the prefill rows stay NaN in both)
+    torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0, equal_nan=True)
+    if window is None:
+        check(case, outs[1])
+
+
 def test_flat_kernel_writes_the_twins_pieces(kernel_device):
     """The partial rows the kernel writes are those of the host twin's pieces of requests
     cut in several: row ``(p + r) H + h`` for each such piece, every other row untouched."""
@@ -380,6 +398,24 @@ def test_flat_gpu_bf16(block_size):
     one = make_case([(8191, 1)], block_size=block_size, num_heads=16, num_kv_heads=8,
                     head_dim=128, dtype=torch.bfloat16, device="cuda", write_new=True, seed=1)
     check(one, run_flat(one, gpu_flat()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", [3, 4])
+def test_flat_gpu_table_ahead(stages):
+    """The flat kernel with the table a tile ahead, compiled: bf16, 155 mixed lengths, pages of
+    16 and 64; equal to the reference and bitwise to the plain loop at the same stages."""
+    ctx = [int(x) for x in torch.randint(1, 3000, (150,), generator=torch.Generator().manual_seed(
+        stages))] + [8191, 1, 15, 16, 17]
+    for bs in (16, 64):
+        case = make_case([(c, 1) for c in ctx], block_size=bs, num_heads=16, num_kv_heads=8,
+                         head_dim=128, dtype=torch.bfloat16, device="cuda", write_new=True,
+                         seed=bs + stages)
+        plain = dataclasses.replace(gpu_flat(), num_stages=stages)
+        out = run_flat(case, dataclasses.replace(plain, table_ahead=True,
+                                                 table_ahead_stages=stages))
+        check(case, out)
+        torch.testing.assert_close(out, run_flat(case, plain), atol=0, rtol=0)
 
 
 @pytest.mark.gpu

@@ -69,3 +69,12 @@ def test_decode_table_ahead_copies_ahead(stages, waits, shared_kb, per_sm):
     assert got["local"] == 0 and got["sass_ops"].get("LDGSTS", 0) > 0, got
     plain = _compile("causal", "decode")
     assert plain["num_stages"] == 5 and plain["waits"] == [1, 3, 3, 0], plain
+
+
+def test_decode_flat_table_ahead_copies_ahead():
+    """The flat kernel with ``table_ahead`` at its default 3 stages: one tile's K and V in
+    flight during the loop (wait 2), the plain flat loop's 38 KB, 128 registers, 4 programs an
+    SM (its default wave)."""
+    got = _compile("causal", "decode-flat", "--table-ahead")
+    assert got["num_stages"] == 3 and got["waits"] == [2, 0], got
+    assert got["shared"] // 1024 == 37 and got["programs_per_sm"] == 4 and got["local"] == 0, got

@@ -443,13 +443,13 @@ def test_decode_config_errors():
             DecodeConfig(**bad)
 
 
-def test_per_request_stages():
-    """The per-request kernel launches at ``table_ahead_stages`` only with ``table_ahead``."""
-    assert DecodeConfig().per_request_stages() == DecodeConfig().num_stages == 5
-    assert DecodeConfig(table_ahead=True).per_request_stages() == 3
+def test_kernel_stages():
+    """The decode kernels launch at ``table_ahead_stages`` only with ``table_ahead``."""
+    assert DecodeConfig().kernel_stages() == DecodeConfig().num_stages == 5
+    assert DecodeConfig(table_ahead=True).kernel_stages() == 3
     assert DecodeConfig(table_ahead=True, table_ahead_stages=6,
-                        num_stages=4).per_request_stages() == 6
-    assert DecodeConfig(table_ahead_stages=6, num_stages=4).per_request_stages() == 4
+                        num_stages=4).kernel_stages() == 6
+    assert DecodeConfig(table_ahead_stages=6, num_stages=4).kernel_stages() == 4
 
 
 def test_decode_argument_errors():
