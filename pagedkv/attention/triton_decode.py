@@ -262,9 +262,11 @@ class DecodeConfig:
 
     ``table_ahead`` (thirty-first session, off by default): the decode kernels (per-request
     and flat) load each tile's block-table entries one iteration ahead (:func:`_tile_blocks`,
-    as the prefill loop does) and launch with ``table_ahead_stages``; Triton then keeps the K / V copies
-    ``table_ahead_stages - 2`` tiles ahead (sm_90: 37 KB of shared memory and 5 programs an SM
-    at 3 stages, 54 / 71 / 87 / 103 KB at 4-7). H100, B1-B16 at L512 / L2048 / L8192 /
+    as the prefill loop does) and launch with ``table_ahead_stages``; Triton then keeps the
+    K / V copies of ``table_ahead_stages - 2`` more tiles in flight while one is computed
+    (sm_90, per-request kernel: 37 KB of shared memory and 5 programs an SM at 3 stages, as
+    the plain loop at 5; 54 / 71 / 87 / 103 KB at 4-7; the flat kernel at 3: 37 KB, 4 an SM,
+    its plain wave). H100, B1-B16 at L512 / L2048 / L8192 /
     U[1000, 8000] (``bench_decode_mixed.py --variants ta3,...``): more copies in flight are
     slower (B1/L8192 24.6 us at 7 stages against 20.2), so the small batches are not bound by
     a program's copy latency; at 3 stages 0.9-5.8% faster in 20 of 20 cells. Not measured on
