@@ -56,7 +56,8 @@ def test_prefill_kv_copies_two_tiles_ahead(mode):
     assert ops.get("HGMMA", 0) > 0 and ops.get("LDGSTS", 0) > 0 and ops.get("HMMA", 0) == 0, ops
 
 
-@pytest.mark.parametrize("stages,waits,shared_kb,per_sm", [(3, [2, 0], 37, 5), (7, [10, 0], 101, 2)])
+@pytest.mark.parametrize("stages,waits,shared_kb,per_sm",
+                         [(3, [2, 0], 37, 5), (7, [10, 0], 101, 2)])
 def test_decode_table_ahead_copies_ahead(stages, waits, shared_kb, per_sm):
     """The decode loop with ``DecodeConfig.table_ahead`` (the same :func:`_tile_blocks`): its
     in-loop wait leaves ``2 x (stages - 2)`` copy groups (K and V of ``stages - 2`` tiles) in
