@@ -22,11 +22,13 @@ Kernel (``_decode_kernel``), grid ``(num_reqs, Hkv, num_splits)``:
     split launch do not pay for splitting. A request that ends up in one range writes its
     normalized output directly; otherwise each range stores its partial ``(max, sum, acc)`` in
     fp32 and ``_decode_reduce_kernel`` (grid ``(num_reqs, H / reduce_heads)``: each program
-    merges ``DecodeConfig.reduce_heads`` query heads) merges them, loading 8 ranges per
-    iteration at once (one compiled variant for every split count; on the H200 as fast as a
-    loop over single ranges within lease variance, with fewer dependent loads for 16-32
-    ranges). Merging inside the split kernel (the last range of a request merges, after an
-    atomic ticket) was measured slower (BENCHMARKS.md) and is not used.
+    merges ``DecodeConfig.reduce_heads`` query heads) merges them, loading
+    ``DecodeConfig.merge_chunk`` (8) ranges per iteration at once (one compiled variant for
+    every split count; on the H200 as fast as a loop over single ranges within lease variance,
+    with fewer dependent loads for 16-32 ranges). Launches of one wave merge inside the split
+    kernel instead (the last range of a request to arrive merges, after an atomic ticket:
+    ``DecodeConfig.fused_reduce_programs_per_sm``); past one wave that was measured slower
+    (BENCHMARKS.md).
 
 Attention sinks (``sinks [H]``, GPT-OSS): each query head's learned logit joins the softmax
 denominator as ``exp(sink)`` once, where a request's output is normalized (the split kernel's
@@ -271,7 +273,16 @@ class DecodeConfig:
     slower (B1/L8192 24.6 us at 7 stages against 20.2), so the small batches are not bound by
     a program's copy latency; at 3 stages 0.9-5.8% faster in 20 of 20 cells. Not measured on
     the H200, on the flat split's or the balanced / longest-first launches (B17 and up), or
-    end to end: hence off.
+    end to end: hence off. Thirty-second session, end to end: W2 on the H200 3,914 / 3,910
+    against 3,890-3,896 (four default runs, one lease); W1 on an H100 20,279 against 20,522
+    (one pair): still off.
+
+    ``merge_chunk`` (thirty-second session, default 8, unchanged): the partial ranges every
+    merge (the reduce kernels and the split kernels' own, fused merge) loads in one round
+    trip; a request merging ``n`` ranges waits on ``ceil(n / merge_chunk)`` dependent loads.
+    B1 merges 32 ranges in 4; 16 takes 2 with the same footprint (sm_90, the fused split
+    kernel: 96 registers, 5 programs an SM at 8 and 16; 158 and 3 an SM at 32). Not measured
+    on a GPU yet.
     """
 
     tile_n: int = 32
@@ -304,6 +315,7 @@ class DecodeConfig:
     fused_reduce_programs_per_sm: float = 5.0
     table_ahead: bool = False
     table_ahead_stages: int = 3
+    merge_chunk: int = 8
 
     def __post_init__(self):
         check_launch_config(self, ("tile_n",), warps=False)
@@ -336,6 +348,11 @@ class DecodeConfig:
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not f >= 0:
             raise ConfigError("DecodeConfig.fused_reduce_programs_per_sm must be a number >= 0, "
                               f"got {f!r}")
+        c = self.merge_chunk
+        if isinstance(c, bool) or not isinstance(c, int) or not 2 <= c <= MAX_SPLITS \
+                or c & (c - 1):
+            raise ConfigError(f"DecodeConfig.merge_chunk must be a power of two in [2, "
+                              f"{MAX_SPLITS}], got {c!r}")
         r = self.reduce_heads
         if isinstance(r, bool) or not isinstance(r, int) or r < 1 or r & (r - 1):
             raise ConfigError(f"DecodeConfig.reduce_heads must be a power of two >= 1, got {r!r}")
@@ -1349,7 +1366,7 @@ def paged_decode_attention(
         RANGE_LOOP=not interpreted(_decode_kernel),
         order_ptr=order if ordered else None, ORDERED=ordered,
         cnt_ptr=_counters(workspace, num_reqs * shape.num_kv_heads, q.device) if fused else None,
-        FUSED_REDUCE=fused, GROUP_P2=next_pow2(shape.group),
+        FUSED_REDUCE=fused, GROUP_P2=next_pow2(shape.group), SPLIT_CHUNK=cfg.merge_chunk,
         **_attend_args(q, kv_cache, block_table, out, shape, cfg, scale, softcap, sinks, lse,
                        k_scale, v_scale, fp8, d_pad),
         **pdl_launch_args(_decode_kernel, q.device),
@@ -1362,7 +1379,7 @@ def paged_decode_attention(
             m_buf, l_buf, acc_buf,
             q if sinks is None else sinks,
             NUM_HEADS=shape.num_heads, HEAD_DIM=shape.head_dim, D_PAD=d_pad,
-            TILE_N=cfg.tile_n, SPLIT_CHUNK=8, HAS_SINKS=sinks is not None,
+            TILE_N=cfg.tile_n, SPLIT_CHUNK=cfg.merge_chunk, HAS_SINKS=sinks is not None,
             lse_ptr=lse, lse_s0=0 if lse is None else lse.stride(0), WRITE_LSE=lse is not None,
             BLOCK_H=block_h, num_warps=4 if d_pad >= 128 else 1,
             **pdl_launch_args(_decode_reduce_kernel, q.device),
@@ -1441,7 +1458,7 @@ def _flat_decode(q, kv_cache, block_table, query_start_loc, seq_lens, num_reqs, 
         RANGE_LOOP=not interp, REQ_CHUNK=req_chunk,
         cnt_ptr=_counters(workspace, num_reqs * shape.num_kv_heads, q.device) if fused else None,
         zero_rows=int(bool(zero_padded_rows)), FUSED_REDUCE=fused,
-        GROUP_P2=next_pow2(shape.group),
+        GROUP_P2=next_pow2(shape.group), SPLIT_CHUNK=cfg.merge_chunk,
         **_attend_args(q, kv_cache, block_table, out, shape, cfg, scale, softcap, sinks, lse,
                        k_scale, v_scale, fp8, d_pad),
         **({} if interp or cfg.flat_registers() is None else {"maxnreg": cfg.flat_registers()}),
@@ -1455,7 +1472,7 @@ def _flat_decode(q, kv_cache, block_table, query_start_loc, seq_lens, num_reqs, 
         window, out, out.stride(0), out.stride(1), m_buf, l_buf, acc_buf,
         q if sinks is None else sinks,
         NUM_HEADS=shape.num_heads, HEAD_DIM=shape.head_dim, D_PAD=d_pad, TILE_N=cfg.tile_n,
-        REQ_CHUNK=req_chunk, SPLIT_CHUNK=8, HAS_SINKS=sinks is not None,
+        REQ_CHUNK=req_chunk, SPLIT_CHUNK=cfg.merge_chunk, HAS_SINKS=sinks is not None,
         lse_ptr=lse, lse_s0=0 if lse is None else lse.stride(0), WRITE_LSE=lse is not None,
         BLOCK_H=block_h, num_warps=4 if d_pad >= 128 else 1,
         **pdl_launch_args(_decode_flat_reduce_kernel, q.device),

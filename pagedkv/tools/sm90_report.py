@@ -223,7 +223,7 @@ def decode_report(config, sass: bool = False, pdl: bool = False, flat: bool = Fa
     ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", bt_ptr="*i32", qsl_ptr="*i32",
                 seq_ptr="*i32", out_ptr="*bf16", m_ptr="*fp32", l_ptr="*fp32",
                 acc_ptr="*fp32", sinks_ptr="*bf16", lse_ptr="*fp32")
-    const.update(FUSED_REDUCE=fused_reduce, GROUP_P2=group, SPLIT_CHUNK=8,
+    const.update(FUSED_REDUCE=fused_reduce, GROUP_P2=group, SPLIT_CHUNK=config.merge_chunk,
                  TABLE_AHEAD=config.table_ahead)
     ptrs["cnt_ptr"] = "*i32"
     if flat:
@@ -371,6 +371,9 @@ def main(argv=None) -> int:
     p.add_argument("--table-ahead", action="store_true",
                    help="decode, decode-flat: the block-table entries loaded a tile ahead "
                         "(DecodeConfig.table_ahead; config's STAGES are its stages)")
+    p.add_argument("--merge-chunk", type=int, default=None,
+                   help="decode, decode-flat: the ranges a merge loads at once "
+                        "(DecodeConfig.merge_chunk; default 8)")
     p.add_argument("--maxnreg", type=int, default=None,
                    help="decode-flat: the register cap (0: none; default DecodeConfig's)")
     p.add_argument("--fp8", action="store_true", help="qkv-rope: FP8 caches")
@@ -451,6 +454,10 @@ def main(argv=None) -> int:
             stages = cfg.num_stages if args.config else cfg.table_ahead_stages
             cfg = dataclasses.replace(cfg, fused_reduce=args.fused_reduce,
                                       table_ahead=args.table_ahead, table_ahead_stages=stages)
+        if args.merge_chunk is not None:
+            import dataclasses
+
+            cfg = dataclasses.replace(cfg, merge_chunk=args.merge_chunk)
         rep = decode_report(cfg, sass=args.sass, pdl=args.pdl, flat=args.kernel == "decode-flat",
                             fused_reduce=args.fused_reduce)
     if args.json:

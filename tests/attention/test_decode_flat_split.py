@@ -288,16 +288,16 @@ def test_flat_property_random_batches(kernel_device, lens, programs, min_tokens,
 # ---- the fused reduce (DecodeConfig.fused_reduce): the last piece's program merges
 
 
-def run_both(case, programs, heads_kv, **kw):
+def run_both(case, programs, heads_kv, cfg_kw=None, **kw):
     """The flat launch with the reduce kernel and with the fused reduce (twice on one
     workspace, its partials stale the second time): outputs and log-sum-exps, and the
-    fused workspace."""
+    fused workspace. ``cfg_kw``: more ``DecodeConfig`` fields."""
     m = case["meta"]
     heads = case["q"].shape[1]
     got = []
     ws_fused: dict = {}
     for fused in (False, True, True):
-        cfg = flat_cfg(programs, heads_kv, fused_reduce=fused)
+        cfg = flat_cfg(programs, heads_kv, fused_reduce=fused, **(cfg_kw or {}))
         lse = torch.full((case["q"].shape[0], heads), float("nan"), device=case["q"].device)
         ws = ws_fused if fused else poisoned_workspace(case, programs)
         out = run_flat(case, cfg, workspace=ws, lse=lse, **kw)
@@ -328,6 +328,21 @@ def test_flat_fused_reduce_equals_the_reduce_launch(kernel_device, block_size, h
     dec = rows_of(case, lambda ql: ql == 1)
     torch.testing.assert_close(fused[0][0][dec], want.cpu()[dec], atol=1e-4, rtol=1e-4)
     assert_rows_untouched(fused[0][0], rows_of(case, lambda ql: ql != 1))
+
+
+@pytest.mark.parametrize("merge_chunk", [2, 16])
+def test_flat_merge_chunk(kernel_device, merge_chunk):
+    """``DecodeConfig.merge_chunk`` in the flat split's merges: 40 programs of one-tile shares
+    cut the 101-position request in 7 pieces (4 iterations of 2, one of 16); the reduce
+    launch and the fused merge equal each other bit for bit, and the reference."""
+    case = make_case(REQS, block_size=16, num_heads=4, num_kv_heads=1, device=kernel_device,
+                     write_new=True, seed=merge_chunk)
+    got, _, _ = run_both(case, 40, 1, cfg_kw={"merge_chunk": merge_chunk})
+    (plain, plain_lse), *fused = got
+    for out, lse in fused:
+        assert torch.equal(out.nan_to_num(7.0), plain.nan_to_num(7.0))
+        assert torch.equal(lse.nan_to_num(7.0), plain_lse.nan_to_num(7.0))
+    check(case, fused[0][0])
 
 
 def test_flat_fused_reduce_zero_padded_rows(kernel_device):

@@ -79,3 +79,13 @@ def test_decode_flat_table_ahead_copies_ahead():
     got = _compile("causal", "decode-flat", "--table-ahead")
     assert got["num_stages"] == 3 and got["waits"] == [2, 0], got
     assert got["shared"] // 1024 == 37 and got["programs_per_sm"] == 4 and got["local"] == 0, got
+
+
+@pytest.mark.parametrize("chunk,regs,per_sm", [(8, 96, 5), (16, 96, 5), (32, 158, 3)])
+def test_decode_fused_merge_chunk_footprint(chunk, regs, per_sm):
+    """The per-request split kernel with its own merge (the default for one-wave launches) at
+    ``DecodeConfig.merge_chunk`` 8 / 16 / 32: 16 ranges a round trip keep the 96 registers and
+    5 programs an SM of 8 (the one-wave bound counts 5), 32 take 158 and 3 an SM."""
+    got = _compile("causal", "decode", "--fused-reduce", "--merge-chunk", str(chunk))
+    assert got["regs"] == regs and got["programs_per_sm"] == per_sm and got["local"] == 0, got
+    assert got["waits"] == [1, 3, 3, 0], got  # the main loop's pipelining unchanged

@@ -441,6 +441,10 @@ def test_decode_config_errors():
                 dict(table_ahead_stages=0)):
         with pytest.raises(ConfigError):
             DecodeConfig(**bad)
+    for bad in (1, 3, 12, 128, True, 8.0, None):
+        with pytest.raises(ConfigError, match="merge_chunk"):
+            DecodeConfig(merge_chunk=bad)
+    assert DecodeConfig().merge_chunk == 8 and DecodeConfig(merge_chunk=64).merge_chunk == 64
 
 
 def test_kernel_stages():
@@ -474,6 +478,56 @@ def test_decode_merge_more_ranges_than_a_chunk(kernel_device):
     case = make_case([(207, 1), (5, 1), (130, 1)], block_size=4, device=kernel_device,
                      write_new=True, seed=15)
     check(case, run_decode(case, num_splits=20))
+
+
+@pytest.mark.parametrize("merge_chunk", [2, 4, 16])
+def test_decode_merge_chunk(kernel_device, merge_chunk):
+    """``DecodeConfig.merge_chunk``: both merges (the reduce launch and the split kernel's own,
+    fused) load ``merge_chunk`` ranges a round trip: the 13 used ranges of the 208-position
+    request (20 launched) take 7 / 4 / 1 iterations at 2 / 4 / 16, the 9 of the 131-position
+    one 5 / 3 / 1. The two merges equal each other bit for bit at every chunk (the same
+    order of merging) and the reference."""
+    case = make_case([(207, 1), (5, 1), (130, 1)], block_size=4, device=kernel_device,
+                     write_new=True, seed=15)
+    base = DecodeConfig(tile_n=16, num_warps=1, num_stages=1, min_split_tokens=16,
+                        use_order=False, lpt_one_range=False, flat_split=False,
+                        merge_chunk=merge_chunk)
+    outs = []
+    for cfg in (base.unfused(), dataclasses.replace(base, fused_reduce=True)):
+        ws: dict = {}
+        outs.append(run_decode(case, num_splits=20, config=cfg, workspace=ws))
+        assert ("decode_counters" in ws) == cfg.fused_reduce
+    assert torch.equal(outs[0].nan_to_num(7.0), outs[1].nan_to_num(7.0))
+    check(case, outs[0])
+
+
+def test_merge_chunk_reaches_every_merge(kernel_device, monkeypatch):
+    """The four decode launches that merge (the per-request split kernel, its reduce, the flat
+    kernel, its reduce) are given ``DecodeConfig.merge_chunk`` as their ``SPLIT_CHUNK``, fused
+    or not: each launch's keyword arguments recorded on the way to the kernel."""
+    from pagedkv.attention import triton_decode
+
+    seen: dict = {}
+    for name in ("_decode_kernel", "_decode_reduce_kernel", "_decode_flat_kernel",
+                 "_decode_flat_reduce_kernel"):
+        kernel = getattr(triton_decode, name)
+
+        def run(*a, _real=kernel.run, _name=name, **kw):
+            seen.setdefault(_name, set()).add(kw.get("SPLIT_CHUNK"))
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(kernel, "run", run)
+    case = make_case([(70, 1), (9, 1)], block_size=4, device=kernel_device, write_new=True,
+                     seed=3)
+    base = DecodeConfig(tile_n=16, num_warps=1, num_stages=1, min_split_tokens=16,
+                        use_order=False, lpt_one_range=False, flat_split=False, merge_chunk=4)
+    flat = dataclasses.replace(base, flat_split=True, flat_min_split_tokens=16,
+                               flat_min_programs_per_sm=0.0)
+    for cfg in (base.unfused(), dataclasses.replace(base, fused_reduce=True), flat.unfused(),
+                dataclasses.replace(flat, fused_reduce=True)):
+        check(case, run_decode(case, num_splits=None if cfg.flat_split else 5, config=cfg))
+    assert seen == {"_decode_kernel": {4}, "_decode_reduce_kernel": {4},
+                    "_decode_flat_kernel": {4}, "_decode_flat_reduce_kernel": {4}}, seen
 
 
 def test_decode_reduce_ignores_stale_partials(kernel_device):
@@ -734,6 +788,32 @@ def test_decode_gpu_split_merge_repeatable():
         check(case, outs[0])
         for o in outs[1:]:
             assert torch.equal(o, outs[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("merge_chunk", [16, 32])
+def test_decode_gpu_merge_chunk(merge_chunk):
+    """``DecodeConfig.merge_chunk`` 16 / 32 under real concurrency (bf16, 16 / 8 heads), the
+    default launches otherwise: B1/L8192 and B2/L4096 (32 ranges, merged by the split
+    kernel), 64 mixed lengths (the flat split and its reduce), and forced 20 ranges through
+    the reduce launch: the reference, and close to the default chunk of 8; 20 launches equal
+    the first bit for bit."""
+    cfg = dataclasses.replace(DecodeConfig(), merge_chunk=merge_chunk)
+    torch.manual_seed(7)
+    for ctx in ([8192], [4096, 4096], [int(x) for x in torch.randint(1, 4000, (64,))]):
+        case = make_case([(c, 1) for c in ctx], block_size=16, num_heads=16, num_kv_heads=8,
+                         head_dim=128, dtype=torch.bfloat16, device="cuda", write_new=True,
+                         seed=len(ctx))
+        for splits, c in ((None, cfg), (20, cfg.unfused())):
+            ws: dict = {}
+            got = run_decode(case, num_splits=splits, config=c, workspace=ws)
+            check(case, got)
+            base = run_decode(case, num_splits=splits,
+                              config=dataclasses.replace(c, merge_chunk=8))
+            torch.testing.assert_close(got, base, atol=2e-3, rtol=2e-3)
+            for _ in range(20):
+                assert torch.equal(run_decode(case, num_splits=splits, config=c, workspace=ws),
+                                   got)
 
 
 @pytest.mark.gpu
