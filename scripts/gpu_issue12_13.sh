@@ -211,8 +211,9 @@ if [ -n "${EAGER_TOKENS:-}" ]; then  # twenty-seventh session: at pages of 64 th
   TAIL=4 run eager_tokens_test 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_engine_gpu.py tests/engine/test_strict_staging.py -k "balanced_graph_variants or block_size_64 or logits_rows"
 fi
 if [ -n "${TABLE_AHEAD:-}" ]; then  # thirty-first session (H100: ta3 0.9-5.8% faster on B1-B16, more stages slower): DecodeConfig.table_ahead (both decode kernels) on the H200, its GPU tests, bench_decode_mixed at B1-B256 (TA_VARIANTS against the default; the flat split from B17 on mixed lengths; equal L2048 / L8192 reach the balanced one-wave per-request launches at B33-B82), then TA_PAIRS pairs of TA_WORKLOADS (w1 w2) with --decode-config table_ahead=1; ta_*.json / table_ahead.txt
-  TAIL=4 run table_ahead_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/attention/test_triton_decode.py tests/attention/test_decode_flat_split.py -k "table_ahead" -rfE
-  for lens in "2048 2048" "8192 8192" "100 2048"; do set -- $lens
+  # SKIP_TA_TESTS / SKIP_TA_KERNELS: the end-to-end pairs alone
+  [ -z "${SKIP_TA_TESTS:-}" ] && TAIL=4 run table_ahead_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/attention/test_triton_decode.py tests/attention/test_decode_flat_split.py -k "table_ahead" -rfE
+  [ -z "${SKIP_TA_KERNELS:-}" ] && for lens in "2048 2048" "8192 8192" "100 2048"; do set -- $lens
     TAIL=12 run ta_$1_$2 150 python3 bench/bench_decode_mixed.py --lo $1 --hi $2 --batches ${TA_BATCHES:-1,4,16,32,48,64,80,128,256} --splits "" --min-split-tokens "" --variants ${TA_VARIANTS:-ta3,ta4} --out "$OUT/ta_$1_$2.json"
   done
   ab_pairs "${TA_PAIRS:-1}" "${TA_WORKLOADS:-w1 w2}" "--decode-config table_ahead=1" table_ahead.txt
