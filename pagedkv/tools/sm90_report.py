@@ -41,6 +41,7 @@ The numbers are the compiler's, not the device's: what runs faster is measured o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -448,15 +449,11 @@ def main(argv=None) -> int:
             cfg = DecodeConfig(tile_n=cfg.tile_n, num_warps=cfg.num_warps,
                                num_stages=cfg.num_stages, flat_max_registers=args.maxnreg or None)
         if args.fused_reduce or args.table_ahead:
-            import dataclasses
-
             # with a config, its STAGES are the table-ahead loop's
             stages = cfg.num_stages if args.config else cfg.table_ahead_stages
             cfg = dataclasses.replace(cfg, fused_reduce=args.fused_reduce,
                                       table_ahead=args.table_ahead, table_ahead_stages=stages)
         if args.merge_chunk is not None:
-            import dataclasses
-
             cfg = dataclasses.replace(cfg, merge_chunk=args.merge_chunk)
         rep = decode_report(cfg, sass=args.sass, pdl=args.pdl, flat=args.kernel == "decode-flat",
                             fused_reduce=args.fused_reduce)
