@@ -9,7 +9,11 @@ CUDA graph, us per layer), as the model runs it by default and with the fused de
 * ``fused_qkv_gate_up``: the same with the gate/up + SiLU kernel inside the region;
 * ``chain``: ``DecoderLayer.decode_chain`` without attention: ``splitk_residual`` (o),
   ``gate_up_silu`` with the norm, ``splitk_residual`` (down), ``qkv_rope_cache`` with the norm;
-* ``chain_pdl``: the chain with programmatic dependent launch and its weight prefetch.
+* ``chain_pdl``: the chain with programmatic dependent launch and its weight prefetch;
+* ``persistent``: the probe ``bench/persistent_layer_probe.py`` (o_proj, gate/up + SiLU,
+  down_proj and the next QKV projection with both norms in one launch of one program an SM,
+  grid barriers between them), then ``qk_norm_rope_cache`` as in ``default``;
+* ``persistent_pf``: the same with every weight tile of the launch asked of the L2 at its start.
 
 The attention output is a fixed random tensor, so the numbers are the fixed cost a decode step
 pays per layer besides attention (W1's decode-step fit, BENCHMARKS.md nineteenth session:
@@ -33,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench_attention_gpu import time_graph  # noqa: E402
+from persistent_layer_probe import layer_probe  # noqa: E402
 from pagedkv.kernels import gate_up_silu as gu  # noqa: E402
 from pagedkv.kernels import pdl  # noqa: E402
 from pagedkv.kernels.qk_norm_rope_cache import qk_norm_rope_cache  # noqa: E402
@@ -42,7 +47,8 @@ from pagedkv.models.decoder import DecoderForCausalLM  # noqa: E402
 from pagedkv.tools.benchmark import environment  # noqa: E402
 
 MS = (1, 8, 32, 64, 128, 192, 256)
-VARIANTS = ("default", "fused_qkv", "fused_qkv_gate_up", "chain", "chain_pdl")
+VARIANTS = ("default", "fused_qkv", "fused_qkv_gate_up", "chain", "chain_pdl", "persistent",
+            "persistent_pf")
 BS, NB = 16, 4096
 
 
@@ -67,6 +73,9 @@ def main() -> int:
     caches = [torch.zeros(2, NB, BS, HKV, D, device=dev, dtype=bf) for _ in layers]
     _, _, _, mid = model._regions
     _, mid_norm = model._norm_regions
+    bar = torch.zeros(2, device=dev, dtype=torch.int32)  # the probe's grid barrier
+    num_programs = (torch.cuda.get_device_properties(dev).multi_processor_count
+                    if dev.type == "cuda" else 1)
     rows = []
     for m in (int(v) for v in args.ms.split(",")):
         g = torch.Generator(device=dev).manual_seed(m)
@@ -113,8 +122,21 @@ def main() -> int:
                                    ln_weight=nln.weight, ln_eps=nln.eps)
                 return h, q
 
+            def persistent(h, prefetch=False):
+                o, mlp, ln = layer.self_attn.o_proj, layer.mlp, layer.post_attention_layernorm
+                proj, nln = nxt.self_attn.qkv_proj, nxt.input_layernorm
+                assert o.bias is None and mlp.down_proj.bias is None and proj.bias is None
+                h, qkv, _, _ = layer_probe(h, attn_out, o.weight, ln.weight,
+                                           mlp.gate_up_proj.weight, mlp.down_proj.weight,
+                                           nln.weight, proj.weight, ln.eps, prefetch=prefetch,
+                                           bar=bar, num_programs=num_programs)
+                q = qk_norm_rope_cache(qkv, H, HKV, D, qn.weight, kn.weight, qn.eps, cos, sin,
+                                       slots, kv[0], kv[1], check=False)
+                return h, q
+
             return {"default": default, "fused_qkv": fused_qkv, "fused_qkv_gate_up": fused_qkv,
-                    "chain": chain, "chain_pdl": chain}[variant]
+                    "chain": chain, "chain_pdl": chain, "persistent": persistent,
+                    "persistent_pf": lambda h: persistent(h, True)}[variant]
 
         for variant in args.variants.split(","):
             gu.FUSED_GATE_UP_ENABLED = variant == "fused_qkv_gate_up"

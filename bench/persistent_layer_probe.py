@@ -1,0 +1,251 @@
+"""Probe: a decode layer's four projections in one persistent kernel with grid barriers.
+
+Why (BENCHMARKS.md, nineteenth / twenty-sixth sessions): W1's decode step pays ~1.16 ms of
+fixed cost, most of it ~10 small launches a layer (cuBLAS GEMMs at ~5 us for 1-3 us of weight
+bytes, norms, SiLU, graph gaps: a no-op graph node alone costs ~1.1 us). A layer without its
+attention takes 27.4-38.4 us at 1-256 rows against 7.4 us of weight bytes at 4.27 TB/s. The
+question this probe answers before anything is built into the model: how fast is the same
+work as **one** launch whose programs stay resident and wait for each other between the
+projections (a grid barrier: an atomic counter in global memory), so that no launch, no graph
+node and no tail of one kernel sits between two projections; and does asking the L2 for every
+weight tile of the launch at its start (``PREFETCH``) hide the weights' first-byte latency.
+
+The layer between two attention calls (Qwen3 order; ``attn`` is the attention output):
+
+* phase 0: ``h1 = h + attn @ Wo^T``                                  (o_proj, residual)
+* phase 1: ``act = silu(n1 @ Wg^T) * (n1 @ Wu^T)``, ``n1 = rmsnorm(h1) * g1`` (gate/up, SiLU)
+* phase 2: ``h2 = h1 + act @ Wd^T``                                   (down_proj, residual)
+* phase 3: ``qkv = (rmsnorm(h2) * g2) @ Wqkv^T``                      (next layer's QKV)
+
+Each phase deals its output column tiles round robin over the programs; a tile's program walks
+the whole inner dimension for every row (``BLOCK_M`` >= the row count), so a norm's row
+statistics accumulate on the fly from the tiles it loads (``rmsnorm(x) * g @ W^T`` =
+``rsqrt(mean(x^2) + eps) * ((x * g) @ W^T)``: the row scale leaves the product). ``h1``,
+``act`` and ``h2`` go through global memory (bf16, as the model rounds them); a barrier separates
+the phases. Rows past ``M`` are masked.
+
+Grid barrier: every program adds one to ``bar[0]`` (release, GPU scope, after a CTA barrier)
+and spins until it reads ``P * k`` at the k-th barrier (acquire); the last program out adds
+to ``bar[1]`` and resets both, so the next launch starts from zero. All ``P`` programs must be
+resident at once: the launch uses one program an SM. The interpreter runs programs one after
+another, so a barrier there only passes with one program: the CPU test runs one program
+through all phases, and several programs one phase a launch (``phases=(k, k)``, no barrier).
+
+``layer_probe_ref`` is the torch twin (float32 products of the same bf16-rounded operands).
+This is a probe for ``bench/bench_decode_layer_gpu.py`` (variants ``persistent`` and
+``persistent_pf``), not an engine path: no biases, no q/k norms, RoPE or KV write (the bench
+runs ``qk_norm_rope_cache`` after it, as the default path does).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedkv.kernels.pdl import prefetch_lines, prefetch_weights_l2
+
+
+@triton.jit
+def _grid_sync(bar_ptr, target):
+    """Wait until ``target`` arrivals have been counted at ``bar_ptr`` (this one included)."""
+    tl.debug_barrier()
+    tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
+    seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _tile_product(a_ptr, lda, w_ptr, w_rows, w2_off, g_ptr, M, K,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  NORM: tl.constexpr, GATED: tl.constexpr):
+    """``a[:M, :K] (* g) @ w[w_rows, :K]^T`` in float32 (``[BM, BN]``); with ``GATED`` also the
+    product with the rows ``w_rows + w2_off``; with ``NORM`` the rows' sums of squares of
+    ``a`` (before ``g``). ``K`` is a multiple of ``BK``."""
+    offs_m = tl.arange(0, BM)
+    acc = tl.zeros([BM, BN], tl.float32)
+    acc2 = tl.zeros([BM, BN], tl.float32)
+    ssq = tl.zeros([BM], tl.float32)
+    for k0 in range(0, K, BK):
+        ks = k0 + tl.arange(0, BK)
+        a = tl.load(a_ptr + offs_m[:, None] * lda + ks[None, :], mask=offs_m[:, None] < M,
+                    other=0.0, cache_modifier=".cg")
+        w = tl.load(w_ptr + w_rows[:, None] * K + ks[None, :])
+        if NORM:
+            af = a.to(tl.float32)
+            ssq += tl.sum(af * af, 1)
+            a = (af * tl.load(g_ptr + ks).to(tl.float32)[None, :]).to(w.dtype)
+        acc = tl.dot(a, tl.trans(w), acc)
+        if GATED:
+            w2 = tl.load(w_ptr + (w_rows + w2_off)[:, None] * K + ks[None, :])
+            acc2 = tl.dot(a, tl.trans(w2), acc2)
+    return acc, acc2, ssq
+
+
+@triton.jit
+def _prefetch_phase(w_ptr, n_tiles, pid, P, K, w2_off, BN: tl.constexpr, LINES: tl.constexpr,
+                    EPL: tl.constexpr, GATED: tl.constexpr):
+    """Ask the L2 for every weight row of this program's tiles of one phase."""
+    t = pid
+    while t < n_tiles:
+        rows = w_ptr + (t * BN + tl.arange(0, BN)).to(tl.int64) * K
+        prefetch_weights_l2(rows, 0, K, LINES, EPL, 1)
+        if GATED:
+            prefetch_weights_l2(rows + w2_off * K, 0, K, LINES, EPL, 1)
+        t += P
+
+
+@triton.jit
+def _layer_kernel(h_ptr, attn_ptr, wo_ptr, g1_ptr, wgu_ptr, wd_ptr, g2_ptr, wqkv_ptr,
+                  h1_ptr, act_ptr, out_ptr, qkv_ptr, bar_ptr, M, eps, P,
+                  HD: tl.constexpr, HO: tl.constexpr, I: tl.constexpr, NQKV: tl.constexpr,
+                  BM: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr,
+                  BN_D: tl.constexpr, BN_QKV: tl.constexpr, BK: tl.constexpr,
+                  PHASE_LO: tl.constexpr, PHASE_HI: tl.constexpr, PREFETCH: tl.constexpr,
+                  LINES_HD: tl.constexpr, LINES_HO: tl.constexpr, LINES_I: tl.constexpr,
+                  EPL: tl.constexpr):
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BM)
+    mrow = offs_m[:, None] < M
+    if PREFETCH:
+        for phase in tl.static_range(PHASE_LO, PHASE_HI + 1):
+            if phase == 0:
+                _prefetch_phase(wo_ptr, HD // BN_O, pid, P, HO, 0, BN_O, LINES_HO, EPL, False)
+            if phase == 1:
+                _prefetch_phase(wgu_ptr, I // BN_GU, pid, P, HD, I, BN_GU, LINES_HD, EPL, True)
+            if phase == 2:
+                _prefetch_phase(wd_ptr, HD // BN_D, pid, P, I, 0, BN_D, LINES_I, EPL, False)
+            if phase == 3:
+                _prefetch_phase(wqkv_ptr, NQKV // BN_QKV, pid, P, HD, 0, BN_QKV, LINES_HD,
+                                EPL, False)
+    for phase in tl.static_range(PHASE_LO, PHASE_HI + 1):
+        if phase > PHASE_LO:
+            _grid_sync(bar_ptr, P * (phase - PHASE_LO))
+        if phase == 0:  # h1 = h + attn @ Wo^T
+            t = pid
+            while t < HD // BN_O:
+                n = t * BN_O + tl.arange(0, BN_O)
+                acc, _, _ = _tile_product(attn_ptr, HO, wo_ptr, n, 0, g1_ptr, M, HO,
+                                          BM, BN_O, BK, False, False)
+                ptrs = offs_m[:, None] * HD + n[None, :]
+                res = tl.load(h_ptr + ptrs, mask=mrow, other=0.0).to(tl.float32)
+                tl.store(h1_ptr + ptrs, (res + acc).to(h1_ptr.dtype.element_ty), mask=mrow)
+                t += P
+        if phase == 1:  # act = silu(n1 @ Wg^T) * (n1 @ Wu^T)
+            t = pid
+            while t < I // BN_GU:
+                n = t * BN_GU + tl.arange(0, BN_GU)
+                gate, up, ssq = _tile_product(h1_ptr, HD, wgu_ptr, n, I, g1_ptr, M, HD,
+                                              BM, BN_GU, BK, True, True)
+                r = tl.rsqrt(ssq / HD + eps)[:, None]
+                gate = gate * r
+                act = gate / (1.0 + tl.exp(-gate)) * (up * r)
+                tl.store(act_ptr + offs_m[:, None] * I + n[None, :],
+                         act.to(act_ptr.dtype.element_ty), mask=mrow)
+                t += P
+        if phase == 2:  # h2 = h1 + act @ Wd^T
+            t = pid
+            while t < HD // BN_D:
+                n = t * BN_D + tl.arange(0, BN_D)
+                acc, _, _ = _tile_product(act_ptr, I, wd_ptr, n, 0, g1_ptr, M, I,
+                                          BM, BN_D, BK, False, False)
+                ptrs = offs_m[:, None] * HD + n[None, :]
+                res = tl.load(h1_ptr + ptrs, mask=mrow, other=0.0,
+                              cache_modifier=".cg").to(tl.float32)
+                tl.store(out_ptr + ptrs, (res + acc).to(out_ptr.dtype.element_ty), mask=mrow)
+                t += P
+        if phase == 3:  # qkv = n2 @ Wqkv^T
+            t = pid
+            while t < NQKV // BN_QKV:
+                n = t * BN_QKV + tl.arange(0, BN_QKV)
+                acc, _, ssq = _tile_product(out_ptr, HD, wqkv_ptr, n, 0, g2_ptr, M, HD,
+                                            BM, BN_QKV, BK, True, False)
+                acc = acc * tl.rsqrt(ssq / HD + eps)[:, None]
+                tl.store(qkv_ptr + offs_m[:, None] * NQKV + n[None, :],
+                         acc.to(qkv_ptr.dtype.element_ty), mask=mrow)
+                t += P
+    if PHASE_HI > PHASE_LO:  # the last program out resets the barrier for the next launch
+        tl.debug_barrier()
+        left = tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu")
+        if left == P - 1:
+            tl.store(bar_ptr, 0)
+            tl.store(bar_ptr + 1, 0)
+
+
+def probe_tiles(m: int) -> dict:
+    """Launch parameters for ``m`` rows: one row tile of the next power of two >= 16 (the
+    product's minimum), column tiles of 16 (o, down: 64 tiles of 1024 columns) and 32 (gate/up
+    96 tiles, QKV 128), 64-deep inner steps; 8 warps from 128 rows (the accumulators)."""
+    bm = max(16, triton.next_power_of_2(m))
+    return dict(BM=bm, BN_O=16, BN_GU=32, BN_D=16, BN_QKV=32, BK=64,
+                num_warps=4 if bm <= 64 else 8)
+
+
+def layer_probe(h, attn, wo, g1, wgu, wd, g2, wqkv, eps, *, num_programs=None,
+                phases=(0, 3), prefetch=False, bar=None, scratch=None, num_stages=3, tiles=None):
+    """Run phases ``phases[0]..phases[1]`` of the layer (see the module doc) in one launch of
+    ``num_programs`` programs (default: one an SM). Returns ``(h2, qkv, h1, act)``; phases not
+    run leave their outputs as passed in ``scratch`` (a dict of those four, allocated here
+    when absent). ``bar``: an int32[2] zero tensor (allocated when absent)."""
+    m, hd = h.shape
+    ho = attn.shape[-1]
+    inter = wd.shape[1]
+    nqkv = wqkv.shape[0]
+    attn = attn.reshape(m, ho)
+    for t in (h, attn, wo, g1, wgu, wd, g2, wqkv):
+        assert t.is_contiguous()
+    assert wo.shape == (hd, ho) and wgu.shape == (2 * inter, hd) and wqkv.shape[1] == hd
+    cfg = dict(probe_tiles(m), **(tiles or {}))
+    assert m <= cfg["BM"] and cfg["BM"] <= 256, "one row tile holds the batch"
+    for n, bn in ((hd, cfg["BN_O"]), (inter, cfg["BN_GU"]), (hd, cfg["BN_D"]), (nqkv, cfg["BN_QKV"])):
+        assert n % bn == 0
+    for k in (hd, ho, inter):
+        assert k % cfg["BK"] == 0
+    if scratch is None:
+        scratch = {}
+    for name, cols in (("h2", hd), ("qkv", nqkv), ("h1", hd), ("act", inter)):
+        if name not in scratch:
+            scratch[name] = torch.empty(m, cols, device=h.device, dtype=h.dtype)
+    if bar is None:
+        bar = torch.zeros(2, device=h.device, dtype=torch.int32)
+    if num_programs is None:
+        num_programs = torch.cuda.get_device_properties(h.device).multi_processor_count
+    lo, hi = phases
+    assert 0 <= lo <= hi <= 3
+    epl = 128 // h.element_size()
+    lines = {k: prefetch_lines(k, h.element_size())[0] for k in (hd, ho, inter)}
+    num_warps = cfg.pop("num_warps")
+    _layer_kernel[(num_programs,)](
+        h, attn, wo, g1, wgu, wd, g2, wqkv, scratch["h1"], scratch["act"], scratch["h2"],
+        scratch["qkv"], bar, m, float(eps), num_programs, HD=hd, HO=ho, I=inter, NQKV=nqkv, **cfg,
+        PHASE_LO=lo, PHASE_HI=hi, PREFETCH=bool(prefetch), LINES_HD=lines[hd],
+        LINES_HO=lines[ho], LINES_I=lines[inter], EPL=epl, num_warps=num_warps,
+        num_stages=num_stages)
+    return scratch["h2"], scratch["qkv"], scratch["h1"], scratch["act"]
+
+
+def layer_probe_ref(h, attn, wo, g1, wgu, wd, g2, wqkv, eps):
+    """Torch twin: float32 products, ``h1`` / ``act`` / ``h2`` / ``qkv`` rounded to ``h``'s
+    dtype where the kernel stores them, the normed operand ``x * g`` rounded before its
+    product as the kernel rounds it. Returns ``(h2, qkv, h1, act)``."""
+    dt = h.dtype
+    f = torch.float32
+    m = h.shape[0]
+
+    def normed(x, g):
+        xf = x.to(f)
+        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return (xf * g.to(f)).to(dt).to(f), r
+
+    h1 = (h.to(f) + attn.reshape(m, -1).to(f) @ wo.to(f).T).to(dt)
+    x, r = normed(h1, g1)
+    inter = wd.shape[1]
+    gate = (x @ wgu[:inter].to(f).T) * r
+    up = (x @ wgu[inter:].to(f).T) * r
+    act = (torch.nn.functional.silu(gate) * up).to(dt)
+    h2 = (h1.to(f) + act.to(f) @ wd.to(f).T).to(dt)
+    x2, r2 = normed(h2, g2)
+    qkv = ((x2 @ wqkv.to(f).T) * r2).to(dt)
+    return h2, qkv, h1, act

@@ -1,0 +1,124 @@
+"""The persistent decode-layer probe (``bench/persistent_layer_probe.py``: o_proj, gate/up +
+SiLU, down_proj and the next QKV projection in one launch, grid barriers between them) against
+its torch twin: interpreted on the CPU (one program through every phase, so the barriers and
+the barrier reset run; several programs one phase a launch), natively on the GPU at the
+Qwen3-0.6B shape with one program an SM, the L2 prefetch on and off, and in CUDA-graph
+replays. Scratch outputs start as NaN, so a tile no program writes shows."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "bench"))
+
+from persistent_layer_probe import layer_probe, layer_probe_ref  # noqa: E402
+
+
+def _inputs(m, hd, ho, inter, nqkv, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
+
+    return dict(h=r(m, hd), attn=r(m, ho, scale=0.5), wo=r(hd, ho, scale=ho ** -0.5),
+                g1=(1 + r(hd, scale=0.1)), wgu=r(2 * inter, hd, scale=hd ** -0.5),
+                wd=r(hd, inter, scale=inter ** -0.5), g2=(1 + r(hd, scale=0.1)),
+                wqkv=r(nqkv, hd, scale=hd ** -0.5), eps=1e-6)
+
+
+def _nan_scratch(m, hd, nqkv, inter, dtype, device):
+    return {name: torch.full((m, cols), float("nan"), dtype=dtype, device=device)
+            for name, cols in (("h2", hd), ("qkv", nqkv), ("h1", hd), ("act", inter))}
+
+
+SMALL = dict(hd=64, ho=64, inter=128, nqkv=96)
+SMALL_TILES = dict(BN_O=16, BN_GU=16, BN_D=16, BN_QKV=16, BK=32)
+
+
+def _check(got, want, tol):
+    for name, a, b in zip(("h2", "qkv", "h1", "act"), got, want):
+        assert not torch.isnan(a).any(), name
+        torch.testing.assert_close(a.float().cpu(), b.float().cpu(), atol=tol, rtol=tol,
+                                   msg=lambda s, name=name: f"{name}: {s}")
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("one_launch", [True, False])
+def test_layer_probe_matches_twin_interpreted(kernel_device, m, one_launch):
+    if kernel_device != "cpu":
+        pytest.skip("interpreter shapes; the GPU case is test_layer_probe_gpu")
+    dt = torch.float16  # bf16 arithmetic is broken in the interpreter
+    x = _inputs(m, **SMALL, dtype=dt, device="cpu", seed=m)
+    scratch = _nan_scratch(m, SMALL["hd"], SMALL["nqkv"], SMALL["inter"], dt, "cpu")
+    bar = torch.tensor([0, 0], dtype=torch.int32)
+    if one_launch:  # one program: every barrier passes on its own arrival
+        got = layer_probe(**x, num_programs=1, scratch=scratch, bar=bar, tiles=SMALL_TILES)
+    else:  # three programs, one phase a launch (the interpreter cannot run a barrier of 3)
+        for k in range(4):
+            got = layer_probe(**x, num_programs=3, phases=(k, k), scratch=scratch, bar=bar,
+                              tiles=SMALL_TILES)
+    assert bar.tolist() == [0, 0], "the last program out resets the barrier"
+    _check(got, layer_probe_ref(**x), 2e-2)
+
+
+def test_layer_probe_twin_by_hand():
+    """The twin at one row, one column a projection, worked by hand: h 1 x 2."""
+    f = torch.float32
+    h = torch.tensor([[1.0, -1.0]], dtype=f)
+    attn = torch.tensor([[2.0]], dtype=f)
+    wo = torch.tensor([[1.0], [0.5]], dtype=f)          # h1 = [1 + 2, -1 + 1] = [3, 0]
+    g1 = torch.tensor([1.0, 1.0], dtype=f)              # rms(h1) = sqrt(4.5)
+    wgu = torch.tensor([[1.0, 0.0], [0.0, 0.0]], dtype=f)  # I = 1: gate row, up row
+    wgu[1] = torch.tensor([2.0, 1.0])
+    wd = torch.tensor([[1.0], [-1.0]], dtype=f)         # down: 2 x 1
+    g2 = torch.tensor([1.0, 1.0], dtype=f)
+    wqkv = torch.tensor([[1.0, 1.0]], dtype=f)
+    h2, qkv, h1, act = layer_probe_ref(h, attn, wo, g1, wgu, wd, g2, wqkv, 0.0)
+    assert h1.tolist() == [[3.0, 0.0]]
+    r = 4.5 ** -0.5
+    gate, up = 3.0 * r, 6.0 * r
+    a = gate / (1 + torch.exp(torch.tensor(-gate))) * up
+    torch.testing.assert_close(act, a.reshape(1, 1))
+    torch.testing.assert_close(h2, torch.tensor([[3.0 + a, -a]]))
+    r2 = torch.rsqrt((h2 ** 2).mean())
+    torch.testing.assert_close(qkv, ((h2[0, 0] + h2[0, 1]) * r2).reshape(1, 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8, 33, 64, 128, 256])
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_layer_probe_gpu(m, prefetch):
+    dev = "cuda"
+    dt = torch.bfloat16
+    shape = dict(hd=1024, ho=2048, inter=3072, nqkv=4096)
+    x = _inputs(m, **shape, dtype=dt, device=dev, seed=m)
+    want = layer_probe_ref(**x)
+    bar = torch.zeros(2, dtype=torch.int32, device=dev)
+    for _ in range(3):  # the barrier resets itself between launches
+        scratch = _nan_scratch(m, shape["hd"], shape["nqkv"], shape["inter"], dt, dev)
+        got = layer_probe(**x, prefetch=prefetch, scratch=scratch, bar=bar)
+        torch.cuda.synchronize()
+        assert bar.tolist() == [0, 0]
+        _check(got, want, 3e-2)
+    # 10 replays of a graph of 4 launches on the same buffers: stale reads would show
+    scratch = _nan_scratch(m, shape["hd"], shape["nqkv"], shape["inter"], dt, dev)
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        layer_probe(**x, prefetch=prefetch, scratch=scratch, bar=bar)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        for _ in range(4):
+            layer_probe(**x, prefetch=prefetch, scratch=scratch, bar=bar)
+    for _ in range(10):
+        for t in scratch.values():
+            t.fill_(float("nan"))
+        graph.replay()
+    torch.cuda.synchronize()
+    assert bar.tolist() == [0, 0]
+    _check((scratch["h2"], scratch["qkv"], scratch["h1"], scratch["act"]), want, 3e-2)
