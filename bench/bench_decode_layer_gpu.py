@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench_attention_gpu import time_graph  # noqa: E402
-from persistent_layer_probe import layer_probe  # noqa: E402
+from persistent_layer_probe import barrier_probe, layer_probe  # noqa: E402
 from pagedkv.kernels import gate_up_silu as gu  # noqa: E402
 from pagedkv.kernels import pdl  # noqa: E402
 from pagedkv.kernels.qk_norm_rope_cache import qk_norm_rope_cache  # noqa: E402
@@ -168,9 +168,20 @@ def main() -> int:
         print(f"M={m:4d} " + " | ".join(
             f"{k} {v:6.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in results.items()),
             flush=True)
+    barrier = {}
+    if dev.type == "cuda" and any(v.startswith("persistent") for v in args.variants.split(",")):
+        # the probe's grid barrier alone: one launch of one program an SM through n barriers
+        count = torch.zeros(1, device=dev, dtype=torch.int32)
+        for n in (0, 4, 16, 64):
+            barrier[n] = time_graph([lambda n=n: barrier_probe(n, bar, count, num_programs)],
+                                    trials=args.trials)
+        barrier["us_per_barrier"] = (barrier[64] - barrier[0]) / 64
+        print("grid barrier (one launch, us): " + ", ".join(
+            f"{k} barriers {v:.2f}" for k, v in barrier.items() if k != "us_per_barrier")
+            + f"; {barrier['us_per_barrier']:.3f} us a barrier", flush=True)
     with open(args.out, "w") as f:
         json.dump({"environment": environment(), "unit": "us a layer (no attention)",
-                   "rows": rows}, f, indent=1)
+                   "rows": rows, "barrier_us": barrier}, f, indent=1)
     return 0
 
 

@@ -58,13 +58,12 @@ def _grid_sync(bar_ptr, target):
 
 
 @triton.jit
-def _tile_product(a_ptr, lda, w_ptr, w_rows, w2_off, g_ptr, M, K,
+def _tile_product(a_ptr, lda, offs_m, w_ptr, w_rows, w2_off, g_ptr, M, K,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                   NORM: tl.constexpr, GATED: tl.constexpr):
-    """``a[:M, :K] (* g) @ w[w_rows, :K]^T`` in float32 (``[BM, BN]``); with ``GATED`` also the
-    product with the rows ``w_rows + w2_off``; with ``NORM`` the rows' sums of squares of
-    ``a`` (before ``g``). ``K`` is a multiple of ``BK``."""
-    offs_m = tl.arange(0, BM)
+    """``a[offs_m, :K] (* g) @ w[w_rows, :K]^T`` in float32 (``[BM, BN]``; rows ``>= M``
+    masked); with ``GATED`` also the product with the rows ``w_rows + w2_off``; with ``NORM``
+    the rows' sums of squares of ``a`` (before ``g``). ``K`` is a multiple of ``BK``."""
     acc = tl.zeros([BM, BN], tl.float32)
     acc2 = tl.zeros([BM, BN], tl.float32)
     ssq = tl.zeros([BM], tl.float32)
@@ -85,12 +84,13 @@ def _tile_product(a_ptr, lda, w_ptr, w_rows, w2_off, g_ptr, M, K,
 
 
 @triton.jit
-def _prefetch_phase(w_ptr, n_tiles, pid, P, K, w2_off, BN: tl.constexpr, LINES: tl.constexpr,
-                    EPL: tl.constexpr, GATED: tl.constexpr):
-    """Ask the L2 for every weight row of this program's tiles of one phase."""
+def _prefetch_phase(w_ptr, n_tiles, MT, pid, P, K, w2_off, BN: tl.constexpr,
+                    LINES: tl.constexpr, EPL: tl.constexpr, GATED: tl.constexpr):
+    """Ask the L2 for every weight row of this program's tiles of one phase (work item ``t``
+    is row tile ``t % MT`` of column tile ``t // MT``)."""
     t = pid
-    while t < n_tiles:
-        rows = w_ptr + (t * BN + tl.arange(0, BN)).to(tl.int64) * K
+    while t < n_tiles * MT:
+        rows = w_ptr + ((t // MT) * BN + tl.arange(0, BN)).to(tl.int64) * K
         prefetch_weights_l2(rows, 0, K, LINES, EPL, 1)
         if GATED:
             prefetch_weights_l2(rows + w2_off * K, 0, K, LINES, EPL, 1)
@@ -99,7 +99,7 @@ def _prefetch_phase(w_ptr, n_tiles, pid, P, K, w2_off, BN: tl.constexpr, LINES: 
 
 @triton.jit
 def _layer_kernel(h_ptr, attn_ptr, wo_ptr, g1_ptr, wgu_ptr, wd_ptr, g2_ptr, wqkv_ptr,
-                  h1_ptr, act_ptr, out_ptr, qkv_ptr, bar_ptr, M, eps, P,
+                  h1_ptr, act_ptr, out_ptr, qkv_ptr, bar_ptr, M, MT, eps, P,
                   HD: tl.constexpr, HO: tl.constexpr, I: tl.constexpr, NQKV: tl.constexpr,
                   BM: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr,
                   BN_D: tl.constexpr, BN_QKV: tl.constexpr, BK: tl.constexpr,
@@ -107,27 +107,27 @@ def _layer_kernel(h_ptr, attn_ptr, wo_ptr, g1_ptr, wgu_ptr, wd_ptr, g2_ptr, wqkv
                   LINES_HD: tl.constexpr, LINES_HO: tl.constexpr, LINES_I: tl.constexpr,
                   EPL: tl.constexpr):
     pid = tl.program_id(0)
-    offs_m = tl.arange(0, BM)
-    mrow = offs_m[:, None] < M
     if PREFETCH:
         for phase in tl.static_range(PHASE_LO, PHASE_HI + 1):
             if phase == 0:
-                _prefetch_phase(wo_ptr, HD // BN_O, pid, P, HO, 0, BN_O, LINES_HO, EPL, False)
+                _prefetch_phase(wo_ptr, HD // BN_O, MT, pid, P, HO, 0, BN_O, LINES_HO, EPL, False)
             if phase == 1:
-                _prefetch_phase(wgu_ptr, I // BN_GU, pid, P, HD, I, BN_GU, LINES_HD, EPL, True)
+                _prefetch_phase(wgu_ptr, I // BN_GU, MT, pid, P, HD, I, BN_GU, LINES_HD, EPL, True)
             if phase == 2:
-                _prefetch_phase(wd_ptr, HD // BN_D, pid, P, I, 0, BN_D, LINES_I, EPL, False)
+                _prefetch_phase(wd_ptr, HD // BN_D, MT, pid, P, I, 0, BN_D, LINES_I, EPL, False)
             if phase == 3:
-                _prefetch_phase(wqkv_ptr, NQKV // BN_QKV, pid, P, HD, 0, BN_QKV, LINES_HD,
+                _prefetch_phase(wqkv_ptr, NQKV // BN_QKV, MT, pid, P, HD, 0, BN_QKV, LINES_HD,
                                 EPL, False)
     for phase in tl.static_range(PHASE_LO, PHASE_HI + 1):
         if phase > PHASE_LO:
             _grid_sync(bar_ptr, P * (phase - PHASE_LO))
         if phase == 0:  # h1 = h + attn @ Wo^T
             t = pid
-            while t < HD // BN_O:
-                n = t * BN_O + tl.arange(0, BN_O)
-                acc, _, _ = _tile_product(attn_ptr, HO, wo_ptr, n, 0, g1_ptr, M, HO,
+            while t < HD // BN_O * MT:
+                offs_m = (t % MT) * BM + tl.arange(0, BM)
+                mrow = offs_m[:, None] < M
+                n = (t // MT) * BN_O + tl.arange(0, BN_O)
+                acc, _, _ = _tile_product(attn_ptr, HO, offs_m, wo_ptr, n, 0, g1_ptr, M, HO,
                                           BM, BN_O, BK, False, False)
                 ptrs = offs_m[:, None] * HD + n[None, :]
                 res = tl.load(h_ptr + ptrs, mask=mrow, other=0.0).to(tl.float32)
@@ -135,9 +135,11 @@ def _layer_kernel(h_ptr, attn_ptr, wo_ptr, g1_ptr, wgu_ptr, wd_ptr, g2_ptr, wqkv
                 t += P
         if phase == 1:  # act = silu(n1 @ Wg^T) * (n1 @ Wu^T)
             t = pid
-            while t < I // BN_GU:
-                n = t * BN_GU + tl.arange(0, BN_GU)
-                gate, up, ssq = _tile_product(h1_ptr, HD, wgu_ptr, n, I, g1_ptr, M, HD,
+            while t < I // BN_GU * MT:
+                offs_m = (t % MT) * BM + tl.arange(0, BM)
+                mrow = offs_m[:, None] < M
+                n = (t // MT) * BN_GU + tl.arange(0, BN_GU)
+                gate, up, ssq = _tile_product(h1_ptr, HD, offs_m, wgu_ptr, n, I, g1_ptr, M, HD,
                                               BM, BN_GU, BK, True, True)
                 r = tl.rsqrt(ssq / HD + eps)[:, None]
                 gate = gate * r
@@ -147,9 +149,11 @@ def _layer_kernel(h_ptr, attn_ptr, wo_ptr, g1_ptr, wgu_ptr, wd_ptr, g2_ptr, wqkv
                 t += P
         if phase == 2:  # h2 = h1 + act @ Wd^T
             t = pid
-            while t < HD // BN_D:
-                n = t * BN_D + tl.arange(0, BN_D)
-                acc, _, _ = _tile_product(act_ptr, I, wd_ptr, n, 0, g1_ptr, M, I,
+            while t < HD // BN_D * MT:
+                offs_m = (t % MT) * BM + tl.arange(0, BM)
+                mrow = offs_m[:, None] < M
+                n = (t // MT) * BN_D + tl.arange(0, BN_D)
+                acc, _, _ = _tile_product(act_ptr, I, offs_m, wd_ptr, n, 0, g1_ptr, M, I,
                                           BM, BN_D, BK, False, False)
                 ptrs = offs_m[:, None] * HD + n[None, :]
                 res = tl.load(h1_ptr + ptrs, mask=mrow, other=0.0,
@@ -158,9 +162,11 @@ def _layer_kernel(h_ptr, attn_ptr, wo_ptr, g1_ptr, wgu_ptr, wd_ptr, g2_ptr, wqkv
                 t += P
         if phase == 3:  # qkv = n2 @ Wqkv^T
             t = pid
-            while t < NQKV // BN_QKV:
-                n = t * BN_QKV + tl.arange(0, BN_QKV)
-                acc, _, ssq = _tile_product(out_ptr, HD, wqkv_ptr, n, 0, g2_ptr, M, HD,
+            while t < NQKV // BN_QKV * MT:
+                offs_m = (t % MT) * BM + tl.arange(0, BM)
+                mrow = offs_m[:, None] < M
+                n = (t // MT) * BN_QKV + tl.arange(0, BN_QKV)
+                acc, _, ssq = _tile_product(out_ptr, HD, offs_m, wqkv_ptr, n, 0, g2_ptr, M, HD,
                                             BM, BN_QKV, BK, True, False)
                 acc = acc * tl.rsqrt(ssq / HD + eps)[:, None]
                 tl.store(qkv_ptr + offs_m[:, None] * NQKV + n[None, :],
@@ -174,13 +180,49 @@ def _layer_kernel(h_ptr, attn_ptr, wo_ptr, g1_ptr, wgu_ptr, wd_ptr, g2_ptr, wqkv
             tl.store(bar_ptr + 1, 0)
 
 
-def probe_tiles(m: int) -> dict:
-    """Launch parameters for ``m`` rows: one row tile of the next power of two >= 16 (the
-    product's minimum), column tiles of 16 (o, down: 64 tiles of 1024 columns) and 32 (gate/up
-    96 tiles, QKV 128), 64-deep inner steps; 8 warps from 128 rows (the accumulators)."""
-    bm = max(16, triton.next_power_of_2(m))
-    return dict(BM=bm, BN_O=16, BN_GU=32, BN_D=16, BN_QKV=32, BK=64,
-                num_warps=4 if bm <= 64 else 8)
+@triton.jit
+def _barrier_kernel(bar_ptr, count_ptr, n, P):
+    """``n`` grid barriers and nothing else; program 0 counts them in ``count_ptr``."""
+    pid = tl.program_id(0)
+    k = 0
+    while k < n:
+        k += 1
+        _grid_sync(bar_ptr, P * k)
+        if pid == 0:
+            tl.store(count_ptr, k)
+    tl.debug_barrier()
+    left = tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    if left == P - 1:
+        tl.store(bar_ptr, 0)
+        tl.store(bar_ptr + 1, 0)
+
+
+def barrier_probe(n: int, bar: torch.Tensor, count: torch.Tensor, num_programs: int) -> None:
+    """One launch of ``num_programs`` programs passing ``n`` grid barriers (the probe's cost
+    per barrier: time at ``n`` against ``n = 0``)."""
+    _barrier_kernel[(num_programs,)](bar, count, n, num_programs, num_warps=4)
+
+
+def probe_tiles(m: int, num_programs: int = 132, hd: int = 1024, inter: int = 3072,
+                nqkv: int = 4096) -> dict:
+    """Launch parameters for ``m`` rows on ``num_programs`` programs: row tiles of the next
+    power of two >= 16 (the product's minimum), at most 64 (larger batches take several row
+    tiles: a column tile's program reads its rows' whole inner dimension, so one row tile of
+    256 would read all of ``act`` once per column tile); each phase's column tile (16-128)
+    the one whose busiest program loads the fewest operand bytes: ``ceil(items / programs)``
+    work items of ``BM`` rows and ``BN`` weight rows (twice for gate/up) over the inner
+    dimension (the A rows come from the L2 once per column tile: wide tiles read them fewer
+    times, narrow tiles spread the weights over more programs); 64-deep inner steps."""
+    bm = min(64, max(16, triton.next_power_of_2(m)))
+    mt = -(-m // bm)
+
+    def bn(n, gated=1, cap=128):
+        def load(b):
+            return -(-mt * (n // b) // num_programs) * (bm + gated * b)
+        return min((b for b in (16, 32, 64, 128) if b <= cap and n % b == 0), key=load)
+
+    return dict(BM=bm, BN_O=bn(hd), BN_GU=bn(inter, 2, 64), BN_D=bn(hd), BN_QKV=bn(nqkv),
+                BK=64, num_warps=4)
 
 
 def layer_probe(h, attn, wo, g1, wgu, wd, g2, wqkv, eps, *, num_programs=None,
@@ -197,8 +239,9 @@ def layer_probe(h, attn, wo, g1, wgu, wd, g2, wqkv, eps, *, num_programs=None,
     for t in (h, attn, wo, g1, wgu, wd, g2, wqkv):
         assert t.is_contiguous()
     assert wo.shape == (hd, ho) and wgu.shape == (2 * inter, hd) and wqkv.shape[1] == hd
-    cfg = dict(probe_tiles(m), **(tiles or {}))
-    assert m <= cfg["BM"] and cfg["BM"] <= 256, "one row tile holds the batch"
+    if num_programs is None:
+        num_programs = torch.cuda.get_device_properties(h.device).multi_processor_count
+    cfg = dict(probe_tiles(m, num_programs, hd, inter, nqkv), **(tiles or {}))
     for n, bn in ((hd, cfg["BN_O"]), (inter, cfg["BN_GU"]), (hd, cfg["BN_D"]), (nqkv, cfg["BN_QKV"])):
         assert n % bn == 0
     for k in (hd, ho, inter):
@@ -210,8 +253,6 @@ def layer_probe(h, attn, wo, g1, wgu, wd, g2, wqkv, eps, *, num_programs=None,
             scratch[name] = torch.empty(m, cols, device=h.device, dtype=h.dtype)
     if bar is None:
         bar = torch.zeros(2, device=h.device, dtype=torch.int32)
-    if num_programs is None:
-        num_programs = torch.cuda.get_device_properties(h.device).multi_processor_count
     lo, hi = phases
     assert 0 <= lo <= hi <= 3
     epl = 128 // h.element_size()
@@ -219,7 +260,7 @@ def layer_probe(h, attn, wo, g1, wgu, wd, g2, wqkv, eps, *, num_programs=None,
     num_warps = cfg.pop("num_warps")
     _layer_kernel[(num_programs,)](
         h, attn, wo, g1, wgu, wd, g2, wqkv, scratch["h1"], scratch["act"], scratch["h2"],
-        scratch["qkv"], bar, m, float(eps), num_programs, HD=hd, HO=ho, I=inter, NQKV=nqkv, **cfg,
+        scratch["qkv"], bar, m, -(-m // cfg["BM"]), float(eps), num_programs, HD=hd, HO=ho, I=inter, NQKV=nqkv, **cfg,
         PHASE_LO=lo, PHASE_HI=hi, PREFETCH=bool(prefetch), LINES_HD=lines[hd],
         LINES_HO=lines[ho], LINES_I=lines[inter], EPL=epl, num_warps=num_warps,
         num_stages=num_stages)

@@ -35,7 +35,7 @@ def _nan_scratch(m, hd, nqkv, inter, dtype, device):
 
 
 SMALL = dict(hd=64, ho=64, inter=128, nqkv=96)
-SMALL_TILES = dict(BN_O=16, BN_GU=16, BN_D=16, BN_QKV=16, BK=32)
+SMALL_TILES = dict(BM=16, BN_O=16, BN_GU=16, BN_D=16, BN_QKV=16, BK=32)  # 40 rows: 3 row tiles
 
 
 def _check(got, want, tol):
@@ -45,7 +45,7 @@ def _check(got, want, tol):
                                    msg=lambda s, name=name: f"{name}: {s}")
 
 
-@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("m", [1, 5, 16, 40])
 @pytest.mark.parametrize("one_launch", [True, False])
 def test_layer_probe_matches_twin_interpreted(kernel_device, m, one_launch):
     if kernel_device != "cpu":
@@ -87,8 +87,50 @@ def test_layer_probe_twin_by_hand():
     torch.testing.assert_close(qkv, ((h2[0, 0] + h2[0, 1]) * r2).reshape(1, 1))
 
 
+def test_barrier_probe_interpreted(kernel_device):
+    """One program passes its barriers alone and resets the counters."""
+    if kernel_device != "cpu":
+        pytest.skip("interpreter; the GPU case is test_barrier_probe_gpu")
+    from persistent_layer_probe import barrier_probe
+
+    bar, count = torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    barrier_probe(5, bar, count, 1)
+    assert count.item() == 5 and bar.tolist() == [0, 0]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8, 33, 64, 128, 256])
+def test_barrier_probe_gpu():
+    """One program an SM through 1,000 barriers, twice: nobody passes early, nobody hangs."""
+    from persistent_layer_probe import barrier_probe
+
+    bar = torch.zeros(2, dtype=torch.int32, device="cuda")
+    count = torch.zeros(1, dtype=torch.int32, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for _ in range(2):
+        barrier_probe(1000, bar, count, sms)
+        torch.cuda.synchronize()
+        assert count.item() == 1000 and bar.tolist() == [0, 0]
+
+
+def test_probe_tiles():
+    """Row tiles of at most 64 (several for larger batches); each phase's column tile the
+    one whose busiest program loads the fewest bytes, by hand at 132 programs."""
+    from persistent_layer_probe import probe_tiles
+
+    t = probe_tiles(1)
+    # o_proj: 16 -> 64 items, 1 each, 16 + 16 rows; 32 -> 32 items, 16 + 32: 16 wins
+    # gate/up (two weight rows a column): 16 -> 192 items, 2 each x (16 + 32) = 96;
+    # 32 -> 96 items x (16 + 64) = 80: 32 wins
+    assert (t["BM"], t["BN_O"], t["BN_GU"], t["BN_D"], t["BN_QKV"]) == (16, 16, 32, 16, 32)
+    t = probe_tiles(256)  # 4 row tiles of 64
+    # o_proj: 16 -> 256 items, 2 each x 80 = 160; 32 -> 128 items x 96 = 96; 64 -> 64 x 128
+    # QKV: 64 -> 256 items, 2 x 128 = 256; 128 -> 128 items x 192 = 192
+    assert (t["BM"], t["BN_O"], t["BN_D"], t["BN_QKV"]) == (64, 32, 32, 128)
+    assert probe_tiles(33)["BM"] == 64 and probe_tiles(17)["BM"] == 32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8, 33, 64, 128, 200, 256])
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_layer_probe_gpu(m, prefetch):
     dev = "cuda"
