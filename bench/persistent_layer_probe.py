@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedkv.kernels.paired_splitk import normed_product, paired_dot, rms_scale
 from pagedkv.kernels.pdl import prefetch_lines, prefetch_weights_l2
 
 
@@ -58,29 +59,28 @@ def _grid_sync(bar_ptr, target):
 
 
 @triton.jit
-def _tile_product(a_ptr, lda, offs_m, w_ptr, w_rows, w2_off, g_ptr, M, K,
-                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  NORM: tl.constexpr, GATED: tl.constexpr):
-    """``a[offs_m, :K] (* g) @ w[w_rows, :K]^T`` in float32 (``[BM, BN]``; rows ``>= M``
-    masked); with ``GATED`` also the product with the rows ``w_rows + w2_off``; with ``NORM``
-    the rows' sums of squares of ``a`` (before ``g``). ``K`` is a multiple of ``BK``."""
-    acc = tl.zeros([BM, BN], tl.float32)
-    acc2 = tl.zeros([BM, BN], tl.float32)
-    ssq = tl.zeros([BM], tl.float32)
-    for k0 in range(0, K, BK):
-        ks = k0 + tl.arange(0, BK)
-        a = tl.load(a_ptr + offs_m[:, None] * lda + ks[None, :], mask=offs_m[:, None] < M,
-                    other=0.0, cache_modifier=".cg")
-        w = tl.load(w_ptr + w_rows[:, None] * K + ks[None, :])
-        if NORM:
-            af = a.to(tl.float32)
-            ssq += tl.sum(af * af, 1)
-            a = (af * tl.load(g_ptr + ks).to(tl.float32)[None, :]).to(w.dtype)
-        acc = tl.dot(a, tl.trans(w), acc)
-        if GATED:
-            w2 = tl.load(w_ptr + (w_rows + w2_off)[:, None] * K + ks[None, :])
-            acc2 = tl.dot(a, tl.trans(w2), acc2)
-    return acc, acc2, ssq
+def _tile_halves(a_ptr, lda, offs_m, M, w_ptr, n1, n2, g_ptr, K: tl.constexpr,
+                 BM: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
+                 NORM: tl.constexpr):
+    """The float32 products ``[BM, BH]`` of rows ``offs_m`` of ``a`` (rows ``>= M`` masked;
+    with ``NORM`` times the norm weight ``g``) with the weight rows ``n1`` and ``n2`` over the
+    whole inner dimension, and the rows' sums of squares (``paired_dot``: the fused decode
+    kernels' two-tile product)."""
+    return paired_dot(a_ptr + offs_m.to(tl.int64)[:, None] * lda,
+                      w_ptr + n1.to(tl.int64)[:, None] * K, w_ptr + n2.to(tl.int64)[:, None] * K,
+                      offs_m < M, n1 >= 0, 0, g_ptr, K, K, BM, BH, BK, DOT_PREC, NORM)
+
+
+@triton.jit
+def _residual_store(res_ptr, dst_ptr, offs_m, mrow, n, BH: tl.constexpr, N: tl.constexpr,
+                    acc1, acc2):
+    """``dst = res + acc`` on the two half tiles (columns ``n`` and ``n + BH``)."""
+    ptrs = offs_m[:, None] * N + n[None, :]
+    for half in tl.static_range(2):
+        acc = acc1 if half == 0 else acc2
+        res = tl.load(res_ptr + ptrs + half * BH, mask=mrow, other=0.0).to(tl.float32)
+        tl.store(dst_ptr + ptrs + half * BH, (res + acc).to(dst_ptr.dtype.element_ty),
+                 mask=mrow)
 
 
 @triton.jit
@@ -103,6 +103,7 @@ def _layer_kernel(h_ptr, attn_ptr, wo_ptr, g1_ptr, wgu_ptr, wd_ptr, g2_ptr, wqkv
                   HD: tl.constexpr, HO: tl.constexpr, I: tl.constexpr, NQKV: tl.constexpr,
                   BM: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr,
                   BN_D: tl.constexpr, BN_QKV: tl.constexpr, BK: tl.constexpr,
+                  DOT_PREC: tl.constexpr,
                   PHASE_LO: tl.constexpr, PHASE_HI: tl.constexpr, PREFETCH: tl.constexpr,
                   LINES_HD: tl.constexpr, LINES_HO: tl.constexpr, LINES_I: tl.constexpr,
                   EPL: tl.constexpr):
@@ -121,17 +122,15 @@ def _layer_kernel(h_ptr, attn_ptr, wo_ptr, g1_ptr, wgu_ptr, wd_ptr, g2_ptr, wqkv
     for phase in tl.static_range(PHASE_LO, PHASE_HI + 1):
         if phase > PHASE_LO:
             _grid_sync(bar_ptr, P * (phase - PHASE_LO))
-        if phase == 0:  # h1 = h + attn @ Wo^T
+        if phase == 0:  # h1 = h + attn @ Wo^T (two half tiles)
             t = pid
             while t < HD // BN_O * MT:
                 offs_m = (t % MT) * BM + tl.arange(0, BM)
                 mrow = offs_m[:, None] < M
-                n = (t // MT) * BN_O + tl.arange(0, BN_O)
-                acc, _, _ = _tile_product(attn_ptr, HO, offs_m, wo_ptr, n, 0, g1_ptr, M, HO,
-                                          BM, BN_O, BK, False, False)
-                ptrs = offs_m[:, None] * HD + n[None, :]
-                res = tl.load(h_ptr + ptrs, mask=mrow, other=0.0).to(tl.float32)
-                tl.store(h1_ptr + ptrs, (res + acc).to(h1_ptr.dtype.element_ty), mask=mrow)
+                n = (t // MT) * BN_O + tl.arange(0, BN_O // 2)
+                acc1, acc2, _ = _tile_halves(attn_ptr, HO, offs_m, M, wo_ptr, n, n + BN_O // 2,
+                                             g1_ptr, HO, BM, BN_O // 2, BK, DOT_PREC, False)
+                _residual_store(h_ptr, h1_ptr, offs_m, mrow, n, BN_O // 2, HD, acc1, acc2)
                 t += P
         if phase == 1:  # act = silu(n1 @ Wg^T) * (n1 @ Wu^T)
             t = pid
@@ -139,9 +138,9 @@ def _layer_kernel(h_ptr, attn_ptr, wo_ptr, g1_ptr, wgu_ptr, wd_ptr, g2_ptr, wqkv
                 offs_m = (t % MT) * BM + tl.arange(0, BM)
                 mrow = offs_m[:, None] < M
                 n = (t // MT) * BN_GU + tl.arange(0, BN_GU)
-                gate, up, ssq = _tile_product(h1_ptr, HD, offs_m, wgu_ptr, n, I, g1_ptr, M, HD,
-                                              BM, BN_GU, BK, True, True)
-                r = tl.rsqrt(ssq / HD + eps)[:, None]
+                gate, up, ssq = _tile_halves(h1_ptr, HD, offs_m, M, wgu_ptr, n, n + I, g1_ptr,
+                                             HD, BM, BN_GU, BK, DOT_PREC, True)
+                r = rms_scale(ssq, eps, HD)
                 gate = gate * r
                 act = gate / (1.0 + tl.exp(-gate)) * (up * r)
                 tl.store(act_ptr + offs_m[:, None] * I + n[None, :],
@@ -152,25 +151,24 @@ def _layer_kernel(h_ptr, attn_ptr, wo_ptr, g1_ptr, wgu_ptr, wd_ptr, g2_ptr, wqkv
             while t < HD // BN_D * MT:
                 offs_m = (t % MT) * BM + tl.arange(0, BM)
                 mrow = offs_m[:, None] < M
-                n = (t // MT) * BN_D + tl.arange(0, BN_D)
-                acc, _, _ = _tile_product(act_ptr, I, offs_m, wd_ptr, n, 0, g1_ptr, M, I,
-                                          BM, BN_D, BK, False, False)
-                ptrs = offs_m[:, None] * HD + n[None, :]
-                res = tl.load(h1_ptr + ptrs, mask=mrow, other=0.0,
-                              cache_modifier=".cg").to(tl.float32)
-                tl.store(out_ptr + ptrs, (res + acc).to(out_ptr.dtype.element_ty), mask=mrow)
+                n = (t // MT) * BN_D + tl.arange(0, BN_D // 2)
+                acc1, acc2, _ = _tile_halves(act_ptr, I, offs_m, M, wd_ptr, n, n + BN_D // 2,
+                                             g1_ptr, I, BM, BN_D // 2, BK, DOT_PREC, False)
+                _residual_store(h1_ptr, out_ptr, offs_m, mrow, n, BN_D // 2, HD, acc1, acc2)
                 t += P
         if phase == 3:  # qkv = n2 @ Wqkv^T
             t = pid
             while t < NQKV // BN_QKV * MT:
                 offs_m = (t % MT) * BM + tl.arange(0, BM)
                 mrow = offs_m[:, None] < M
-                n = (t // MT) * BN_QKV + tl.arange(0, BN_QKV)
-                acc, _, ssq = _tile_product(out_ptr, HD, offs_m, wqkv_ptr, n, 0, g2_ptr, M, HD,
-                                            BM, BN_QKV, BK, True, False)
-                acc = acc * tl.rsqrt(ssq / HD + eps)[:, None]
-                tl.store(qkv_ptr + offs_m[:, None] * NQKV + n[None, :],
-                         acc.to(qkv_ptr.dtype.element_ty), mask=mrow)
+                n = (t // MT) * BN_QKV + tl.arange(0, BN_QKV // 2)
+                acc1, acc2, ssq = _tile_halves(out_ptr, HD, offs_m, M, wqkv_ptr, n,
+                                               n + BN_QKV // 2, g2_ptr, HD, BM, BN_QKV // 2,
+                                               BK, DOT_PREC, True)
+                r = rms_scale(ssq, eps, HD)
+                dst = qkv_ptr + offs_m[:, None] * NQKV + n[None, :]
+                tl.store(dst, (acc1 * r).to(qkv_ptr.dtype.element_ty), mask=mrow)
+                tl.store(dst + BN_QKV // 2, (acc2 * r).to(qkv_ptr.dtype.element_ty), mask=mrow)
                 t += P
     if PHASE_HI > PHASE_LO:  # the last program out resets the barrier for the next launch
         tl.debug_barrier()
@@ -208,20 +206,24 @@ def probe_tiles(m: int, num_programs: int = 132, hd: int = 1024, inter: int = 30
     """Launch parameters for ``m`` rows on ``num_programs`` programs: row tiles of the next
     power of two >= 16 (the product's minimum), at most 64 (larger batches take several row
     tiles: a column tile's program reads its rows' whole inner dimension, so one row tile of
-    256 would read all of ``act`` once per column tile); each phase's column tile (16-128)
-    the one whose busiest program loads the fewest operand bytes: ``ceil(items / programs)``
-    work items of ``BM`` rows and ``BN`` weight rows (twice for gate/up) over the inner
+    256 would read all of ``act`` once per column tile); each phase's column tile (gate/up
+    16-64 columns, the others 32-256 as two halves) the one whose busiest program loads the
+    fewest operand bytes: ``ceil(items / programs)`` work items of ``BM`` rows and ``BN``
+    weight rows (twice for gate/up) over the inner
     dimension (the A rows come from the L2 once per column tile: wide tiles read them fewer
     times, narrow tiles spread the weights over more programs); 64-deep inner steps."""
     bm = min(64, max(16, triton.next_power_of_2(m)))
     mt = -(-m // bm)
 
-    def bn(n, gated=1, cap=128):
+    def bn(n, gated=False, cap=256):
+        # gate/up: BN gate rows and BN up rows an item; the others: two halves of BN / 2 rows
+        # (the product's 16-row minimum each)
         def load(b):
-            return -(-mt * (n // b) // num_programs) * (bm + gated * b)
-        return min((b for b in (16, 32, 64, 128) if b <= cap and n % b == 0), key=load)
+            return -(-mt * (n // b) // num_programs) * (bm + (2 * b if gated else b))
+        cands = (16, 32, 64, 128) if gated else (32, 64, 128, 256)
+        return min((b for b in cands if b <= cap and n % b == 0), key=load)
 
-    return dict(BM=bm, BN_O=bn(hd), BN_GU=bn(inter, 2, 64), BN_D=bn(hd), BN_QKV=bn(nqkv),
+    return dict(BM=bm, BN_O=bn(hd), BN_GU=bn(inter, True, 64), BN_D=bn(hd), BN_QKV=bn(nqkv),
                 BK=64, num_warps=4)
 
 
@@ -262,31 +264,23 @@ def layer_probe(h, attn, wo, g1, wgu, wd, g2, wqkv, eps, *, num_programs=None,
         h, attn, wo, g1, wgu, wd, g2, wqkv, scratch["h1"], scratch["act"], scratch["h2"],
         scratch["qkv"], bar, m, -(-m // cfg["BM"]), float(eps), num_programs, HD=hd, HO=ho, I=inter, NQKV=nqkv, **cfg,
         PHASE_LO=lo, PHASE_HI=hi, PREFETCH=bool(prefetch), LINES_HD=lines[hd],
-        LINES_HO=lines[ho], LINES_I=lines[inter], EPL=epl, num_warps=num_warps,
+        LINES_HO=lines[ho], LINES_I=lines[inter], EPL=epl,
+        DOT_PREC="ieee" if h.dtype == torch.float32 else "tf32", num_warps=num_warps,
         num_stages=num_stages)
     return scratch["h2"], scratch["qkv"], scratch["h1"], scratch["act"]
 
 
 def layer_probe_ref(h, attn, wo, g1, wgu, wd, g2, wqkv, eps):
-    """Torch twin: float32 products, ``h1`` / ``act`` / ``h2`` / ``qkv`` rounded to ``h``'s
-    dtype where the kernel stores them, the normed operand ``x * g`` rounded before its
-    product as the kernel rounds it. Returns ``(h2, qkv, h1, act)``."""
+    """Torch twin: float32 products (``normed_product``, the fused kernels' normed operand),
+    ``h1`` / ``act`` / ``h2`` / ``qkv`` rounded to ``h``'s dtype where the kernel stores them.
+    Returns ``(h2, qkv, h1, act)``."""
     dt = h.dtype
-    f = torch.float32
     m = h.shape[0]
-
-    def normed(x, g):
-        xf = x.to(f)
-        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return (xf * g.to(f)).to(dt).to(f), r
-
-    h1 = (h.to(f) + attn.reshape(m, -1).to(f) @ wo.to(f).T).to(dt)
-    x, r = normed(h1, g1)
     inter = wd.shape[1]
-    gate = (x @ wgu[:inter].to(f).T) * r
-    up = (x @ wgu[inter:].to(f).T) * r
+    h1 = (h.float() + normed_product(attn.reshape(m, -1), wo, None, eps)).to(dt)
+    gate = normed_product(h1, wgu[:inter], g1, eps)
+    up = normed_product(h1, wgu[inter:], g1, eps)
     act = (torch.nn.functional.silu(gate) * up).to(dt)
-    h2 = (h1.to(f) + act.to(f) @ wd.to(f).T).to(dt)
-    x2, r2 = normed(h2, g2)
-    qkv = ((x2 @ wqkv.to(f).T) * r2).to(dt)
+    h2 = (h1.float() + normed_product(act, wd, None, eps)).to(dt)
+    qkv = normed_product(h2, wqkv, g2, eps).to(dt)
     return h2, qkv, h1, act

@@ -35,7 +35,7 @@ def _nan_scratch(m, hd, nqkv, inter, dtype, device):
 
 
 SMALL = dict(hd=64, ho=64, inter=128, nqkv=96)
-SMALL_TILES = dict(BM=16, BN_O=16, BN_GU=16, BN_D=16, BN_QKV=16, BK=32)  # 40 rows: 3 row tiles
+SMALL_TILES = dict(BM=16, BN_O=32, BN_GU=16, BN_D=32, BN_QKV=32, BK=32)  # 40 rows: 3 row tiles
 
 
 def _check(got, want, tol):
@@ -118,10 +118,10 @@ def test_probe_tiles():
     from persistent_layer_probe import probe_tiles
 
     t = probe_tiles(1)
-    # o_proj: 16 -> 64 items, 1 each, 16 + 16 rows; 32 -> 32 items, 16 + 32: 16 wins
+    # o_proj (two halves of at least 16 rows): 32 -> 32 items, 1 each, 16 + 32 = 48; 64 -> 80
     # gate/up (two weight rows a column): 16 -> 192 items, 2 each x (16 + 32) = 96;
-    # 32 -> 96 items x (16 + 64) = 80: 32 wins
-    assert (t["BM"], t["BN_O"], t["BN_GU"], t["BN_D"], t["BN_QKV"]) == (16, 16, 32, 16, 32)
+    # 32 -> 96 items x (16 + 64) = 80: 32 wins; 64 -> 48 items x 144
+    assert (t["BM"], t["BN_O"], t["BN_GU"], t["BN_D"], t["BN_QKV"]) == (16, 32, 32, 32, 32)
     t = probe_tiles(256)  # 4 row tiles of 64
     # o_proj: 16 -> 256 items, 2 each x 80 = 160; 32 -> 128 items x 96 = 96; 64 -> 64 x 128
     # QKV: 64 -> 256 items, 2 x 128 = 256; 128 -> 128 items x 192 = 192
