@@ -172,8 +172,9 @@ def _qkv_epilogue(acc1, acc2, ss, ln_eps, rows, r_ok, h, d,
             tl.store(dst_v + HALF, v2.to(vc_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_slot_rows"])
-def _qkv_rope_cache_kernel(
+@triton.jit
+def qkv_rope_tile(
+    mt, h, s,
     x_ptr, x_s0, w_ptr, w_s0, b_ptr, ln_ptr, ln_eps,
     q_ptr, q_s0, q_s1,
     cos_ptr, cos_s0, cos_s1, sin_ptr, sin_s0, sin_s1,
@@ -187,18 +188,15 @@ def _qkv_rope_cache_kernel(
     HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, LN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    k_scale=1.0, v_scale=1.0, FP8: tl.constexpr = False,
-    PDL: tl.constexpr = 0, PF_LINES: tl.constexpr = 1, PF_EPL: tl.constexpr = 64,
+    k_scale, v_scale, FP8: tl.constexpr,
 ):
+    """Program ``(mt, h, s)`` of the launch below: row tile ``mt``, head ``h``, inner split
+    ``s`` (its product, then the epilogue, or its partials and, last to arrive, the sum and
+    the epilogue). Also called by the persistent decode-layer probe
+    (``bench/persistent_layer_probe.py``), which deals these tiles to resident programs."""
     HALF: tl.constexpr = HEAD_DIM // 2
     NH: tl.constexpr = NUM_HEADS + 2 * NUM_KV_HEADS
     N: tl.constexpr = NH * HEAD_DIM
-    mt = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.program_id(2)
-    prefetch_weights_l2(w_ptr + (h * HEAD_DIM + tl.arange(0, HEAD_DIM)).to(tl.int64) * w_s0,
-                        s * K_CHUNK, tl.minimum(s * K_CHUNK + K_CHUNK, K), PF_LINES, PF_EPL, PDL)
-    pdl_prologue(PDL)
     rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
     r_ok = rows < num_rows
     d = tl.arange(0, HALF)
@@ -225,6 +223,39 @@ def _qkv_rope_cache_kernel(
                           kc_ptr, kc_s0, kc_s1, kc_s2, vc_ptr, vc_s0, vc_s1, vc_s2,
                           eps, k_scale, v_scale, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM,
                           HAS_NORM, HAS_BIAS, FP8, K, LN)
+
+
+@triton.jit(do_not_specialize=["num_rows", "num_slot_rows"])
+def _qkv_rope_cache_kernel(
+    x_ptr, x_s0, w_ptr, w_s0, b_ptr, ln_ptr, ln_eps,
+    q_ptr, q_s0, q_s1,
+    cos_ptr, cos_s0, cos_s1, sin_ptr, sin_s0, sin_s1,
+    qw_ptr, kw_ptr,
+    slot_ptr, num_slot_rows, num_slots, block_size,
+    kc_ptr, kc_s0, kc_s1, kc_s2, vc_ptr, vc_s0, vc_s1, vc_s2,
+    part_ptr, ss_ptr, cnt_ptr,
+    num_rows, eps,
+    K: tl.constexpr, K_CHUNK: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, LN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    k_scale=1.0, v_scale=1.0, FP8: tl.constexpr = False,
+    PDL: tl.constexpr = 0, PF_LINES: tl.constexpr = 1, PF_EPL: tl.constexpr = 64,
+):
+    mt = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    prefetch_weights_l2(w_ptr + (h * HEAD_DIM + tl.arange(0, HEAD_DIM)).to(tl.int64) * w_s0,
+                        s * K_CHUNK, tl.minimum(s * K_CHUNK + K_CHUNK, K), PF_LINES, PF_EPL, PDL)
+    pdl_prologue(PDL)
+    qkv_rope_tile(mt, h, s, x_ptr, x_s0, w_ptr, w_s0, b_ptr, ln_ptr, ln_eps, q_ptr, q_s0, q_s1,
+                  cos_ptr, cos_s0, cos_s1, sin_ptr, sin_s0, sin_s1, qw_ptr, kw_ptr,
+                  slot_ptr, num_slot_rows, num_slots, block_size,
+                  kc_ptr, kc_s0, kc_s1, kc_s2, vc_ptr, vc_s0, vc_s1, vc_s2,
+                  part_ptr, ss_ptr, cnt_ptr, num_rows, eps, K, K_CHUNK,
+                  NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HAS_NORM, HAS_BIAS, LN,
+                  BLOCK_M, BLOCK_K, SPLITS, DOT_PREC, k_scale, v_scale, FP8)
 
 
 def _check(fn, x, weight, bias, num_heads, num_kv_heads, head_dim, q_norm_weight,
