@@ -44,7 +44,9 @@ import triton
 import triton.language as tl
 
 from pagedkv.kernels.paired_splitk import normed_product, paired_dot, rms_scale
+from pagedkv.kernels.paired_splitk import chunk_and_splits, counters
 from pagedkv.kernels.pdl import prefetch_lines, prefetch_weights_l2
+from pagedkv.kernels.qkv_rope_cache import qkv_rope_tile
 
 
 @triton.jit
@@ -106,8 +108,17 @@ def _layer_kernel(h_ptr, attn_ptr, wo_ptr, g1_ptr, wgu_ptr, wd_ptr, g2_ptr, wqkv
                   DOT_PREC: tl.constexpr,
                   PHASE_LO: tl.constexpr, PHASE_HI: tl.constexpr, PREFETCH: tl.constexpr,
                   LINES_HD: tl.constexpr, LINES_HO: tl.constexpr, LINES_I: tl.constexpr,
-                  EPL: tl.constexpr):
+                  EPL: tl.constexpr,
+                  # ROPE: phase 3 as qkv_rope_cache's tiles (q/k norms, RoPE, K/V write)
+                  q_ptr, q_s0, q_s1, cos_ptr, cos_s0, cos_s1, sin_ptr, sin_s0, sin_s1,
+                  qw_ptr, kw_ptr, slot_ptr, num_slot_rows, num_slots, block_size,
+                  kc_ptr, kc_s0, kc_s1, kc_s2, vc_ptr, vc_s0, vc_s1, vc_s2,
+                  part_ptr, ss_ptr, cnt_ptr, qk_eps,
+                  ROPE: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, QKV_SPLITS: tl.constexpr,
+                  QKV_CHUNK: tl.constexpr, LINES_CHUNK: tl.constexpr):
     pid = tl.program_id(0)
+    NH: tl.constexpr = NUM_HEADS + 2 * NUM_KV_HEADS
     if PREFETCH:
         for phase in tl.static_range(PHASE_LO, PHASE_HI + 1):
             if phase == 0:
@@ -117,8 +128,18 @@ def _layer_kernel(h_ptr, attn_ptr, wo_ptr, g1_ptr, wgu_ptr, wd_ptr, g2_ptr, wqkv
             if phase == 2:
                 _prefetch_phase(wd_ptr, HD // BN_D, MT, pid, P, I, 0, BN_D, LINES_I, EPL, False)
             if phase == 3:
-                _prefetch_phase(wqkv_ptr, NQKV // BN_QKV, MT, pid, P, HD, 0, BN_QKV, LINES_HD,
-                                EPL, False)
+                if ROPE:  # item t: row tile t % MT, head (t // MT) % NH, split t // (MT NH)
+                    t = pid
+                    while t < MT * NH * QKV_SPLITS:
+                        hh = (t // MT) % NH
+                        k0 = (t // (MT * NH)) * QKV_CHUNK
+                        rows = wqkv_ptr + (hh * HEAD_DIM + tl.arange(0, HEAD_DIM)).to(tl.int64) * HD
+                        prefetch_weights_l2(rows, k0, tl.minimum(k0 + QKV_CHUNK, HD), LINES_CHUNK,
+                                            EPL, 1)
+                        t += P
+                else:
+                    _prefetch_phase(wqkv_ptr, NQKV // BN_QKV, MT, pid, P, HD, 0, BN_QKV,
+                                    LINES_HD, EPL, False)
     for phase in tl.static_range(PHASE_LO, PHASE_HI + 1):
         if phase > PHASE_LO:
             _grid_sync(bar_ptr, P * (phase - PHASE_LO))
@@ -156,7 +177,19 @@ def _layer_kernel(h_ptr, attn_ptr, wo_ptr, g1_ptr, wgu_ptr, wd_ptr, g2_ptr, wqkv
                                              g1_ptr, I, BM, BN_D // 2, BK, DOT_PREC, False)
                 _residual_store(h1_ptr, out_ptr, offs_m, mrow, n, BN_D // 2, HD, acc1, acc2)
                 t += P
-        if phase == 3:  # qkv = n2 @ Wqkv^T
+        if phase == 3 and ROPE:  # qkv_rope_cache's tiles on n2 = rmsnorm(h2) * g2
+            t = pid
+            while t < MT * NH * QKV_SPLITS:
+                qkv_rope_tile(t % MT, (t // MT) % NH, t // (MT * NH), out_ptr, HD, wqkv_ptr, HD,
+                              wqkv_ptr, g2_ptr, eps, q_ptr, q_s0, q_s1,
+                              cos_ptr, cos_s0, cos_s1, sin_ptr, sin_s0, sin_s1, qw_ptr, kw_ptr,
+                              slot_ptr, num_slot_rows, num_slots, block_size,
+                              kc_ptr, kc_s0, kc_s1, kc_s2, vc_ptr, vc_s0, vc_s1, vc_s2,
+                              part_ptr, ss_ptr, cnt_ptr, M, qk_eps, HD, QKV_CHUNK,
+                              NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HAS_NORM, False, True,
+                              BM, BK, QKV_SPLITS, DOT_PREC, 1.0, 1.0, False)
+                t += P
+        if phase == 3 and not ROPE:  # qkv = n2 @ Wqkv^T
             t = pid
             while t < NQKV // BN_QKV * MT:
                 offs_m = (t % MT) * BM + tl.arange(0, BM)
@@ -228,11 +261,20 @@ def probe_tiles(m: int, num_programs: int = 132, hd: int = 1024, inter: int = 30
 
 
 def layer_probe(h, attn, wo, g1, wgu, wd, g2, wqkv, eps, *, num_programs=None,
-                phases=(0, 3), prefetch=False, bar=None, scratch=None, num_stages=3, tiles=None):
+                phases=(0, 3), prefetch=False, bar=None, scratch=None, num_stages=3, tiles=None,
+                rope=None):
     """Run phases ``phases[0]..phases[1]`` of the layer (see the module doc) in one launch of
     ``num_programs`` programs (default: one an SM). Returns ``(h2, qkv, h1, act)``; phases not
     run leave their outputs as passed in ``scratch`` (a dict of those four, allocated here
-    when absent). ``bar``: an int32[2] zero tensor (allocated when absent)."""
+    when absent). ``bar``: an int32[2] zero tensor (allocated when absent).
+
+    ``rope``: phase 3 as ``qkv_rope_cache`` with the input norm (its tiles ``qkv_rope_tile``:
+    a head's product halves, the q/k norms, RoPE, q into ``q_out``, K / V into the paged
+    caches), a dict of that function's arguments ``num_heads``, ``num_kv_heads``,
+    ``head_dim``, ``q_norm_weight``, ``k_norm_weight``, ``eps``, ``cos``, ``sin``,
+    ``slot_mapping``, ``key_cache``, ``value_cache``, ``q_out`` and ``splits`` (inner
+    splits: the last of a head's splits to arrive sums them and runs the epilogue); the
+    second output is then ``q_out``."""
     m, hd = h.shape
     ho = attn.shape[-1]
     inter = wd.shape[1]
@@ -260,14 +302,47 @@ def layer_probe(h, attn, wo, g1, wgu, wd, g2, wqkv, eps, *, num_programs=None,
     epl = 128 // h.element_size()
     lines = {k: prefetch_lines(k, h.element_size())[0] for k in (hd, ho, inter)}
     num_warps = cfg.pop("num_warps")
+    mt = -(-m // cfg["BM"])
+    if rope is None:
+        q = cache = h
+        rope_args = (q, 0, 0, q, 0, 0, q, 0, 0, q, q, bar, 0, 0, 1,
+                     cache, 0, 0, 0, cache, 0, 0, 0, q, q, bar, 0.0)
+        rope_const = dict(ROPE=False, NUM_HEADS=1, NUM_KV_HEADS=0, HEAD_DIM=16, HAS_NORM=False,
+                          QKV_SPLITS=1, QKV_CHUNK=hd, LINES_CHUNK=1)
+    else:
+        r = rope
+        heads, kv_heads, dim = r["num_heads"], r["num_kv_heads"], r["head_dim"]
+        assert nqkv == (heads + 2 * kv_heads) * dim
+        chunk, splits = chunk_and_splits(hd, r.get("splits", 1), cfg["BK"])
+        nh = heads + 2 * kv_heads
+        q = r["q_out"]
+        part = torch.empty((splits, m, nqkv), dtype=torch.float32, device=h.device)
+        ss = torch.empty((splits, m), dtype=torch.float32, device=h.device)
+        cnt = counters(h.device, mt * nh)
+        kc, vc = r["key_cache"], r["value_cache"]
+        has_norm = r["q_norm_weight"] is not None
+        qw, kw = (r["q_norm_weight"], r["k_norm_weight"]) if has_norm else (h, h)
+        rope_args = (q, q.stride(0), q.stride(1), r["cos"], *r["cos"].stride(), r["sin"],
+                     *r["sin"].stride(), qw, kw, r["slot_mapping"], r["slot_mapping"].shape[0],
+                     kc.shape[0] * kc.shape[1], kc.shape[1], kc, *kc.stride()[:3],
+                     vc, *vc.stride()[:3], part, ss, cnt, float(r["eps"]))
+        rope_const = dict(ROPE=True, NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=dim,
+                          HAS_NORM=has_norm, QKV_SPLITS=splits, QKV_CHUNK=chunk,
+                          LINES_CHUNK=prefetch_lines(chunk, h.element_size())[0])
     _layer_kernel[(num_programs,)](
         h, attn, wo, g1, wgu, wd, g2, wqkv, scratch["h1"], scratch["act"], scratch["h2"],
-        scratch["qkv"], bar, m, -(-m // cfg["BM"]), float(eps), num_programs, HD=hd, HO=ho, I=inter, NQKV=nqkv, **cfg,
-        PHASE_LO=lo, PHASE_HI=hi, PREFETCH=bool(prefetch), LINES_HD=lines[hd],
-        LINES_HO=lines[ho], LINES_I=lines[inter], EPL=epl,
+        scratch["qkv"], bar, m, mt, float(eps), num_programs, HD=hd, HO=ho, I=inter,
+        NQKV=nqkv, **cfg, PHASE_LO=lo, PHASE_HI=hi, PREFETCH=bool(prefetch),
+        LINES_HD=lines[hd], LINES_HO=lines[ho], LINES_I=lines[inter], EPL=epl,
         DOT_PREC="ieee" if h.dtype == torch.float32 else "tf32", num_warps=num_warps,
-        num_stages=num_stages)
-    return scratch["h2"], scratch["qkv"], scratch["h1"], scratch["act"]
+        num_stages=num_stages, **dict(zip(_ROPE_ARGS, rope_args)), **rope_const)
+    return scratch["h2"], (scratch["qkv"] if rope is None else q), scratch["h1"], scratch["act"]
+
+
+_ROPE_ARGS = ("q_ptr", "q_s0", "q_s1", "cos_ptr", "cos_s0", "cos_s1", "sin_ptr", "sin_s0",
+              "sin_s1", "qw_ptr", "kw_ptr", "slot_ptr", "num_slot_rows", "num_slots",
+              "block_size", "kc_ptr", "kc_s0", "kc_s1", "kc_s2", "vc_ptr", "vc_s0", "vc_s1",
+              "vc_s2", "part_ptr", "ss_ptr", "cnt_ptr", "qk_eps")
 
 
 def layer_probe_ref(h, attn, wo, g1, wgu, wd, g2, wqkv, eps):

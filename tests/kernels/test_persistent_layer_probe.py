@@ -64,6 +64,75 @@ def test_layer_probe_matches_twin_interpreted(kernel_device, m, one_launch):
     _check(got, layer_probe_ref(**x), 2e-2)
 
 
+def _rope_case(m, heads, kv_heads, dim, nb, bs, dtype, device, seed, splits):
+    """q/k norm weights, cos / sin, distinct slots (one row unmapped), NaN caches and q."""
+    import math
+
+    g = torch.Generator().manual_seed(seed)
+    angles = torch.rand(m, dim // 2, generator=g) * 2 * math.pi
+    slots = torch.randperm(nb * bs, generator=g)[:m]
+    slots[m // 2] = -1
+    return dict(num_heads=heads, num_kv_heads=kv_heads, head_dim=dim,
+                q_norm_weight=(torch.rand(dim, generator=g) + 0.5).to(dtype).to(device),
+                k_norm_weight=(torch.rand(dim, generator=g) + 0.5).to(dtype).to(device),
+                eps=1e-6, cos=angles.cos().to(device), sin=angles.sin().to(device),
+                slot_mapping=slots.to(device),
+                key_cache=torch.full((nb, bs, kv_heads, dim), float("nan"), dtype=dtype,
+                                     device=device),
+                value_cache=torch.full((nb, bs, kv_heads, dim), float("nan"), dtype=dtype,
+                                       device=device),
+                q_out=torch.full((m, heads, dim), float("nan"), dtype=dtype, device=device),
+                splits=splits)
+
+
+def _rope_want(x, rope):
+    """The twin: ``layer_probe_ref``'s h2, then ``qkv_rope_cache_ref`` with the input norm."""
+    from pagedkv.kernels.qkv_rope_cache import qkv_rope_cache_ref
+
+    h2, _, h1, act = layer_probe_ref(**x)
+    r = {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in rope.items()}
+    kc = torch.full_like(r["key_cache"], float("nan"))
+    vc = torch.full_like(r["value_cache"], float("nan"))
+    q = qkv_rope_cache_ref(h2.cpu(), x["wqkv"].cpu(), None, r["num_heads"], r["num_kv_heads"],
+                           r["head_dim"], r["q_norm_weight"], r["k_norm_weight"], r["eps"],
+                           r["cos"], r["sin"], r["slot_mapping"], kc, vc,
+                           ln_weight=x["g2"].cpu(), ln_eps=x["eps"])
+    return h2, q, h1, act, kc, vc
+
+
+def _check_rope(got, rope, want, tol):
+    h2, q, h1, act, kc, vc = want
+    _check(got, (h2, q, h1, act), tol)
+    for name, a, b in (("key_cache", rope["key_cache"], kc), ("value_cache", rope["value_cache"], vc)):
+        a = a.float().cpu()
+        assert torch.equal(torch.isnan(a), torch.isnan(b.float())), f"{name}: written slots"
+        torch.testing.assert_close(a.nan_to_num(), b.float().nan_to_num(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("m,splits", [(1, 1), (5, 2), (40, 2)])
+@pytest.mark.parametrize("one_launch", [True, False])
+def test_layer_probe_rope_matches_twin_interpreted(kernel_device, m, splits, one_launch):
+    """Phase 3 as qkv_rope_cache's tiles: q out, K / V in the pages of mapped rows only."""
+    if kernel_device != "cpu":
+        pytest.skip("interpreter shapes; the GPU case is test_layer_probe_rope_gpu")
+    dt = torch.float16
+    shape = dict(hd=64, ho=64, inter=128, nqkv=(2 + 2 * 1) * 32)
+    x = _inputs(m, **shape, dtype=dt, device="cpu", seed=m + 7)
+    rope = _rope_case(m, 2, 1, 32, 16, 4, dt, "cpu", m, splits)
+    want = _rope_want(x, rope)
+    scratch = _nan_scratch(m, shape["hd"], shape["nqkv"], shape["inter"], dt, "cpu")
+    bar = torch.tensor([0, 0], dtype=torch.int32)
+    if one_launch:
+        got = layer_probe(**x, num_programs=1, scratch=scratch, bar=bar, tiles=SMALL_TILES,
+                          rope=rope)
+    else:
+        for k in range(4):
+            got = layer_probe(**x, num_programs=3, phases=(k, k), scratch=scratch, bar=bar,
+                              tiles=SMALL_TILES, rope=rope)
+    assert got[1] is rope["q_out"]
+    _check_rope(got, rope, want, 2e-2)
+
+
 def test_layer_probe_twin_by_hand():
     """The twin at one row, one column a projection, worked by hand: h 1 x 2."""
     f = torch.float32
@@ -127,6 +196,23 @@ def test_probe_tiles():
     # QKV: 64 -> 256 items, 2 x 128 = 256; 128 -> 128 items x 192 = 192
     assert (t["BM"], t["BN_O"], t["BN_D"], t["BN_QKV"]) == (64, 32, 32, 128)
     assert probe_tiles(33)["BM"] == 64 and probe_tiles(17)["BM"] == 32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8, 33, 128, 256])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_layer_probe_rope_gpu(m, splits):
+    """The Qwen3-0.6B shape with phase 3 fused (q/k norms, RoPE, K / V write), the L2
+    prefetch on, one program an SM."""
+    dev, dt = "cuda", torch.bfloat16
+    shape = dict(hd=1024, ho=2048, inter=3072, nqkv=(16 + 2 * 8) * 128)
+    x = _inputs(m, **shape, dtype=dt, device=dev, seed=m)
+    rope = _rope_case(m, 16, 8, 128, 64, 16, dt, dev, m, splits)
+    want = _rope_want(x, rope)
+    for _ in range(2):
+        got = layer_probe(**x, prefetch=True, rope=rope)
+        torch.cuda.synchronize()
+        _check_rope(got, rope, want, 3e-2)
 
 
 @pytest.mark.gpu
