@@ -74,15 +74,25 @@ def _tile_halves(a_ptr, lda, offs_m, M, w_ptr, n1, n2, g_ptr, K: tl.constexpr,
 
 
 @triton.jit
-def _residual_store(res_ptr, dst_ptr, offs_m, mrow, n, BH: tl.constexpr, N: tl.constexpr,
-                    acc1, acc2):
-    """``dst = res + acc`` on the two half tiles (columns ``n`` and ``n + BH``)."""
-    ptrs = offs_m[:, None] * N + n[None, :]
-    for half in tl.static_range(2):
-        acc = acc1 if half == 0 else acc2
-        res = tl.load(res_ptr + ptrs + half * BH, mask=mrow, other=0.0).to(tl.float32)
-        tl.store(dst_ptr + ptrs + half * BH, (res + acc).to(dst_ptr.dtype.element_ty),
-                 mask=mrow)
+def _residual_phase(pid, P, a_ptr, w_ptr, g_ptr, res_ptr, dst_ptr, M, MT, K: tl.constexpr,
+                    N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    DOT_PREC: tl.constexpr):
+    """``dst = res + a @ w^T`` (``a [M, K]``, ``w [N, K]``): this program's work items, each
+    a row tile and a column tile of two halves (``g_ptr`` unused: no norm)."""
+    t = pid
+    while t < N // BN * MT:
+        offs_m = (t % MT) * BM + tl.arange(0, BM)
+        mrow = offs_m[:, None] < M
+        n = (t // MT) * BN + tl.arange(0, BN // 2)
+        acc1, acc2, _ = _tile_halves(a_ptr, K, offs_m, M, w_ptr, n, n + BN // 2, g_ptr, K, BM,
+                                     BN // 2, BK, DOT_PREC, False)
+        ptrs = offs_m[:, None] * N + n[None, :]
+        for half in tl.static_range(2):
+            acc = acc1 if half == 0 else acc2
+            res = tl.load(res_ptr + ptrs + half * (BN // 2), mask=mrow, other=0.0)
+            tl.store(dst_ptr + ptrs + half * (BN // 2),
+                     (res.to(tl.float32) + acc).to(dst_ptr.dtype.element_ty), mask=mrow)
+        t += P
 
 
 @triton.jit
@@ -143,16 +153,9 @@ def _layer_kernel(h_ptr, attn_ptr, wo_ptr, g1_ptr, wgu_ptr, wd_ptr, g2_ptr, wqkv
     for phase in tl.static_range(PHASE_LO, PHASE_HI + 1):
         if phase > PHASE_LO:
             _grid_sync(bar_ptr, P * (phase - PHASE_LO))
-        if phase == 0:  # h1 = h + attn @ Wo^T (two half tiles)
-            t = pid
-            while t < HD // BN_O * MT:
-                offs_m = (t % MT) * BM + tl.arange(0, BM)
-                mrow = offs_m[:, None] < M
-                n = (t // MT) * BN_O + tl.arange(0, BN_O // 2)
-                acc1, acc2, _ = _tile_halves(attn_ptr, HO, offs_m, M, wo_ptr, n, n + BN_O // 2,
-                                             g1_ptr, HO, BM, BN_O // 2, BK, DOT_PREC, False)
-                _residual_store(h_ptr, h1_ptr, offs_m, mrow, n, BN_O // 2, HD, acc1, acc2)
-                t += P
+        if phase == 0:  # h1 = h + attn @ Wo^T
+            _residual_phase(pid, P, attn_ptr, wo_ptr, g1_ptr, h_ptr, h1_ptr, M, MT, HO, HD,
+                            BM, BN_O, BK, DOT_PREC)
         if phase == 1:  # act = silu(n1 @ Wg^T) * (n1 @ Wu^T)
             t = pid
             while t < I // BN_GU * MT:
@@ -168,15 +171,8 @@ def _layer_kernel(h_ptr, attn_ptr, wo_ptr, g1_ptr, wgu_ptr, wd_ptr, g2_ptr, wqkv
                          act.to(act_ptr.dtype.element_ty), mask=mrow)
                 t += P
         if phase == 2:  # h2 = h1 + act @ Wd^T
-            t = pid
-            while t < HD // BN_D * MT:
-                offs_m = (t % MT) * BM + tl.arange(0, BM)
-                mrow = offs_m[:, None] < M
-                n = (t // MT) * BN_D + tl.arange(0, BN_D // 2)
-                acc1, acc2, _ = _tile_halves(act_ptr, I, offs_m, M, wd_ptr, n, n + BN_D // 2,
-                                             g1_ptr, I, BM, BN_D // 2, BK, DOT_PREC, False)
-                _residual_store(h1_ptr, out_ptr, offs_m, mrow, n, BN_D // 2, HD, acc1, acc2)
-                t += P
+            _residual_phase(pid, P, act_ptr, wd_ptr, g1_ptr, h1_ptr, out_ptr, M, MT, I, HD,
+                            BM, BN_D, BK, DOT_PREC)
         if phase == 3 and ROPE:  # qkv_rope_cache's tiles on n2 = rmsnorm(h2) * g2
             t = pid
             while t < MT * NH * QKV_SPLITS:
