@@ -10,7 +10,7 @@ CUDA graph, us per layer), as the model runs it by default and with the fused de
 * ``chain``: ``DecoderLayer.decode_chain`` without attention: ``splitk_residual`` (o),
   ``gate_up_silu`` with the norm, ``splitk_residual`` (down), ``qkv_rope_cache`` with the norm;
 * ``chain_pdl``: the chain with programmatic dependent launch and its weight prefetch;
-* ``persistent``: the probe ``bench/persistent_layer_probe.py`` (o_proj, gate/up + SiLU,
+* ``persistent``: the probe ``pagedkv/kernels/persistent_layer.py`` (o_proj, gate/up + SiLU,
   down_proj and the next QKV projection with both norms in one launch of one program an SM,
   grid barriers between them), then ``qk_norm_rope_cache`` as in ``default``;
 * ``persistent_pf``: the same with every weight tile of the launch asked of the L2 at its start;
@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench_attention_gpu import time_graph  # noqa: E402
-from persistent_layer_probe import barrier_probe, layer_probe  # noqa: E402
+from pagedkv.kernels.persistent_layer import barrier_probe, persistent_layer  # noqa: E402
 from pagedkv.kernels import gate_up_silu as gu  # noqa: E402
 from pagedkv.kernels import pdl  # noqa: E402
 from pagedkv.kernels.qk_norm_rope_cache import qk_norm_rope_cache  # noqa: E402
@@ -138,7 +138,7 @@ def main() -> int:
                                 value_cache=kv[1],
                                 q_out=torch.empty(m, H, D, device=dev, dtype=bf),
                                 splits=max(1, min(4, num_programs // (-(-m // 64) * nh))))
-                h, qkv, _, _ = layer_probe(h, attn_out, o.weight, ln.weight,
+                h, qkv, _, _ = persistent_layer(h, attn_out, o.weight, ln.weight,
                                            mlp.gate_up_proj.weight, mlp.down_proj.weight,
                                            nln.weight, proj.weight, ln.eps, prefetch=prefetch,
                                            bar=bar, num_programs=num_programs, rope=rope)

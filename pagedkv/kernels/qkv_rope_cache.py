@@ -193,7 +193,7 @@ def qkv_rope_tile(
     """Program ``(mt, h, s)`` of the launch below: row tile ``mt``, head ``h``, inner split
     ``s`` (its product, then the epilogue, or its partials and, last to arrive, the sum and
     the epilogue). Also called by the persistent decode-layer probe
-    (``bench/persistent_layer_probe.py``), which deals these tiles to resident programs."""
+    (``pagedkv.kernels.persistent_layer``), which deals these tiles to resident programs."""
     HALF: tl.constexpr = HEAD_DIM // 2
     NH: tl.constexpr = NUM_HEADS + 2 * NUM_KV_HEADS
     N: tl.constexpr = NH * HEAD_DIM

@@ -1,40 +1,43 @@
-"""Probe: a decode layer's four projections in one persistent kernel with grid barriers.
+"""A decode layer between two attention calls in one persistent launch with grid barriers.
 
 Why (BENCHMARKS.md, nineteenth / twenty-sixth sessions): W1's decode step pays ~1.16 ms of
 fixed cost, most of it ~10 small launches a layer (cuBLAS GEMMs at ~5 us for 1-3 us of weight
 bytes, norms, SiLU, graph gaps: a no-op graph node alone costs ~1.1 us). A layer without its
-attention takes 27.4-38.4 us at 1-256 rows against 7.4 us of weight bytes at 4.27 TB/s. The
-question this probe answers before anything is built into the model: how fast is the same
-work as **one** launch whose programs stay resident and wait for each other between the
-projections (a grid barrier: an atomic counter in global memory), so that no launch, no graph
-node and no tail of one kernel sits between two projections; and does asking the L2 for every
-weight tile of the launch at its start (``PREFETCH``) hide the weights' first-byte latency.
+attention takes 27.4-38.4 us at 1-256 rows against 7.4 us of weight bytes at 4.27 TB/s. Here
+the same work is **one** launch whose programs stay resident and wait for each other between
+the projections (a grid barrier: an atomic counter in global memory), so that no launch, no
+graph node and no tail of one kernel sits between two projections; and every weight tile of
+the launch is asked of the L2 at its start (``PREFETCH_WEIGHTS``), so the weight stream does
+not wait for the barriers. Opt-in (``DecoderForCausalLM.fuse_persistent_decode``) until
+measured on the GPU (``bench/bench_decode_layer_gpu.py`` variants ``persistent*``).
 
-The layer between two attention calls (Qwen3 order; ``attn`` is the attention output):
+The layer between two attention calls (Qwen3 order; ``attn`` is layer i's attention output):
 
 * phase 0: ``h1 = h + attn @ Wo^T``                                  (o_proj, residual)
 * phase 1: ``act = silu(n1 @ Wg^T) * (n1 @ Wu^T)``, ``n1 = rmsnorm(h1) * g1`` (gate/up, SiLU)
 * phase 2: ``h2 = h1 + act @ Wd^T``                                   (down_proj, residual)
-* phase 3: ``qkv = (rmsnorm(h2) * g2) @ Wqkv^T``                      (next layer's QKV)
+* phase 3: ``qkv = (rmsnorm(h2) * g2) @ Wqkv^T`` (layer i+1's QKV), or with ``rope`` the
+  fused projection's tiles (``qkv_rope_cache.qkv_rope_tile``: bias, q/k norms, RoPE, q out,
+  K / V written into layer i+1's pages)
 
-Each phase deals its output column tiles round robin over the programs; a tile's program walks
-the whole inner dimension for every row (``BLOCK_M`` >= the row count), so a norm's row
-statistics accumulate on the fly from the tiles it loads (``rmsnorm(x) * g @ W^T`` =
+Each phase deals its work items (a row tile and a column tile) round robin over the programs;
+an item's program walks the whole inner dimension (``paired_splitk.paired_dot``), so a norm's
+row statistics accumulate on the fly from the tiles it loads (``rmsnorm(x) * g @ W^T`` =
 ``rsqrt(mean(x^2) + eps) * ((x * g) @ W^T)``: the row scale leaves the product). ``h1``,
-``act`` and ``h2`` go through global memory (bf16, as the model rounds them); a barrier separates
-the phases. Rows past ``M`` are masked.
+``act`` and ``h2`` go through global memory (rounded to the model dtype, as the model rounds
+them); a barrier separates the phases. Rows past ``M`` are masked. No biases on o / gate-up /
+down (the families with MLP or o biases take the other paths).
 
-Grid barrier: every program adds one to ``bar[0]`` (release, GPU scope, after a CTA barrier)
-and spins until it reads ``P * k`` at the k-th barrier (acquire); the last program out adds
-to ``bar[1]`` and resets both, so the next launch starts from zero. All ``P`` programs must be
-resident at once: the launch uses one program an SM. The interpreter runs programs one after
-another, so a barrier there only passes with one program: the CPU test runs one program
-through all phases, and several programs one phase a launch (``phases=(k, k)``, no barrier).
+Grid barrier (:func:`grid_sync`): every program adds one to ``bar[0]`` (release, GPU scope,
+after a CTA barrier) and spins until it reads ``P * k`` at the k-th barrier (acquire); the
+last program out adds to ``bar[1]`` and resets both, so the next launch starts from zero. All
+``P`` programs must be resident at once: the launch uses one program an SM (the kernel fits
+at least two). The interpreter runs programs one after another, so a barrier there only
+passes with one program: CPU runs use one program through all phases, or several programs one
+phase a launch (``phases=(k, k)``, no barrier).
 
-``layer_probe_ref`` is the torch twin (float32 products of the same bf16-rounded operands).
-This is a probe for ``bench/bench_decode_layer_gpu.py`` (variants ``persistent`` and
-``persistent_pf``), not an engine path: no biases, no q/k norms, RoPE or KV write (the bench
-runs ``qk_norm_rope_cache`` after it, as the default path does).
+:func:`persistent_layer_ref` is the torch twin (float32 products of the same rounded operands;
+the fused QKV phase's twin is ``qkv_rope_cache_ref`` on its ``h2``).
 """
 
 from __future__ import annotations
@@ -44,13 +47,24 @@ import triton
 import triton.language as tl
 
 from pagedkv.kernels.paired_splitk import normed_product, paired_dot, rms_scale
+from triton.runtime.interpreter import InterpretedFunction
+
+from pagedkv.errors import ConfigError
+from pagedkv.kernels._common import check_tensor
+from pagedkv.kernels.fp8_kv import is_fp8_kv
 from pagedkv.kernels.paired_splitk import chunk_and_splits, counters
 from pagedkv.kernels.pdl import prefetch_lines, prefetch_weights_l2
+from pagedkv.kernels.qk_norm_rope_cache import check_targets
 from pagedkv.kernels.qkv_rope_cache import qkv_rope_tile
+from pagedkv.kernels.splitk_gemm import GEMM_DTYPES
+
+# every weight tile of a launch asked of the L2 at its start (CUDA only; the interpreter has
+# no inline PTX)
+PREFETCH_WEIGHTS = True
 
 
 @triton.jit
-def _grid_sync(bar_ptr, target):
+def grid_sync(bar_ptr, target):
     """Wait until ``target`` arrivals have been counted at ``bar_ptr`` (this one included)."""
     tl.debug_barrier()
     tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
@@ -110,7 +124,7 @@ def _prefetch_phase(w_ptr, n_tiles, MT, pid, P, K, w2_off, BN: tl.constexpr,
 
 
 @triton.jit
-def _layer_kernel(h_ptr, attn_ptr, wo_ptr, g1_ptr, wgu_ptr, wd_ptr, g2_ptr, wqkv_ptr,
+def _layer_kernel(h_ptr, attn_ptr, wo_ptr, g1_ptr, wgu_ptr, wd_ptr, g2_ptr, wqkv_ptr, bq_ptr,
                   h1_ptr, act_ptr, out_ptr, qkv_ptr, bar_ptr, M, MT, eps, P,
                   HD: tl.constexpr, HO: tl.constexpr, I: tl.constexpr, NQKV: tl.constexpr,
                   BM: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr,
@@ -125,7 +139,8 @@ def _layer_kernel(h_ptr, attn_ptr, wo_ptr, g1_ptr, wgu_ptr, wd_ptr, g2_ptr, wqkv
                   kc_ptr, kc_s0, kc_s1, kc_s2, vc_ptr, vc_s0, vc_s1, vc_s2,
                   part_ptr, ss_ptr, cnt_ptr, qk_eps,
                   ROPE: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, QKV_SPLITS: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, HAS_QKV_BIAS: tl.constexpr,
+                  QKV_SPLITS: tl.constexpr,
                   QKV_CHUNK: tl.constexpr, LINES_CHUNK: tl.constexpr):
     pid = tl.program_id(0)
     NH: tl.constexpr = NUM_HEADS + 2 * NUM_KV_HEADS
@@ -152,7 +167,7 @@ def _layer_kernel(h_ptr, attn_ptr, wo_ptr, g1_ptr, wgu_ptr, wd_ptr, g2_ptr, wqkv
                                     LINES_HD, EPL, False)
     for phase in tl.static_range(PHASE_LO, PHASE_HI + 1):
         if phase > PHASE_LO:
-            _grid_sync(bar_ptr, P * (phase - PHASE_LO))
+            grid_sync(bar_ptr, P * (phase - PHASE_LO))
         if phase == 0:  # h1 = h + attn @ Wo^T
             _residual_phase(pid, P, attn_ptr, wo_ptr, g1_ptr, h_ptr, h1_ptr, M, MT, HO, HD,
                             BM, BN_O, BK, DOT_PREC)
@@ -177,12 +192,12 @@ def _layer_kernel(h_ptr, attn_ptr, wo_ptr, g1_ptr, wgu_ptr, wd_ptr, g2_ptr, wqkv
             t = pid
             while t < MT * NH * QKV_SPLITS:
                 qkv_rope_tile(t % MT, (t // MT) % NH, t // (MT * NH), out_ptr, HD, wqkv_ptr, HD,
-                              wqkv_ptr, g2_ptr, eps, q_ptr, q_s0, q_s1,
+                              bq_ptr, g2_ptr, eps, q_ptr, q_s0, q_s1,
                               cos_ptr, cos_s0, cos_s1, sin_ptr, sin_s0, sin_s1, qw_ptr, kw_ptr,
                               slot_ptr, num_slot_rows, num_slots, block_size,
                               kc_ptr, kc_s0, kc_s1, kc_s2, vc_ptr, vc_s0, vc_s1, vc_s2,
                               part_ptr, ss_ptr, cnt_ptr, M, qk_eps, HD, QKV_CHUNK,
-                              NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HAS_NORM, False, True,
+                              NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HAS_NORM, HAS_QKV_BIAS, True,
                               BM, BK, QKV_SPLITS, DOT_PREC, 1.0, 1.0, False)
                 t += P
         if phase == 3 and not ROPE:  # qkv = n2 @ Wqkv^T
@@ -214,7 +229,7 @@ def _barrier_kernel(bar_ptr, count_ptr, n, P):
     k = 0
     while k < n:
         k += 1
-        _grid_sync(bar_ptr, P * k)
+        grid_sync(bar_ptr, P * k)
         if pid == 0:
             tl.store(count_ptr, k)
     tl.debug_barrier()
@@ -230,17 +245,18 @@ def barrier_probe(n: int, bar: torch.Tensor, count: torch.Tensor, num_programs: 
     _barrier_kernel[(num_programs,)](bar, count, n, num_programs, num_warps=4)
 
 
-def probe_tiles(m: int, num_programs: int = 132, hd: int = 1024, inter: int = 3072,
+def layer_tiles(m: int, num_programs: int = 132, hd: int = 1024, inter: int = 3072,
                 nqkv: int = 4096) -> dict:
     """Launch parameters for ``m`` rows on ``num_programs`` programs: row tiles of the next
     power of two >= 16 (the product's minimum), at most 64 (larger batches take several row
     tiles: a column tile's program reads its rows' whole inner dimension, so one row tile of
     256 would read all of ``act`` once per column tile); each phase's column tile (gate/up
-    16-64 columns, the others 32-256 as two halves) the one whose busiest program loads the
-    fewest operand bytes: ``ceil(items / programs)`` work items of ``BM`` rows and ``BN``
-    weight rows (twice for gate/up) over the inner
-    dimension (the A rows come from the L2 once per column tile: wide tiles read them fewer
-    times, narrow tiles spread the weights over more programs); 64-deep inner steps."""
+    16-64 columns, the others 32-256 as two halves; a divisor of the phase's width) the one
+    whose busiest program loads the fewest operand bytes: ``ceil(items / programs)`` work
+    items of ``BM`` rows and ``BN`` weight rows (twice for gate/up) over the inner dimension
+    (the A rows come from the L2 once per column tile: wide tiles read them fewer times,
+    narrow tiles spread the weights over more programs); 64-deep inner steps. Raises
+    ``ConfigError`` for a width no tile divides."""
     bm = min(64, max(16, triton.next_power_of_2(m)))
     mt = -(-m // bm)
 
@@ -249,86 +265,144 @@ def probe_tiles(m: int, num_programs: int = 132, hd: int = 1024, inter: int = 30
         # (the product's 16-row minimum each)
         def load(b):
             return -(-mt * (n // b) // num_programs) * (bm + (2 * b if gated else b))
-        cands = (16, 32, 64, 128) if gated else (32, 64, 128, 256)
-        return min((b for b in cands if b <= cap and n % b == 0), key=load)
+        cands = [b for b in ((16, 32, 64, 128) if gated else (32, 64, 128, 256))
+                 if b <= cap and n % b == 0]
+        if not cands:
+            raise ConfigError(f"persistent_layer: no column tile divides width {n}")
+        return min(cands, key=load)
 
     return dict(BM=bm, BN_O=bn(hd), BN_GU=bn(inter, True, 64), BN_D=bn(hd), BN_QKV=bn(nqkv),
                 BK=64, num_warps=4)
 
 
-def layer_probe(h, attn, wo, g1, wgu, wd, g2, wqkv, eps, *, num_programs=None,
-                phases=(0, 3), prefetch=False, bar=None, scratch=None, num_stages=3, tiles=None,
-                rope=None):
+def shapes_served(hd: int, inter: int, head_dim: int | None = None) -> bool:
+    """Whether the kernel serves a layer of hidden size ``hd`` and MLP width ``inter`` (every
+    phase has a column tile that divides its width), and with ``head_dim`` the fused QKV
+    phase (``qkv_rope_cache.fused_applies``)."""
+    from pagedkv.kernels.qkv_rope_cache import fused_applies
+
+    ok = hd % 32 == 0 and inter % 16 == 0
+    return ok and (head_dim is None or fused_applies(head_dim))
+
+
+def persistent_layer(h, attn, wo, g1, wgu, wd, g2, wqkv, eps, *, qkv_bias=None, rope=None,
+                     phases=(0, 3), prefetch=None, num_programs=None, scratch=None, bar=None,
+                     tiles=None, num_stages=3, check=True):
     """Run phases ``phases[0]..phases[1]`` of the layer (see the module doc) in one launch of
-    ``num_programs`` programs (default: one an SM). Returns ``(h2, qkv, h1, act)``; phases not
-    run leave their outputs as passed in ``scratch`` (a dict of those four, allocated here
-    when absent). ``bar``: an int32[2] zero tensor (allocated when absent).
+    ``num_programs`` programs (default: one an SM on CUDA; 1 under the interpreter, which runs
+    programs one after another, so that only a lone program passes a barrier). Returns
+    ``(h2, qkv, h1, act)``; outputs of phases not run are left as passed in ``scratch`` (a
+    dict of those four; allocated here when absent).
 
     ``rope``: phase 3 as ``qkv_rope_cache`` with the input norm (its tiles ``qkv_rope_tile``:
-    a head's product halves, the q/k norms, RoPE, q into ``q_out``, K / V into the paged
-    caches), a dict of that function's arguments ``num_heads``, ``num_kv_heads``,
-    ``head_dim``, ``q_norm_weight``, ``k_norm_weight``, ``eps``, ``cos``, ``sin``,
-    ``slot_mapping``, ``key_cache``, ``value_cache``, ``q_out`` and ``splits`` (inner
-    splits: the last of a head's splits to arrive sums them and runs the epilogue); the
-    second output is then ``q_out``."""
+    a head's product halves, ``qkv_bias``, the q/k norms, RoPE, q into ``q_out``, K / V into
+    the paged caches at the slots), a dict of that function's arguments ``num_heads``,
+    ``num_kv_heads``, ``head_dim``, ``q_norm_weight``, ``k_norm_weight``, ``eps``, ``cos``,
+    ``sin``, ``slot_mapping``, ``key_cache``, ``value_cache``, ``q_out`` and ``splits``
+    (inner splits: the last of a head's splits to arrive sums them and runs the epilogue); the
+    second output is then ``q_out``. ``prefetch``: ask the L2 for every weight tile of the
+    launch at its start (default ``PREFETCH_WEIGHTS`` on CUDA, never under the interpreter).
+    ``bar``: int32 counters, zero between launches: the grid barrier's two, then (``rope``
+    with several splits) one a row tile and head (default: the stream's arrival counters,
+    ``paired_splitk.counters``). No host syncs: CUDA-graph safe."""
+    fn = "persistent_layer"
     m, hd = h.shape
-    ho = attn.shape[-1]
+    attn = attn.reshape(m, -1)
+    ho = attn.shape[1]
     inter = wd.shape[1]
     nqkv = wqkv.shape[0]
-    attn = attn.reshape(m, ho)
-    for t in (h, attn, wo, g1, wgu, wd, g2, wqkv):
-        assert t.is_contiguous()
-    assert wo.shape == (hd, ho) and wgu.shape == (2 * inter, hd) and wqkv.shape[1] == hd
+    if check:
+        for name, t in (("h", h), ("attn", attn), ("wo", wo), ("g1", g1), ("wgu", wgu),
+                        ("wd", wd), ("g2", g2), ("wqkv", wqkv)):
+            check_tensor(fn, name, t, dtypes=GEMM_DTYPES if name == "h" else (h.dtype,),
+                         ndim=1 if name in ("g1", "g2") else 2, contiguous_last=True)
+            if not t.is_contiguous():
+                raise ConfigError(f"{fn}: {name} must be contiguous")
+            if t.device != h.device:
+                raise ConfigError(f"{fn}: {name} is on {t.device}, h on {h.device}")
+        want = {"wo": (hd, ho), "g1": (hd,), "wgu": (2 * inter, hd), "wd": (hd, inter),
+                "g2": (hd,), "wqkv": (nqkv, hd)}
+        for name, t in (("wo", wo), ("g1", g1), ("wgu", wgu), ("wd", wd), ("g2", g2),
+                        ("wqkv", wqkv)):
+            if tuple(t.shape) != want[name]:
+                raise ConfigError(f"{fn}: {name} must have shape {want[name]} for h "
+                                  f"{tuple(h.shape)} and attn {tuple(attn.shape)}, got "
+                                  f"{tuple(t.shape)}")
+        if not (isinstance(phases, tuple) and len(phases) == 2 and 0 <= phases[0] <= phases[1] <= 3):
+            raise ConfigError(f"{fn}: phases must be (lo, hi) with 0 <= lo <= hi <= 3, got {phases!r}")
+        if qkv_bias is not None and rope is None:
+            raise ConfigError(f"{fn}: qkv_bias needs the fused QKV phase (rope=...)")
+    interpreted = isinstance(_layer_kernel, InterpretedFunction)
     if num_programs is None:
-        num_programs = torch.cuda.get_device_properties(h.device).multi_processor_count
-    cfg = dict(probe_tiles(m, num_programs, hd, inter, nqkv), **(tiles or {}))
-    for n, bn in ((hd, cfg["BN_O"]), (inter, cfg["BN_GU"]), (hd, cfg["BN_D"]), (nqkv, cfg["BN_QKV"])):
-        assert n % bn == 0
-    for k in (hd, ho, inter):
-        assert k % cfg["BK"] == 0
+        num_programs = (1 if interpreted or h.device.type != "cuda" else
+                        torch.cuda.get_device_properties(h.device).multi_processor_count)
+    if interpreted and num_programs > 1 and phases[1] > phases[0]:
+        raise ConfigError(f"{fn}: the interpreter runs programs one after another: a launch "
+                          "with a barrier (several phases) needs num_programs=1")
+    if prefetch is None:
+        prefetch = PREFETCH_WEIGHTS
+    prefetch = bool(prefetch) and not interpreted
+    cfg = dict(layer_tiles(m, num_programs, hd, inter, nqkv if rope is None else hd), **(tiles or {}))
     if scratch is None:
         scratch = {}
-    for name, cols in (("h2", hd), ("qkv", nqkv), ("h1", hd), ("act", inter)):
+    for name, cols in (("h2", hd), ("qkv", nqkv if rope is None else 0), ("h1", hd),
+                       ("act", inter)):
         if name not in scratch:
             scratch[name] = torch.empty(m, cols, device=h.device, dtype=h.dtype)
-    if bar is None:
-        bar = torch.zeros(2, device=h.device, dtype=torch.int32)
     lo, hi = phases
-    assert 0 <= lo <= hi <= 3
     epl = 128 // h.element_size()
     lines = {k: prefetch_lines(k, h.element_size())[0] for k in (hd, ho, inter)}
     num_warps = cfg.pop("num_warps")
     mt = -(-m // cfg["BM"])
     if rope is None:
+        cnt = counters(h.device, 2) if bar is None else bar
+        bar = cnt[:2]
         q = cache = h
         rope_args = (q, 0, 0, q, 0, 0, q, 0, 0, q, q, bar, 0, 0, 1,
                      cache, 0, 0, 0, cache, 0, 0, 0, q, q, bar, 0.0)
         rope_const = dict(ROPE=False, NUM_HEADS=1, NUM_KV_HEADS=0, HEAD_DIM=16, HAS_NORM=False,
-                          QKV_SPLITS=1, QKV_CHUNK=hd, LINES_CHUNK=1)
+                          HAS_QKV_BIAS=False, QKV_SPLITS=1, QKV_CHUNK=hd, LINES_CHUNK=1)
+        b_ptr = h
     else:
         r = rope
         heads, kv_heads, dim = r["num_heads"], r["num_kv_heads"], r["head_dim"]
-        assert nqkv == (heads + 2 * kv_heads) * dim
+        q = r["q_out"]
+        kc, vc = r["key_cache"], r["value_cache"]
+        if check:
+            check_targets(fn, "h", h, heads, kv_heads, dim, r["q_norm_weight"],
+                          r["k_norm_weight"], r["cos"], r["sin"], r["slot_mapping"], kc, vc, q)
+            if nqkv != (heads + 2 * kv_heads) * dim or not shapes_served(hd, inter, dim):
+                raise ConfigError(f"{fn}: wqkv {tuple(wqkv.shape)} is not (heads + 2 kv_heads) "
+                                  f"x head_dim rows, or head_dim {dim} is not served")
+            if is_fp8_kv(kc.dtype):
+                raise ConfigError(f"{fn}: FP8 caches are not served (use qkv_rope_cache)")
+            if qkv_bias is not None and (qkv_bias.shape != (nqkv,) or qkv_bias.dtype != h.dtype):
+                raise ConfigError(f"{fn}: qkv_bias must be [{nqkv}] of {h.dtype}")
         chunk, splits = chunk_and_splits(hd, r.get("splits", 1), cfg["BK"])
         nh = heads + 2 * kv_heads
-        q = r["q_out"]
         part = torch.empty((splits, m, nqkv), dtype=torch.float32, device=h.device)
         ss = torch.empty((splits, m), dtype=torch.float32, device=h.device)
-        cnt = counters(h.device, mt * nh)
-        kc, vc = r["key_cache"], r["value_cache"]
+        cnt = counters(h.device, 2 + mt * nh) if bar is None else bar
+        if check and cnt.numel() < 2 + mt * nh:
+            raise ConfigError(f"{fn}: bar needs {2 + mt * nh} counters, got {cnt.numel()}")
+        bar = cnt[:2]
         has_norm = r["q_norm_weight"] is not None
         qw, kw = (r["q_norm_weight"], r["k_norm_weight"]) if has_norm else (h, h)
         rope_args = (q, q.stride(0), q.stride(1), r["cos"], *r["cos"].stride(), r["sin"],
                      *r["sin"].stride(), qw, kw, r["slot_mapping"], r["slot_mapping"].shape[0],
                      kc.shape[0] * kc.shape[1], kc.shape[1], kc, *kc.stride()[:3],
-                     vc, *vc.stride()[:3], part, ss, cnt, float(r["eps"]))
+                     vc, *vc.stride()[:3], part, ss, cnt[2:], float(r["eps"]))
         rope_const = dict(ROPE=True, NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=dim,
-                          HAS_NORM=has_norm, QKV_SPLITS=splits, QKV_CHUNK=chunk,
+                          HAS_NORM=has_norm, HAS_QKV_BIAS=qkv_bias is not None,
+                          QKV_SPLITS=splits, QKV_CHUNK=chunk,
                           LINES_CHUNK=prefetch_lines(chunk, h.element_size())[0])
+        b_ptr = h if qkv_bias is None else qkv_bias
+    if m == 0:
+        return scratch["h2"], (scratch["qkv"] if rope is None else q), scratch["h1"], scratch["act"]
     _layer_kernel[(num_programs,)](
-        h, attn, wo, g1, wgu, wd, g2, wqkv, scratch["h1"], scratch["act"], scratch["h2"],
+        h, attn, wo, g1, wgu, wd, g2, wqkv, b_ptr, scratch["h1"], scratch["act"], scratch["h2"],
         scratch["qkv"], bar, m, mt, float(eps), num_programs, HD=hd, HO=ho, I=inter,
-        NQKV=nqkv, **cfg, PHASE_LO=lo, PHASE_HI=hi, PREFETCH=bool(prefetch),
+        NQKV=nqkv, **cfg, PHASE_LO=lo, PHASE_HI=hi, PREFETCH=prefetch,
         LINES_HD=lines[hd], LINES_HO=lines[ho], LINES_I=lines[inter], EPL=epl,
         DOT_PREC="ieee" if h.dtype == torch.float32 else "tf32", num_warps=num_warps,
         num_stages=num_stages, **dict(zip(_ROPE_ARGS, rope_args)), **rope_const)
@@ -341,7 +415,7 @@ _ROPE_ARGS = ("q_ptr", "q_s0", "q_s1", "cos_ptr", "cos_s0", "cos_s1", "sin_ptr",
               "vc_s2", "part_ptr", "ss_ptr", "cnt_ptr", "qk_eps")
 
 
-def layer_probe_ref(h, attn, wo, g1, wgu, wd, g2, wqkv, eps):
+def persistent_layer_ref(h, attn, wo, g1, wgu, wd, g2, wqkv, eps):
     """Torch twin: float32 products (``normed_product``, the fused kernels' normed operand),
     ``h1`` / ``act`` / ``h2`` / ``qkv`` rounded to ``h``'s dtype where the kernel stores them.
     Returns ``(h2, qkv, h1, act)``."""

@@ -1,20 +1,14 @@
-"""The persistent decode-layer probe (``bench/persistent_layer_probe.py``: o_proj, gate/up +
-SiLU, down_proj and the next QKV projection in one launch, grid barriers between them) against
-its torch twin: interpreted on the CPU (one program through every phase, so the barriers and
+"""The persistent decode layer (``pagedkv.kernels.persistent_layer``: o_proj, gate/up + SiLU,
+down_proj and the next QKV projection, plain or with q/k norms + RoPE + the K/V write, in one
+launch, grid barriers between them) against its torch twin: interpreted on the CPU (one program through every phase, so the barriers and
 the barrier reset run; several programs one phase a launch), natively on the GPU at the
 Qwen3-0.6B shape with one program an SM, the L2 prefetch on and off, and in CUDA-graph
 replays. Scratch outputs start as NaN, so a tile no program writes shows."""
 
-import os
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "bench"))
-
-from persistent_layer_probe import layer_probe, layer_probe_ref  # noqa: E402
+from pagedkv.kernels.persistent_layer import persistent_layer, persistent_layer_ref
 
 
 def _inputs(m, hd, ho, inter, nqkv, dtype, device, seed):
@@ -47,21 +41,21 @@ def _check(got, want, tol):
 
 @pytest.mark.parametrize("m", [1, 5, 16, 40])
 @pytest.mark.parametrize("one_launch", [True, False])
-def test_layer_probe_matches_twin_interpreted(kernel_device, m, one_launch):
+def test_persistent_layer_matches_twin_interpreted(kernel_device, m, one_launch):
     if kernel_device != "cpu":
-        pytest.skip("interpreter shapes; the GPU case is test_layer_probe_gpu")
+        pytest.skip("interpreter shapes; the GPU case is test_persistent_layer_gpu")
     dt = torch.float16  # bf16 arithmetic is broken in the interpreter
     x = _inputs(m, **SMALL, dtype=dt, device="cpu", seed=m)
     scratch = _nan_scratch(m, SMALL["hd"], SMALL["nqkv"], SMALL["inter"], dt, "cpu")
     bar = torch.tensor([0, 0], dtype=torch.int32)
     if one_launch:  # one program: every barrier passes on its own arrival
-        got = layer_probe(**x, num_programs=1, scratch=scratch, bar=bar, tiles=SMALL_TILES)
+        got = persistent_layer(**x, num_programs=1, scratch=scratch, bar=bar, tiles=SMALL_TILES)
     else:  # three programs, one phase a launch (the interpreter cannot run a barrier of 3)
         for k in range(4):
-            got = layer_probe(**x, num_programs=3, phases=(k, k), scratch=scratch, bar=bar,
+            got = persistent_layer(**x, num_programs=3, phases=(k, k), scratch=scratch, bar=bar,
                               tiles=SMALL_TILES)
     assert bar.tolist() == [0, 0], "the last program out resets the barrier"
-    _check(got, layer_probe_ref(**x), 2e-2)
+    _check(got, persistent_layer_ref(**x), 2e-2)
 
 
 def _rope_case(m, heads, kv_heads, dim, nb, bs, dtype, device, seed, splits):
@@ -86,10 +80,10 @@ def _rope_case(m, heads, kv_heads, dim, nb, bs, dtype, device, seed, splits):
 
 
 def _rope_want(x, rope):
-    """The twin: ``layer_probe_ref``'s h2, then ``qkv_rope_cache_ref`` with the input norm."""
+    """The twin: ``persistent_layer_ref``'s h2, then ``qkv_rope_cache_ref`` with the input norm."""
     from pagedkv.kernels.qkv_rope_cache import qkv_rope_cache_ref
 
-    h2, _, h1, act = layer_probe_ref(**x)
+    h2, _, h1, act = persistent_layer_ref(**x)
     r = {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in rope.items()}
     kc = torch.full_like(r["key_cache"], float("nan"))
     vc = torch.full_like(r["value_cache"], float("nan"))
@@ -111,29 +105,59 @@ def _check_rope(got, rope, want, tol):
 
 @pytest.mark.parametrize("m,splits", [(1, 1), (5, 2), (40, 2)])
 @pytest.mark.parametrize("one_launch", [True, False])
-def test_layer_probe_rope_matches_twin_interpreted(kernel_device, m, splits, one_launch):
+def test_persistent_layer_rope_matches_twin_interpreted(kernel_device, m, splits, one_launch):
     """Phase 3 as qkv_rope_cache's tiles: q out, K / V in the pages of mapped rows only."""
     if kernel_device != "cpu":
-        pytest.skip("interpreter shapes; the GPU case is test_layer_probe_rope_gpu")
+        pytest.skip("interpreter shapes; the GPU case is test_persistent_layer_rope_gpu")
     dt = torch.float16
     shape = dict(hd=64, ho=64, inter=128, nqkv=(2 + 2 * 1) * 32)
     x = _inputs(m, **shape, dtype=dt, device="cpu", seed=m + 7)
     rope = _rope_case(m, 2, 1, 32, 16, 4, dt, "cpu", m, splits)
     want = _rope_want(x, rope)
     scratch = _nan_scratch(m, shape["hd"], shape["nqkv"], shape["inter"], dt, "cpu")
-    bar = torch.tensor([0, 0], dtype=torch.int32)
+    bar = torch.zeros(2 + 4 * 3 * 4, dtype=torch.int32)  # barrier, then heads x row tiles
     if one_launch:
-        got = layer_probe(**x, num_programs=1, scratch=scratch, bar=bar, tiles=SMALL_TILES,
+        got = persistent_layer(**x, num_programs=1, scratch=scratch, bar=bar, tiles=SMALL_TILES,
                           rope=rope)
     else:
         for k in range(4):
-            got = layer_probe(**x, num_programs=3, phases=(k, k), scratch=scratch, bar=bar,
+            got = persistent_layer(**x, num_programs=3, phases=(k, k), scratch=scratch, bar=bar,
                               tiles=SMALL_TILES, rope=rope)
     assert got[1] is rope["q_out"]
+    assert not bar.any(), "the barrier and the split counters are back at zero"
     _check_rope(got, rope, want, 2e-2)
 
 
-def test_layer_probe_twin_by_hand():
+def test_persistent_layer_errors():
+    """Typed errors for shapes, phases, a bias without the fused QKV phase, too few counters,
+    and a barrier launch of several interpreted programs (it would spin forever)."""
+    from pagedkv.errors import ConfigError
+
+    x = _inputs(4, **SMALL, dtype=torch.float32, device="cpu", seed=0)
+    bad = dict(x, wo=x["wo"][:, :32].contiguous())
+    with pytest.raises(ConfigError, match="wo must have shape"):
+        persistent_layer(**bad, tiles=SMALL_TILES)
+    with pytest.raises(ConfigError, match="contiguous"):
+        persistent_layer(**dict(x, wd=x["wd"].T.contiguous().T), tiles=SMALL_TILES)
+    with pytest.raises(ConfigError, match="phases"):
+        persistent_layer(**x, phases=(2, 1), tiles=SMALL_TILES)
+    with pytest.raises(ConfigError, match="qkv_bias"):
+        persistent_layer(**x, qkv_bias=torch.zeros(SMALL["nqkv"]), tiles=SMALL_TILES)
+    import os
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        with pytest.raises(ConfigError, match="num_programs=1"):
+            persistent_layer(**x, num_programs=2, tiles=SMALL_TILES)
+    rope = _rope_case(4, 2, 1, 32, 16, 4, torch.float32, "cpu", 0, 2)
+    xr = _inputs(4, hd=64, ho=64, inter=128, nqkv=128, dtype=torch.float32, device="cpu", seed=0)
+    with pytest.raises(ConfigError, match="counters"):
+        persistent_layer(**xr, rope=rope, bar=torch.zeros(2, dtype=torch.int32),
+                         tiles=SMALL_TILES)
+    with pytest.raises(ConfigError, match="no column tile"):
+        from pagedkv.kernels.persistent_layer import layer_tiles
+        layer_tiles(4, 132, 48, 128, 96)
+
+
+def test_persistent_layer_twin_by_hand():
     """The twin at one row, one column a projection, worked by hand: h 1 x 2."""
     f = torch.float32
     h = torch.tensor([[1.0, -1.0]], dtype=f)
@@ -145,7 +169,7 @@ def test_layer_probe_twin_by_hand():
     wd = torch.tensor([[1.0], [-1.0]], dtype=f)         # down: 2 x 1
     g2 = torch.tensor([1.0, 1.0], dtype=f)
     wqkv = torch.tensor([[1.0, 1.0]], dtype=f)
-    h2, qkv, h1, act = layer_probe_ref(h, attn, wo, g1, wgu, wd, g2, wqkv, 0.0)
+    h2, qkv, h1, act = persistent_layer_ref(h, attn, wo, g1, wgu, wd, g2, wqkv, 0.0)
     assert h1.tolist() == [[3.0, 0.0]]
     r = 4.5 ** -0.5
     gate, up = 3.0 * r, 6.0 * r
@@ -160,7 +184,7 @@ def test_barrier_probe_interpreted(kernel_device):
     """One program passes its barriers alone and resets the counters."""
     if kernel_device != "cpu":
         pytest.skip("interpreter; the GPU case is test_barrier_probe_gpu")
-    from persistent_layer_probe import barrier_probe
+    from pagedkv.kernels.persistent_layer import barrier_probe
 
     bar, count = torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
     barrier_probe(5, bar, count, 1)
@@ -170,7 +194,7 @@ def test_barrier_probe_interpreted(kernel_device):
 @pytest.mark.gpu
 def test_barrier_probe_gpu():
     """One program an SM through 1,000 barriers, twice: nobody passes early, nobody hangs."""
-    from persistent_layer_probe import barrier_probe
+    from pagedkv.kernels.persistent_layer import barrier_probe
 
     bar = torch.zeros(2, dtype=torch.int32, device="cuda")
     count = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -181,27 +205,27 @@ def test_barrier_probe_gpu():
         assert count.item() == 1000 and bar.tolist() == [0, 0]
 
 
-def test_probe_tiles():
+def test_layer_tiles():
     """Row tiles of at most 64 (several for larger batches); each phase's column tile the
     one whose busiest program loads the fewest bytes, by hand at 132 programs."""
-    from persistent_layer_probe import probe_tiles
+    from pagedkv.kernels.persistent_layer import layer_tiles
 
-    t = probe_tiles(1)
+    t = layer_tiles(1)
     # o_proj (two halves of at least 16 rows): 32 -> 32 items, 1 each, 16 + 32 = 48; 64 -> 80
     # gate/up (two weight rows a column): 16 -> 192 items, 2 each x (16 + 32) = 96;
     # 32 -> 96 items x (16 + 64) = 80: 32 wins; 64 -> 48 items x 144
     assert (t["BM"], t["BN_O"], t["BN_GU"], t["BN_D"], t["BN_QKV"]) == (16, 32, 32, 32, 32)
-    t = probe_tiles(256)  # 4 row tiles of 64
+    t = layer_tiles(256)  # 4 row tiles of 64
     # o_proj: 16 -> 256 items, 2 each x 80 = 160; 32 -> 128 items x 96 = 96; 64 -> 64 x 128
     # QKV: 64 -> 256 items, 2 x 128 = 256; 128 -> 128 items x 192 = 192
     assert (t["BM"], t["BN_O"], t["BN_D"], t["BN_QKV"]) == (64, 32, 32, 128)
-    assert probe_tiles(33)["BM"] == 64 and probe_tiles(17)["BM"] == 32
+    assert layer_tiles(33)["BM"] == 64 and layer_tiles(17)["BM"] == 32
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 8, 33, 128, 256])
 @pytest.mark.parametrize("splits", [1, 4])
-def test_layer_probe_rope_gpu(m, splits):
+def test_persistent_layer_rope_gpu(m, splits):
     """The Qwen3-0.6B shape with phase 3 fused (q/k norms, RoPE, K / V write), the L2
     prefetch on, one program an SM."""
     dev, dt = "cuda", torch.bfloat16
@@ -210,7 +234,7 @@ def test_layer_probe_rope_gpu(m, splits):
     rope = _rope_case(m, 16, 8, 128, 64, 16, dt, dev, m, splits)
     want = _rope_want(x, rope)
     for _ in range(2):
-        got = layer_probe(**x, prefetch=True, rope=rope)
+        got = persistent_layer(**x, prefetch=True, rope=rope)
         torch.cuda.synchronize()
         _check_rope(got, rope, want, 3e-2)
 
@@ -218,16 +242,16 @@ def test_layer_probe_rope_gpu(m, splits):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 8, 33, 64, 128, 200, 256])
 @pytest.mark.parametrize("prefetch", [False, True])
-def test_layer_probe_gpu(m, prefetch):
+def test_persistent_layer_gpu(m, prefetch):
     dev = "cuda"
     dt = torch.bfloat16
     shape = dict(hd=1024, ho=2048, inter=3072, nqkv=4096)
     x = _inputs(m, **shape, dtype=dt, device=dev, seed=m)
-    want = layer_probe_ref(**x)
+    want = persistent_layer_ref(**x)
     bar = torch.zeros(2, dtype=torch.int32, device=dev)
     for _ in range(3):  # the barrier resets itself between launches
         scratch = _nan_scratch(m, shape["hd"], shape["nqkv"], shape["inter"], dt, dev)
-        got = layer_probe(**x, prefetch=prefetch, scratch=scratch, bar=bar)
+        got = persistent_layer(**x, prefetch=prefetch, scratch=scratch, bar=bar)
         torch.cuda.synchronize()
         assert bar.tolist() == [0, 0]
         _check(got, want, 3e-2)
@@ -237,12 +261,12 @@ def test_layer_probe_gpu(m, prefetch):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        layer_probe(**x, prefetch=prefetch, scratch=scratch, bar=bar)
+        persistent_layer(**x, prefetch=prefetch, scratch=scratch, bar=bar)
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     with torch.cuda.graph(graph):
         for _ in range(4):
-            layer_probe(**x, prefetch=prefetch, scratch=scratch, bar=bar)
+            persistent_layer(**x, prefetch=prefetch, scratch=scratch, bar=bar)
     for _ in range(10):
         for t in scratch.values():
             t.fill_(float("nan"))
