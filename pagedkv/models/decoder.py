@@ -57,6 +57,12 @@ FUSED_QKV_MAX_ROWS = 256
 # (``PAGEDKV_FUSED_DECODE=1``) until measured end to end on the H200.
 FUSED_DECODE_ENABLED = os.environ.get("PAGEDKV_FUSED_DECODE", "0") == "1"
 FUSED_DECODE_MAX_ROWS = 256
+# The persistent decode layer (``pagedkv.kernels.persistent_layer``: o_proj, the post-attention
+# norm, gate/up + SiLU, down_proj, the next layer's input norm and fused QKV + q/k norms + RoPE
+# + KV write in one launch with grid barriers; ``DecoderLayer.persistent_post``) for
+# decode-sized batches: opt-in (``PAGEDKV_PERSISTENT_DECODE=1``) until measured on the GPU.
+PERSISTENT_DECODE_ENABLED = os.environ.get("PAGEDKV_PERSISTENT_DECODE", "0") == "1"
+PERSISTENT_DECODE_MAX_ROWS = 256
 
 
 class Attention(nn.Module):
@@ -347,6 +353,34 @@ class DecoderLayer(nn.Module):
         return splitk_residual_op(act, down.weight, down.bias, hidden,
                                   splitk_splits(*down.weight.shape))
 
+    def persistent_post(self, hidden, attn_out, nxt=None, cos=None, sin=None, kv_cache=None,
+                        plan=None, check: bool = False):
+        """This layer after its attention (``attn_out``) in one persistent launch
+        (``fuse_persistent_decode``): o_proj + residual, the post-attention norm, gate/up +
+        SiLU, down_proj + residual and, with ``nxt`` (the next layer), its input norm and
+        fused QKV projection with q/k norms, RoPE and the K/V write into ``kv_cache`` at
+        ``plan``'s slots. Returns ``(hidden, q)`` (``q`` None without ``nxt``): ``hidden`` is
+        the residual stream with this layer's MLP output added."""
+        from pagedkv.kernels.persistent_layer import persistent_layer
+
+        attn, mlp, ln = self.self_attn, self.mlp, self.post_attention_layernorm
+        args = (hidden, attn_out, attn.o_proj.weight, ln.weight, mlp.gate_up_proj.weight,
+                mlp.down_proj.weight)
+        if nxt is None:  # the last layer: phases 0-2, its own input norm and QKV as shapes only
+            h2, _, _, _ = persistent_layer(*args, self.input_layernorm.weight,
+                                           attn.qkv_proj.weight, ln.eps, phases=(0, 2),
+                                           check=check)
+            return h2, None
+        (heads, kv_heads, dim, qw, kw, qk_eps), slots = nxt._head_args(plan)
+        proj = nxt.self_attn.qkv_proj
+        q = torch.empty((hidden.shape[0], heads, dim), dtype=hidden.dtype, device=hidden.device)
+        rope = dict(num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, q_norm_weight=qw,
+                    k_norm_weight=kw, eps=qk_eps, cos=cos, sin=sin, slot_mapping=slots,
+                    key_cache=kv_cache[0], value_cache=kv_cache[1], q_out=q)
+        h2, q, _, _ = persistent_layer(*args, nxt.input_layernorm.weight, proj.weight, ln.eps,
+                                       qkv_bias=proj.bias, rope=rope, check=check)
+        return h2, q
+
     def hf_entries(self, prefix: str, layout: str | None = None) -> dict:
         """This layer's Hugging Face tensors (``prefix`` = ``model.layers.{i}.``) for the
         model's ``hf_weight_map``: norms, attention, the dense MLP (one layout)."""
@@ -396,6 +430,9 @@ class DecoderForCausalLM(nn.Module):
     fuse_qkv_projection = FUSED_QKV_ENABLED
     # decode-sized batches: every layer as four fused kernels + attention (decode_chain_usable)
     fuse_decode_chain = FUSED_DECODE_ENABLED
+    # decode-sized batches: every layer as one persistent launch + attention
+    # (persistent_decode_usable)
+    fuse_persistent_decode = PERSISTENT_DECODE_ENABLED
 
     def __init__(
         self,
@@ -493,6 +530,22 @@ class DecoderForCausalLM(nn.Module):
         backend = self.attn_backend
         pre, post, pre_qkv, mid = self._regions
         layers = self.layers
+        if kv_caches and self.persistent_decode_usable(input_ids.shape[0], kv_caches[0]):
+            # one persistent launch between two attention calls (layer 0's QKV: the fused
+            # projection with its input norm)
+            out = layers[0].attend_projected(hidden, cos, sin, kv_caches[0], plans[0], backend,
+                                             normed=False)
+            last = len(layers) - 1
+            for i, layer in enumerate(layers):
+                if i == last:
+                    hidden, _ = layer.persistent_post(hidden, out, check=i == 0)
+                    break
+                nxt = layers[i + 1]
+                hidden, q = layer.persistent_post(hidden, out, nxt, cos, sin, kv_caches[i + 1],
+                                                  plans[i + 1], check=i == 0)
+                out = backend.forward(nxt.self_attn.layer_idx, q, None, None, kv_caches[i + 1],
+                                      plans[i + 1], nxt.self_attn.scale)
+            return self.norm(hidden)
         if kv_caches and self.decode_chain_usable(input_ids.shape[0], kv_caches[0]):
             # the fused decode chain: no compiled region, four kernels a layer + attention
             for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches)):
@@ -613,6 +666,37 @@ class DecoderForCausalLM(nn.Module):
         from pagedkv.kernels.qkv_rope_cache import fused_applies
 
         return fused_applies(self.layers[0].self_attn.head_dim)
+
+    def persistent_decode_usable(self, num_tokens: int, kv_cache: torch.Tensor) -> bool:
+        """Whether a forward of ``num_tokens`` rows runs every layer's post-attention part
+        and the next layer's QKV as one persistent launch (:meth:`DecoderLayer.persistent_post`;
+        ``fuse_persistent_decode``, default ``PERSISTENT_DECODE_ENABLED``, off: not yet
+        measured end to end): the fused projection's conditions (:meth:`fused_qkv_usable`
+        without its own switch), at most ``PERSISTENT_DECODE_MAX_ROWS`` rows, dense
+        gated-MLP layers with plain RMSNorms of one epsilon, no o_proj / MLP biases (the
+        kernel has none; a q/k/v bias is served), no FP8 cache, shapes the kernel tiles."""
+        if not (self.fuse_persistent_decode and self.tp is None and 0 < num_tokens
+                and num_tokens <= PERSISTENT_DECODE_MAX_ROWS
+                and self.fused_kv_write_usable(kv_cache)):
+            return False
+        from pagedkv.kernels.fp8_kv import is_fp8_kv
+        from pagedkv.kernels.persistent_layer import shapes_served
+
+        if is_fp8_kv(kv_cache.dtype):
+            return False
+        eps = set()
+        for layer in self.layers:
+            if not (type(layer) is DecoderLayer and type(layer.mlp) is GatedMLP
+                    and type(layer.input_layernorm) is RMSNorm
+                    and type(layer.post_attention_layernorm) is RMSNorm
+                    and layer.self_attn.o_proj.bias is None
+                    and layer.mlp.gate_up_proj.bias is None and layer.mlp.down_proj.bias is None):
+                return False
+            eps.update((layer.input_layernorm.eps, layer.post_attention_layernorm.eps))
+        attn = self.layers[0].self_attn
+        return len(eps) == 1 and shapes_served(self.config.hidden_size,
+                                               self.layers[0].mlp.down_proj.weight.shape[1],
+                                               attn.head_dim)
 
     # ---- torch.compile
     @property

@@ -223,6 +223,38 @@ def test_fused_projections_through_the_engine(tiny_dir, hf_ref, monkeypatch, fam
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the Triton backend on CPU tensors needs the Triton interpreter")
+@pytest.mark.parametrize("family,async_scheduling,spec", [
+    ("qwen3", True, {"head_dim": 32}),
+    ("qwen2", False, {"head_dim": 32}),
+    ("llama", True, {"head_dim": 32}),
+])
+def test_persistent_decode_through_the_engine(tiny_dir, hf_ref, monkeypatch, family,
+                                              async_scheduling, spec):
+    """The persistent decode layer (interpreted: one program through every phase and
+    barrier) in the engine: every step of at most 16 rows runs each layer after its attention
+    as one launch (the next layer's QKV with q/k norms, RoPE and the K/V write inside it:
+    Qwen3 with q/k norms, Qwen2 with q/k/v bias, Llama with neither); greedy tokens equal
+    transformers'; the pool is idle after."""
+    from pagedkv.kernels import persistent_layer as pl
+
+    rows, real = [], pl.persistent_layer
+    monkeypatch.setattr(pl, "persistent_layer",
+                        lambda h, *a, **k: rows.append(h.shape[0]) or real(h, *a, **k))
+    llm = make_llm(tiny_dir(family, **spec), attention_backend="triton",
+                   max_num_batched_tokens=16, max_num_seqs=4,
+                   async_scheduling=async_scheduling)
+    model = llm.engine.model
+    model.fuse_persistent_decode = True
+    assert model.persistent_decode_usable(4, llm.engine.runner.kv_caches[0])
+    outs = llm.generate(TEXTS, greedy(8), use_tqdm=False)
+    check_against_hf(hf_ref(tiny_dir(family, **spec)), outs, 8)
+    assert pool_is_idle(llm)
+    layers = model.config.num_hidden_layers
+    assert rows and len(rows) % layers == 0 and max(rows) <= 16, rows[:8]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton backend on CPU tensors needs the Triton interpreter")
 def test_fused_decode_paths_apply_where_documented(tiny_dir):
     """Where the opt-in fused decode paths apply: their switch, at most 256 rows, a head size
     the QKV kernel serves, the fused-KV-write path (the Triton backend), no tensor-parallel
@@ -248,3 +280,31 @@ def test_fused_decode_paths_apply_where_documented(tiny_dir):
     ref = make_llm(tiny_dir("qwen3", head_dim=32)).engine
     ref.model.fuse_decode_chain = True
     assert not ref.model.decode_chain_usable(4, ref.runner.kv_caches[0])
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton backend on CPU tensors needs the Triton interpreter")
+def test_persistent_decode_applies_where_documented(tiny_dir):
+    """Where the persistent decode layer applies: its switch, 1-256 rows, the fused-KV-write
+    path, a head size the QKV tiles serve, no o_proj / MLP bias, one norm epsilon."""
+    from pagedkv.models.decoder import PERSISTENT_DECODE_MAX_ROWS
+
+    llm = make_llm(tiny_dir("qwen3", head_dim=32), attention_backend="triton")
+    model, cache = llm.engine.model, llm.engine.runner.kv_caches[0]
+    assert not model.persistent_decode_usable(4, cache)
+    model.fuse_persistent_decode = True
+    assert model.persistent_decode_usable(PERSISTENT_DECODE_MAX_ROWS, cache)
+    assert not model.persistent_decode_usable(PERSISTENT_DECODE_MAX_ROWS + 1, cache)
+    assert not model.persistent_decode_usable(0, cache)
+    model.layers[1].post_attention_layernorm.eps *= 2  # two epsilons: the kernel has one
+    assert not model.persistent_decode_usable(4, cache)
+    model.layers[1].post_attention_layernorm.eps /= 2
+    model.fuse_kv_write = False
+    assert not model.persistent_decode_usable(4, cache)
+    small = make_llm(tiny_dir("qwen3"), attention_backend="triton").engine  # head size 16
+    small.model.fuse_persistent_decode = True
+    assert not small.model.persistent_decode_usable(4, small.runner.kv_caches[0])
+    biased = make_llm(tiny_dir("llama", head_dim=32, attention_bias=True),  # o_proj bias
+                      attention_backend="triton").engine
+    biased.model.fuse_persistent_decode = True
+    assert not biased.model.persistent_decode_usable(4, biased.runner.kv_caches[0])
