@@ -148,6 +148,8 @@ SWITCHES = (
     ("splitk_gate_up", "pagedkv.kernels.splitk_gemm", None, "SPLITK_GATE_UP_ENABLED"),
     ("fused_qkv", "pagedkv.models.decoder", "DecoderForCausalLM", "fuse_qkv_projection"),
     ("fused_decode", "pagedkv.models.decoder", "DecoderForCausalLM", "fuse_decode_chain"),
+    ("persistent_decode", "pagedkv.models.decoder", "DecoderForCausalLM",
+     "fuse_persistent_decode"),
     ("fused_gate_up", "pagedkv.kernels.gate_up_silu", None, "FUSED_GATE_UP_ENABLED"),
     ("pdl", "pagedkv.kernels.pdl", None, "PDL_ENABLED"),
 )
@@ -418,6 +420,10 @@ def main(argv=None) -> int:
                    help="decode-sized batches' layers as the fused decode chain (norms inside "
                         "the QKV and gate/up kernels, residual adds in the o / down split-K "
                         "epilogues; DecoderForCausalLM.fuse_decode_chain, off by default)")
+    p.add_argument("--persistent-decode", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode-sized batches' layers after attention as one persistent launch "
+                        "each (pagedkv.kernels.persistent_layer; "
+                        "DecoderForCausalLM.fuse_persistent_decode, off by default)")
     p.add_argument("--fused-gate-up", action=argparse.BooleanOptionalAction, default=None,
                    help="decode-sized batches' gate/up GEMM with SiLU in its epilogue "
                         "(pagedkv.kernels.gate_up_silu.FUSED_GATE_UP_ENABLED; off by default)")

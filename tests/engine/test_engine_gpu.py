@@ -235,6 +235,29 @@ def test_fused_decode_chain_engine_matches_transformers(tiny_dir, monkeypatch, f
     _assert_greedy_matches_hf(llm, hf)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_persistent_decode_engine_matches_transformers(tiny_dir, monkeypatch, family):
+    """The persistent decode layer (``DecoderForCausalLM.fuse_persistent_decode``: each layer
+    after its attention as one launch of one program an SM, grid barriers between o_proj,
+    gate/up, down_proj and the next layer's fused QKV + q/k norms + RoPE + K/V write) for
+    every step of at most PERSISTENT_DECODE_MAX_ROWS rows, through the engine with CUDA
+    graphs and chunked prefill: greedy tokens equal transformers' (Qwen2 with q/k/v bias)."""
+    from pagedkv.kernels import persistent_layer as pl
+    from pagedkv.models.decoder import DecoderForCausalLM
+
+    rows = []
+    kernel = pl.persistent_layer
+    monkeypatch.setattr(DecoderForCausalLM, "fuse_persistent_decode", True)
+    monkeypatch.setattr(pl, "persistent_layer",
+                        lambda h, *a, **k: rows.append(h.shape[0]) or kernel(h, *a, **k))
+    path = tiny_dir(family, head_dim=32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    llm = _gpu_llm(path, max_num_batched_tokens=32)
+    assert llm.runner.cuda_graphs is not None
+    assert rows and max(rows) <= 256  # the captured graphs hold the persistent launches
+    _assert_greedy_matches_hf(llm, hf)
+
+
 def test_fused_lm_head_argmax_engine_matches_transformers(tiny_dir, monkeypatch):
     """The fused LM head + greedy argmax (``pagedkv.kernels.lm_head_argmax``) through the
     engine: decode graphs and chunked prefill steps sample with it; tokens equal transformers'."""
