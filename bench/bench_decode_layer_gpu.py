@@ -141,7 +141,7 @@ def main() -> int:
                 h, qkv, _, _ = persistent_layer(h, attn_out, o.weight, ln.weight,
                                            mlp.gate_up_proj.weight, mlp.down_proj.weight,
                                            nln.weight, proj.weight, ln.eps, prefetch=prefetch,
-                                           bar=bar, num_programs=num_programs, rope=rope)
+                                           num_programs=num_programs, rope=rope)
                 if fused_rope:
                     return h, qkv
                 q = qk_norm_rope_cache(qkv, H, HKV, D, qn.weight, kn.weight, qn.eps, cos, sin,
