@@ -15,8 +15,10 @@ CUDA graph, us per layer), as the model runs it by default and with the fused de
   grid barriers between them), then ``qk_norm_rope_cache`` as in ``default``;
 * ``persistent_pf``: the same with every weight tile of the launch asked of the L2 at its start;
 * ``persistent_rope``: ``persistent_pf`` with the next QKV projection as ``qkv_rope_cache``'s
-  tiles (q/k norms, RoPE, K/V write in the same launch: one launch a layer besides attention;
-  inner splits so that the heads' tiles cover the programs: 4 at one row tile, 2 at two).
+  tiles (q/k norms, RoPE, K/V write in the same launch: one launch a layer besides attention,
+  the engine's ``fuse_persistent_decode`` path; ``persistent_layer``'s default splits);
+* ``persistent_rope_nosplit``: the same with the o / down phases unsplit (``SPLITS_O`` /
+  ``SPLITS_D`` 1: few rows leave most programs idle there, split partials cost a round trip).
 
 The attention output is a fixed random tensor, so the numbers are the fixed cost a decode step
 pays per layer besides attention (W1's decode-step fit, BENCHMARKS.md nineteenth session:
@@ -51,7 +53,7 @@ from pagedkv.tools.benchmark import environment  # noqa: E402
 
 MS = (1, 8, 32, 64, 128, 192, 256)
 VARIANTS = ("default", "fused_qkv", "fused_qkv_gate_up", "chain", "chain_pdl", "persistent",
-            "persistent_pf", "persistent_rope")
+            "persistent_pf", "persistent_rope", "persistent_rope_nosplit")
 BS, NB = 16, 4096
 
 
@@ -125,23 +127,21 @@ def main() -> int:
                                    ln_weight=nln.weight, ln_eps=nln.eps)
                 return h, q
 
-            def persistent(h, prefetch=False, fused_rope=False):
+            def persistent(h, prefetch=False, fused_rope=False, tiles=None):
                 o, mlp, ln = layer.self_attn.o_proj, layer.mlp, layer.post_attention_layernorm
                 proj, nln = nxt.self_attn.qkv_proj, nxt.input_layernorm
                 assert o.bias is None and mlp.down_proj.bias is None and proj.bias is None
                 rope = None
                 if fused_rope:
-                    nh = H + 2 * HKV
                     rope = dict(num_heads=H, num_kv_heads=HKV, head_dim=D,
                                 q_norm_weight=qn.weight, k_norm_weight=kn.weight, eps=qn.eps,
                                 cos=cos, sin=sin, slot_mapping=slots, key_cache=kv[0],
                                 value_cache=kv[1],
-                                q_out=torch.empty(m, H, D, device=dev, dtype=bf),
-                                splits=max(1, min(4, num_programs // (-(-m // 64) * nh))))
+                                q_out=torch.empty(m, H, D, device=dev, dtype=bf))
                 h, qkv, _, _ = persistent_layer(h, attn_out, o.weight, ln.weight,
                                            mlp.gate_up_proj.weight, mlp.down_proj.weight,
                                            nln.weight, proj.weight, ln.eps, prefetch=prefetch,
-                                           num_programs=num_programs, rope=rope)
+                                           num_programs=num_programs, rope=rope, tiles=tiles)
                 if fused_rope:
                     return h, qkv
                 q = qk_norm_rope_cache(qkv, H, HKV, D, qn.weight, kn.weight, qn.eps, cos, sin,
@@ -151,7 +151,9 @@ def main() -> int:
             return {"default": default, "fused_qkv": fused_qkv, "fused_qkv_gate_up": fused_qkv,
                     "chain": chain, "chain_pdl": chain, "persistent": persistent,
                     "persistent_pf": lambda h: persistent(h, True),
-                    "persistent_rope": lambda h: persistent(h, True, True)}[variant]
+                    "persistent_rope": lambda h: persistent(h, True, True),
+                    "persistent_rope_nosplit": lambda h: persistent(
+                        h, True, True, dict(SPLITS_O=1, SPLITS_D=1))}[variant]
 
         for variant in args.variants.split(","):
             gu.FUSED_GATE_UP_ENABLED = variant == "fused_qkv_gate_up"

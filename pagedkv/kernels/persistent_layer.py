@@ -45,14 +45,19 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from pagedkv.kernels.paired_splitk import normed_product, paired_dot, rms_scale
 from triton.runtime.interpreter import InterpretedFunction
 
 from pagedkv.errors import ConfigError
 from pagedkv.kernels._common import check_tensor
 from pagedkv.kernels.fp8_kv import is_fp8_kv
-from pagedkv.kernels.paired_splitk import chunk_and_splits, counters
+from pagedkv.kernels.paired_splitk import (
+    chunk_and_splits,
+    counters,
+    normed_product,
+    paired_dot,
+    paired_split_sum,
+    rms_scale,
+)
 from pagedkv.kernels.pdl import prefetch_lines, prefetch_weights_l2
 from pagedkv.kernels.qk_norm_rope_cache import check_targets
 from pagedkv.kernels.qkv_rope_cache import qkv_rope_tile
@@ -75,38 +80,61 @@ def grid_sync(bar_ptr, target):
 
 
 @triton.jit
-def _tile_halves(a_ptr, lda, offs_m, M, w_ptr, n1, n2, g_ptr, K: tl.constexpr,
-                 BM: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
-                 NORM: tl.constexpr):
+def _tile_halves(a_ptr, lda, offs_m, M, w_ptr, n1, n2, g_ptr, s, K: tl.constexpr,
+                 CHUNK: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
+                 DOT_PREC: tl.constexpr, NORM: tl.constexpr):
     """The float32 products ``[BM, BH]`` of rows ``offs_m`` of ``a`` (rows ``>= M`` masked;
-    with ``NORM`` times the norm weight ``g``) with the weight rows ``n1`` and ``n2`` over the
-    whole inner dimension, and the rows' sums of squares (``paired_dot``: the fused decode
-    kernels' two-tile product)."""
+    with ``NORM`` times the norm weight ``g``) with the weight rows ``n1`` and ``n2`` over
+    inner chunk ``s`` of ``CHUNK`` columns, and the rows' sums of squares (``paired_dot``: the
+    fused decode kernels' two-tile product)."""
     return paired_dot(a_ptr + offs_m.to(tl.int64)[:, None] * lda,
                       w_ptr + n1.to(tl.int64)[:, None] * K, w_ptr + n2.to(tl.int64)[:, None] * K,
-                      offs_m < M, n1 >= 0, 0, g_ptr, K, K, BM, BH, BK, DOT_PREC, NORM)
+                      offs_m < M, n1 >= 0, s, g_ptr, K, CHUNK, BM, BH, BK, DOT_PREC, NORM)
 
 
 @triton.jit
-def _residual_phase(pid, P, a_ptr, w_ptr, g_ptr, res_ptr, dst_ptr, M, MT, K: tl.constexpr,
-                    N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    DOT_PREC: tl.constexpr):
+def _residual_phase(pid, P, a_ptr, w_ptr, g_ptr, res_ptr, dst_ptr, part_ptr, cnt_ptr, M, MT,
+                    K: tl.constexpr, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr, DOT_PREC: tl.constexpr, SPLITS: tl.constexpr,
+                    CHUNK: tl.constexpr):
     """``dst = res + a @ w^T`` (``a [M, K]``, ``w [N, K]``): this program's work items, each
-    a row tile and a column tile of two halves (``g_ptr`` unused: no norm)."""
+    a row tile, a column tile of two halves and an inner chunk (``g_ptr`` unused: no norm).
+    With ``SPLITS`` > 1 each item stores its float32 partials (``part_ptr``, ``[SPLITS, M,
+    N]``) and counts itself at its tile's counter; the last of a tile's splits to arrive sums
+    them in split order and stores (``paired_split_sum``)."""
+    NT: tl.constexpr = N // BN
+    BH: tl.constexpr = BN // 2
     t = pid
-    while t < N // BN * MT:
-        offs_m = (t % MT) * BM + tl.arange(0, BM)
-        mrow = offs_m[:, None] < M
-        n = (t // MT) * BN + tl.arange(0, BN // 2)
-        acc1, acc2, _ = _tile_halves(a_ptr, K, offs_m, M, w_ptr, n, n + BN // 2, g_ptr, K, BM,
-                                     BN // 2, BK, DOT_PREC, False)
-        ptrs = offs_m[:, None] * N + n[None, :]
-        for half in tl.static_range(2):
-            acc = acc1 if half == 0 else acc2
-            res = tl.load(res_ptr + ptrs + half * (BN // 2), mask=mrow, other=0.0)
-            tl.store(dst_ptr + ptrs + half * (BN // 2),
-                     (res.to(tl.float32) + acc).to(dst_ptr.dtype.element_ty), mask=mrow)
+    while t < NT * MT * SPLITS:
+        mt = t % MT
+        nt = (t // MT) % NT
+        offs_m = mt * BM + tl.arange(0, BM)
+        r_ok = offs_m < M
+        n = nt * BN + tl.arange(0, BH)
+        acc1, acc2, ss = _tile_halves(a_ptr, K, offs_m, M, w_ptr, n, n + BH, g_ptr,
+                                      t // (MT * NT), K, CHUNK, BM, BH, BK, DOT_PREC, False)
+        if SPLITS == 1:
+            _residual_store(res_ptr, dst_ptr, offs_m, r_ok[:, None], n, BH, N, acc1, acc2)
+        else:
+            part = part_ptr + offs_m.to(tl.int64)[:, None] * N + n[None, :]
+            last, sum1, sum2, _ = paired_split_sum(
+                acc1, acc2, ss, part, part + BH, part_ptr, M * N, M, t // (MT * NT),
+                r_ok[:, None], r_ok, cnt_ptr + mt * NT + nt, SPLITS, False)
+            if last:
+                _residual_store(res_ptr, dst_ptr, offs_m, r_ok[:, None], n, BH, N, sum1, sum2)
         t += P
+
+
+@triton.jit
+def _residual_store(res_ptr, dst_ptr, offs_m, mrow, n, BH: tl.constexpr, N: tl.constexpr,
+                    acc1, acc2):
+    """``dst = res + acc`` on the two half tiles (columns ``n`` and ``n + BH``)."""
+    ptrs = offs_m[:, None] * N + n[None, :]
+    for half in tl.static_range(2):
+        acc = acc1 if half == 0 else acc2
+        res = tl.load(res_ptr + ptrs + half * BH, mask=mrow, other=0.0, cache_modifier=".cg")
+        tl.store(dst_ptr + ptrs + half * BH, (res.to(tl.float32) + acc).to(dst_ptr.dtype.element_ty),
+                 mask=mrow)
 
 
 @triton.jit
@@ -125,11 +153,12 @@ def _prefetch_phase(w_ptr, n_tiles, MT, pid, P, K, w2_off, BN: tl.constexpr,
 
 @triton.jit
 def _layer_kernel(h_ptr, attn_ptr, wo_ptr, g1_ptr, wgu_ptr, wd_ptr, g2_ptr, wqkv_ptr, bq_ptr,
-                  h1_ptr, act_ptr, out_ptr, qkv_ptr, bar_ptr, M, MT, eps, P,
+                  h1_ptr, act_ptr, out_ptr, qkv_ptr, rpart_ptr, bar_ptr, M, MT, eps, P,
                   HD: tl.constexpr, HO: tl.constexpr, I: tl.constexpr, NQKV: tl.constexpr,
                   BM: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr,
                   BN_D: tl.constexpr, BN_QKV: tl.constexpr, BK: tl.constexpr,
-                  DOT_PREC: tl.constexpr,
+                  SPLITS_O: tl.constexpr, CHUNK_O: tl.constexpr, SPLITS_D: tl.constexpr,
+                  CHUNK_D: tl.constexpr, DOT_PREC: tl.constexpr,
                   PHASE_LO: tl.constexpr, PHASE_HI: tl.constexpr, PREFETCH: tl.constexpr,
                   LINES_HD: tl.constexpr, LINES_HO: tl.constexpr, LINES_I: tl.constexpr,
                   EPL: tl.constexpr,
@@ -169,16 +198,16 @@ def _layer_kernel(h_ptr, attn_ptr, wo_ptr, g1_ptr, wgu_ptr, wd_ptr, g2_ptr, wqkv
         if phase > PHASE_LO:
             grid_sync(bar_ptr, P * (phase - PHASE_LO))
         if phase == 0:  # h1 = h + attn @ Wo^T
-            _residual_phase(pid, P, attn_ptr, wo_ptr, g1_ptr, h_ptr, h1_ptr, M, MT, HO, HD,
-                            BM, BN_O, BK, DOT_PREC)
+            _residual_phase(pid, P, attn_ptr, wo_ptr, g1_ptr, h_ptr, h1_ptr, rpart_ptr,
+                            cnt_ptr, M, MT, HO, HD, BM, BN_O, BK, DOT_PREC, SPLITS_O, CHUNK_O)
         if phase == 1:  # act = silu(n1 @ Wg^T) * (n1 @ Wu^T)
             t = pid
             while t < I // BN_GU * MT:
                 offs_m = (t % MT) * BM + tl.arange(0, BM)
                 mrow = offs_m[:, None] < M
                 n = (t // MT) * BN_GU + tl.arange(0, BN_GU)
-                gate, up, ssq = _tile_halves(h1_ptr, HD, offs_m, M, wgu_ptr, n, n + I, g1_ptr,
-                                             HD, BM, BN_GU, BK, DOT_PREC, True)
+                gate, up, ssq = _tile_halves(h1_ptr, HD, offs_m, M, wgu_ptr, n, n + I, g1_ptr, 0,
+                                             HD, HD, BM, BN_GU, BK, DOT_PREC, True)
                 r = rms_scale(ssq, eps, HD)
                 gate = gate * r
                 act = gate / (1.0 + tl.exp(-gate)) * (up * r)
@@ -186,8 +215,8 @@ def _layer_kernel(h_ptr, attn_ptr, wo_ptr, g1_ptr, wgu_ptr, wd_ptr, g2_ptr, wqkv
                          act.to(act_ptr.dtype.element_ty), mask=mrow)
                 t += P
         if phase == 2:  # h2 = h1 + act @ Wd^T
-            _residual_phase(pid, P, act_ptr, wd_ptr, g1_ptr, h1_ptr, out_ptr, M, MT, I, HD,
-                            BM, BN_D, BK, DOT_PREC)
+            _residual_phase(pid, P, act_ptr, wd_ptr, g1_ptr, h1_ptr, out_ptr, rpart_ptr,
+                            cnt_ptr, M, MT, I, HD, BM, BN_D, BK, DOT_PREC, SPLITS_D, CHUNK_D)
         if phase == 3 and ROPE:  # qkv_rope_cache's tiles on n2 = rmsnorm(h2) * g2
             t = pid
             while t < MT * NH * QKV_SPLITS:
@@ -207,8 +236,8 @@ def _layer_kernel(h_ptr, attn_ptr, wo_ptr, g1_ptr, wgu_ptr, wd_ptr, g2_ptr, wqkv
                 mrow = offs_m[:, None] < M
                 n = (t // MT) * BN_QKV + tl.arange(0, BN_QKV // 2)
                 acc1, acc2, ssq = _tile_halves(out_ptr, HD, offs_m, M, wqkv_ptr, n,
-                                               n + BN_QKV // 2, g2_ptr, HD, BM, BN_QKV // 2,
-                                               BK, DOT_PREC, True)
+                                               n + BN_QKV // 2, g2_ptr, 0, HD, HD, BM,
+                                               BN_QKV // 2, BK, DOT_PREC, True)
                 r = rms_scale(ssq, eps, HD)
                 dst = qkv_ptr + offs_m[:, None] * NQKV + n[None, :]
                 tl.store(dst, (acc1 * r).to(qkv_ptr.dtype.element_ty), mask=mrow)
@@ -255,8 +284,10 @@ def layer_tiles(m: int, num_programs: int = 132, hd: int = 1024, inter: int = 30
     whose busiest program loads the fewest operand bytes: ``ceil(items / programs)`` work
     items of ``BM`` rows and ``BN`` weight rows (twice for gate/up) over the inner dimension
     (the A rows come from the L2 once per column tile: wide tiles read them fewer times,
-    narrow tiles spread the weights over more programs); 64-deep inner steps. Raises
-    ``ConfigError`` for a width no tile divides."""
+    narrow tiles spread the weights over more programs); 64-deep inner steps. The o / down
+    phases split their inner dimension (``SPLITS_O`` / ``SPLITS_D``, at most 8) where their
+    items would leave programs idle (a few rows: 32 column tiles of 1,024 for 132 programs).
+    Raises ``ConfigError`` for a width no tile divides."""
     bm = min(64, max(16, triton.next_power_of_2(m)))
     mt = -(-m // bm)
 
@@ -271,8 +302,10 @@ def layer_tiles(m: int, num_programs: int = 132, hd: int = 1024, inter: int = 30
             raise ConfigError(f"persistent_layer: no column tile divides width {n}")
         return min(cands, key=load)
 
-    return dict(BM=bm, BN_O=bn(hd), BN_GU=bn(inter, True, 64), BN_D=bn(hd), BN_QKV=bn(nqkv),
-                BK=64, num_warps=4)
+    bn_o, bn_d = bn(hd), bn(hd)
+    return dict(BM=bm, BN_O=bn_o, BN_GU=bn(inter, True, 64), BN_D=bn_d, BN_QKV=bn(nqkv),
+                BK=64, SPLITS_O=max(1, min(8, num_programs // (mt * (hd // bn_o)))),
+                SPLITS_D=max(1, min(8, num_programs // (mt * (hd // bn_d)))), num_warps=4)
 
 
 def shapes_served(hd: int, inter: int, head_dim: int | None = None) -> bool:
@@ -298,13 +331,15 @@ def persistent_layer(h, attn, wo, g1, wgu, wd, g2, wqkv, eps, *, qkv_bias=None, 
     a head's product halves, ``qkv_bias``, the q/k norms, RoPE, q into ``q_out``, K / V into
     the paged caches at the slots), a dict of that function's arguments ``num_heads``,
     ``num_kv_heads``, ``head_dim``, ``q_norm_weight``, ``k_norm_weight``, ``eps``, ``cos``,
-    ``sin``, ``slot_mapping``, ``key_cache``, ``value_cache``, ``q_out`` and ``splits``
-    (inner splits: the last of a head's splits to arrive sums them and runs the epilogue); the
+    ``sin``, ``slot_mapping``, ``key_cache``, ``value_cache``, ``q_out`` and optionally
+    ``splits`` (inner splits: the last of a head's splits to arrive sums them and runs the
+    epilogue; default: enough for the heads' tiles to cover the programs, at most 4); the
     second output is then ``q_out``. ``prefetch``: ask the L2 for every weight tile of the
     launch at its start (default ``PREFETCH_WEIGHTS`` on CUDA, never under the interpreter).
-    ``bar``: int32 counters, zero between launches: the grid barrier's two, then (``rope``
-    with several splits) one a row tile and head (default: the stream's arrival counters,
-    ``paired_splitk.counters``). No host syncs: CUDA-graph safe."""
+    ``bar``: int32 counters, zero between launches: the grid barrier's two, then one a tile of
+    the phases that split their inner dimension (o / down column tiles, the fused QKV's heads;
+    default: the stream's arrival counters, ``paired_splitk.counters``). ``tiles``: overrides
+    of :func:`layer_tiles`' choices. No host syncs: CUDA-graph safe."""
     fn = "persistent_layer"
     m, hd = h.shape
     attn = attn.reshape(m, -1)
@@ -354,12 +389,24 @@ def persistent_layer(h, attn, wo, g1, wgu, wd, g2, wqkv, eps, *, qkv_bias=None, 
     lines = {k: prefetch_lines(k, h.element_size())[0] for k in (hd, ho, inter)}
     num_warps = cfg.pop("num_warps")
     mt = -(-m // cfg["BM"])
+    cfg["CHUNK_O"], cfg["SPLITS_O"] = chunk_and_splits(ho, cfg["SPLITS_O"], cfg["BK"])
+    cfg["CHUNK_D"], cfg["SPLITS_D"] = chunk_and_splits(inter, cfg["SPLITS_D"], cfg["BK"])
+    rsplits = max(cfg["SPLITS_O"], cfg["SPLITS_D"])
+    rpart = (torch.empty((rsplits, m, hd), dtype=torch.float32, device=h.device)
+             if rsplits > 1 else h)
+    # counters: the barrier's two, then one a tile of the split phases (o, down, fused QKV)
+    tiles_counted = mt * hd // min(cfg["BN_O"], cfg["BN_D"])
+    if rope is not None:
+        tiles_counted = max(tiles_counted,
+                            mt * (rope["num_heads"] + 2 * rope["num_kv_heads"]))
+    cnt = counters(h.device, 2 + tiles_counted) if bar is None else bar
+    if check and cnt.numel() < 2 + tiles_counted:
+        raise ConfigError(f"{fn}: bar needs {2 + tiles_counted} counters, got {cnt.numel()}")
+    bar = cnt[:2]
     if rope is None:
-        cnt = counters(h.device, 2) if bar is None else bar
-        bar = cnt[:2]
         q = cache = h
         rope_args = (q, 0, 0, q, 0, 0, q, 0, 0, q, q, bar, 0, 0, 1,
-                     cache, 0, 0, 0, cache, 0, 0, 0, q, q, bar, 0.0)
+                     cache, 0, 0, 0, cache, 0, 0, 0, q, q, cnt[2:], 0.0)
         rope_const = dict(ROPE=False, NUM_HEADS=1, NUM_KV_HEADS=0, HEAD_DIM=16, HAS_NORM=False,
                           HAS_QKV_BIAS=False, QKV_SPLITS=1, QKV_CHUNK=hd, LINES_CHUNK=1)
         b_ptr = h
@@ -378,14 +425,12 @@ def persistent_layer(h, attn, wo, g1, wgu, wd, g2, wqkv, eps, *, qkv_bias=None, 
                 raise ConfigError(f"{fn}: FP8 caches are not served (use qkv_rope_cache)")
             if qkv_bias is not None and (qkv_bias.shape != (nqkv,) or qkv_bias.dtype != h.dtype):
                 raise ConfigError(f"{fn}: qkv_bias must be [{nqkv}] of {h.dtype}")
-        chunk, splits = chunk_and_splits(hd, r.get("splits", 1), cfg["BK"])
         nh = heads + 2 * kv_heads
+        # default: enough inner splits for the heads' tiles to cover the programs (at most 4)
+        chunk, splits = chunk_and_splits(
+            hd, r.get("splits") or max(1, min(4, num_programs // (mt * nh))), cfg["BK"])
         part = torch.empty((splits, m, nqkv), dtype=torch.float32, device=h.device)
         ss = torch.empty((splits, m), dtype=torch.float32, device=h.device)
-        cnt = counters(h.device, 2 + mt * nh) if bar is None else bar
-        if check and cnt.numel() < 2 + mt * nh:
-            raise ConfigError(f"{fn}: bar needs {2 + mt * nh} counters, got {cnt.numel()}")
-        bar = cnt[:2]
         has_norm = r["q_norm_weight"] is not None
         qw, kw = (r["q_norm_weight"], r["k_norm_weight"]) if has_norm else (h, h)
         rope_args = (q, q.stride(0), q.stride(1), r["cos"], *r["cos"].stride(), r["sin"],
@@ -401,7 +446,7 @@ def persistent_layer(h, attn, wo, g1, wgu, wd, g2, wqkv, eps, *, qkv_bias=None, 
         return scratch["h2"], (scratch["qkv"] if rope is None else q), scratch["h1"], scratch["act"]
     _layer_kernel[(num_programs,)](
         h, attn, wo, g1, wgu, wd, g2, wqkv, b_ptr, scratch["h1"], scratch["act"], scratch["h2"],
-        scratch["qkv"], bar, m, mt, float(eps), num_programs, HD=hd, HO=ho, I=inter,
+        scratch["qkv"], rpart, bar, m, mt, float(eps), num_programs, HD=hd, HO=ho, I=inter,
         NQKV=nqkv, **cfg, PHASE_LO=lo, PHASE_HI=hi, PREFETCH=prefetch,
         LINES_HD=lines[hd], LINES_HO=lines[ho], LINES_I=lines[inter], EPL=epl,
         DOT_PREC="ieee" if h.dtype == torch.float32 else "tf32", num_warps=num_warps,

@@ -41,20 +41,24 @@ def _check(got, want, tol):
 
 @pytest.mark.parametrize("m", [1, 5, 16, 40])
 @pytest.mark.parametrize("one_launch", [True, False])
-def test_persistent_layer_matches_twin_interpreted(kernel_device, m, one_launch):
+@pytest.mark.parametrize("splits", [(1, 1), (2, 4)])
+def test_persistent_layer_matches_twin_interpreted(kernel_device, m, one_launch, splits):
+    """o / down unsplit, and split in 2 / 4 inner chunks (partials summed by the last split
+    to arrive)."""
     if kernel_device != "cpu":
         pytest.skip("interpreter shapes; the GPU case is test_persistent_layer_gpu")
     dt = torch.float16  # bf16 arithmetic is broken in the interpreter
     x = _inputs(m, **SMALL, dtype=dt, device="cpu", seed=m)
     scratch = _nan_scratch(m, SMALL["hd"], SMALL["nqkv"], SMALL["inter"], dt, "cpu")
-    bar = torch.tensor([0, 0], dtype=torch.int32)
+    bar = torch.zeros(64, dtype=torch.int32)
+    tiles = dict(SMALL_TILES, SPLITS_O=splits[0], SPLITS_D=splits[1])
     if one_launch:  # one program: every barrier passes on its own arrival
-        got = persistent_layer(**x, num_programs=1, scratch=scratch, bar=bar, tiles=SMALL_TILES)
+        got = persistent_layer(**x, num_programs=1, scratch=scratch, bar=bar, tiles=tiles)
     else:  # three programs, one phase a launch (the interpreter cannot run a barrier of 3)
         for k in range(4):
             got = persistent_layer(**x, num_programs=3, phases=(k, k), scratch=scratch, bar=bar,
-                              tiles=SMALL_TILES)
-    assert bar.tolist() == [0, 0], "the last program out resets the barrier"
+                                   tiles=tiles)
+    assert not bar.any(), "the last program out resets the barrier, the last split its tile's"
     _check(got, persistent_layer_ref(**x), 2e-2)
 
 
@@ -115,14 +119,15 @@ def test_persistent_layer_rope_matches_twin_interpreted(kernel_device, m, splits
     rope = _rope_case(m, 2, 1, 32, 16, 4, dt, "cpu", m, splits)
     want = _rope_want(x, rope)
     scratch = _nan_scratch(m, shape["hd"], shape["nqkv"], shape["inter"], dt, "cpu")
-    bar = torch.zeros(2 + 4 * 3 * 4, dtype=torch.int32)  # barrier, then heads x row tiles
+    bar = torch.zeros(64, dtype=torch.int32)  # barrier, then heads x row tiles
+    tiles = dict(SMALL_TILES, SPLITS_O=splits, SPLITS_D=splits)
     if one_launch:
-        got = persistent_layer(**x, num_programs=1, scratch=scratch, bar=bar, tiles=SMALL_TILES,
-                          rope=rope)
+        got = persistent_layer(**x, num_programs=1, scratch=scratch, bar=bar, tiles=tiles,
+                               rope=rope)
     else:
         for k in range(4):
-            got = persistent_layer(**x, num_programs=3, phases=(k, k), scratch=scratch, bar=bar,
-                              tiles=SMALL_TILES, rope=rope)
+            got = persistent_layer(**x, num_programs=3, phases=(k, k), scratch=scratch,
+                                   bar=bar, tiles=tiles, rope=rope)
     assert got[1] is rope["q_out"]
     assert not bar.any(), "the barrier and the split counters are back at zero"
     _check_rope(got, rope, want, 2e-2)
@@ -150,7 +155,7 @@ def test_persistent_layer_errors():
     rope = _rope_case(4, 2, 1, 32, 16, 4, torch.float32, "cpu", 0, 2)
     xr = _inputs(4, hd=64, ho=64, inter=128, nqkv=128, dtype=torch.float32, device="cpu", seed=0)
     with pytest.raises(ConfigError, match="counters"):
-        persistent_layer(**xr, rope=rope, bar=torch.zeros(2, dtype=torch.int32),
+        persistent_layer(**xr, rope=rope, bar=torch.zeros(4, dtype=torch.int32),
                          tiles=SMALL_TILES)
     with pytest.raises(ConfigError, match="no column tile"):
         from pagedkv.kernels.persistent_layer import layer_tiles
