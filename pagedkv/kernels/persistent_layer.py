@@ -243,24 +243,14 @@ def _layer_kernel(h_ptr, attn_ptr, wo_ptr, g1_ptr, wgu_ptr, wd_ptr, g2_ptr, wqkv
                 tl.store(dst, (acc1 * r).to(qkv_ptr.dtype.element_ty), mask=mrow)
                 tl.store(dst + BN_QKV // 2, (acc2 * r).to(qkv_ptr.dtype.element_ty), mask=mrow)
                 t += P
-    if PHASE_HI > PHASE_LO:  # the last program out resets the barrier for the next launch
-        tl.debug_barrier()
-        left = tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu")
-        if left == P - 1:
-            tl.store(bar_ptr, 0)
-            tl.store(bar_ptr + 1, 0)
+    if PHASE_HI > PHASE_LO:
+        grid_exit(bar_ptr, P)
 
 
 @triton.jit
-def _barrier_kernel(bar_ptr, count_ptr, n, P):
-    """``n`` grid barriers and nothing else; program 0 counts them in ``count_ptr``."""
-    pid = tl.program_id(0)
-    k = 0
-    while k < n:
-        k += 1
-        grid_sync(bar_ptr, P * k)
-        if pid == 0:
-            tl.store(count_ptr, k)
+def grid_exit(bar_ptr, P):
+    """After a launch's last barrier: the last of the ``P`` programs out resets both barrier
+    counters for the next launch (every program has passed every barrier by then)."""
     tl.debug_barrier()
     left = tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu")
     if left == P - 1:
@@ -268,10 +258,38 @@ def _barrier_kernel(bar_ptr, count_ptr, n, P):
         tl.store(bar_ptr + 1, 0)
 
 
-def barrier_probe(n: int, bar: torch.Tensor, count: torch.Tensor, num_programs: int) -> None:
-    """One launch of ``num_programs`` programs passing ``n`` grid barriers (the probe's cost
-    per barrier: time at ``n`` against ``n = 0``)."""
-    _barrier_kernel[(num_programs,)](bar, count, n, num_programs, num_warps=4)
+@triton.jit
+def _barrier_kernel(bar_ptr, count_ptr, seen_ptr, n, P, PMAX: tl.constexpr, CHECK: tl.constexpr):
+    """``n`` grid barriers; program 0 counts them in ``count_ptr[0]``. With ``CHECK`` each
+    program records its barrier count in ``seen_ptr[pid]`` before each barrier and, after it,
+    counts into ``count_ptr[1]`` every program it sees behind (a barrier passed early)."""
+    pid = tl.program_id(0)
+    offs = tl.arange(0, PMAX)
+    k = 0
+    while k < n:
+        k += 1
+        if CHECK:
+            tl.store(seen_ptr + pid, k)
+        grid_sync(bar_ptr, P * k)
+        if CHECK:
+            seen = tl.load(seen_ptr + offs, mask=offs < P, other=k, volatile=True)
+            behind = tl.sum((seen < k).to(tl.int32), 0)
+            if behind > 0:
+                tl.atomic_add(count_ptr + 1, behind, sem="relaxed", scope="gpu")
+        if pid == 0:
+            tl.store(count_ptr, k)
+    grid_exit(bar_ptr, P)
+
+
+def barrier_probe(n: int, bar: torch.Tensor, count: torch.Tensor, num_programs: int,
+                  seen: torch.Tensor | None = None) -> None:
+    """One launch of ``num_programs`` programs passing ``n`` grid barriers (its time at ``n``
+    against ``n = 0``: the cost of one). ``count``: int32 ``[2]`` (barriers passed, programs
+    seen behind at a barrier); ``seen``: int32 ``[num_programs]`` zeros to check the barrier
+    (none: time it alone)."""
+    _barrier_kernel[(num_programs,)](bar, count, count if seen is None else seen, n,
+                                     num_programs, PMAX=triton.next_power_of_2(num_programs),
+                                     CHECK=seen is not None, num_warps=4)
 
 
 def layer_tiles(m: int, num_programs: int = 132, hd: int = 1024, inter: int = 3072,
