@@ -7,6 +7,8 @@ replays. Scratch outputs start as NaN, so a tile no program writes shows."""
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedkv.kernels.persistent_layer import persistent_layer, persistent_layer_ref
 
@@ -131,6 +133,43 @@ def test_persistent_layer_rope_matches_twin_interpreted(kernel_device, m, splits
     assert got[1] is rope["q_out"]
     assert not bar.any(), "the barrier and the split counters are back at zero"
     _check_rope(got, rope, want, 2e-2)
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.data())
+def test_property_persistent_layer_any_tiling(data):
+    """Random rows, row / column tiles, inner splits, phase groupings over launches (one
+    program for a multi-phase launch, 1-4 programs for one phase) and the fused QKV phase on
+    or off: the same outputs as the twin, counters back at zero (interpreter, fp32)."""
+    import os
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    m = data.draw(st.integers(1, 40), label="rows")
+    tiles = dict(BM=data.draw(st.sampled_from([16, 32, 64])),
+                 BN_O=data.draw(st.sampled_from([32, 64])),
+                 BN_GU=data.draw(st.sampled_from([16, 32, 64])),
+                 BN_D=data.draw(st.sampled_from([32, 64])),
+                 BN_QKV=32, BK=data.draw(st.sampled_from([16, 32])),
+                 SPLITS_O=data.draw(st.integers(1, 4)), SPLITS_D=data.draw(st.integers(1, 4)))
+    cuts = sorted(data.draw(st.sets(st.integers(1, 3), max_size=3), label="launch cuts"))
+    groups = [(lo, hi - 1) for lo, hi in zip([0] + cuts, cuts + [4])]
+    fused = data.draw(st.booleans(), label="fused QKV")
+    dt = torch.float32
+    shape = dict(hd=64, ho=64, inter=128, nqkv=128)
+    x = _inputs(m, **shape, dtype=dt, device="cpu", seed=m)
+    rope = _rope_case(m, 2, 1, 32, 16, 4, dt, "cpu", m, data.draw(st.integers(1, 2))) \
+        if fused else None
+    scratch = _nan_scratch(m, shape["hd"], shape["nqkv"], shape["inter"], dt, "cpu")
+    bar = torch.zeros(256, dtype=torch.int32)
+    for lo, hi in groups:
+        programs = 1 if hi > lo else data.draw(st.integers(1, 4))
+        got = persistent_layer(**x, num_programs=programs, phases=(lo, hi), scratch=scratch,
+                               bar=bar, tiles=tiles, rope=rope)
+    assert not bar.any()
+    if fused:
+        _check_rope(got, rope, _rope_want(x, rope), 1e-4)
+    else:
+        _check(got, persistent_layer_ref(**x), 1e-4)
 
 
 def test_persistent_layer_errors():
