@@ -188,6 +188,25 @@ def test_fused_reduce_engine_matches_transformers(tiny_dir):
         _assert_greedy_matches_hf(llm, hf)
 
 
+def _switched_path_matches_hf(monkeypatch, path, switch, module, name):
+    """Turn ``DecoderForCausalLM.<switch>`` on, count the rows of every call of
+    ``module.<name>``, then through the engine with CUDA graphs and chunked prefill: the path
+    ran (inside the captured graphs too: at most 256 rows) and greedy tokens equal
+    transformers'."""
+    from pagedkv.models.decoder import DecoderForCausalLM
+
+    rows = []
+    kernel = getattr(module, name)
+    monkeypatch.setattr(DecoderForCausalLM, switch, True)
+    monkeypatch.setattr(module, name,
+                        lambda x, *a, **k: rows.append(x.shape[0]) or kernel(x, *a, **k))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    llm = _gpu_llm(path, max_num_batched_tokens=32)
+    assert llm.runner.cuda_graphs is not None
+    assert rows and max(rows) <= 256
+    _assert_greedy_matches_hf(llm, hf)
+
+
 @pytest.mark.parametrize("family", ["qwen3", "qwen2"])
 def test_fused_qkv_projection_engine_matches_transformers(tiny_dir, monkeypatch, family):
     """The fused QKV projection (``pagedkv.kernels.qkv_rope_cache``: GEMM + q/k norms + RoPE +
@@ -195,19 +214,9 @@ def test_fused_qkv_projection_engine_matches_transformers(tiny_dir, monkeypatch,
     engine with compiled regions, CUDA graphs and chunked prefill: greedy tokens equal
     transformers' (Qwen3 with q/k norms, Qwen2 with q/k/v bias; head size 32)."""
     from pagedkv.kernels import qkv_rope_cache as fused
-    from pagedkv.models.decoder import DecoderForCausalLM
 
-    rows = []
-    kernel = fused.qkv_rope_cache
-    monkeypatch.setattr(DecoderForCausalLM, "fuse_qkv_projection", True)
-    monkeypatch.setattr(fused, "qkv_rope_cache",
-                        lambda x, *a, **k: rows.append(x.shape[0]) or kernel(x, *a, **k))
-    path = tiny_dir(family, head_dim=32)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
-    llm = _gpu_llm(path, max_num_batched_tokens=32)
-    assert llm.runner.cuda_graphs is not None
-    assert rows and max(rows) <= 256  # the captured graphs hold the fused kernel
-    _assert_greedy_matches_hf(llm, hf)
+    _switched_path_matches_hf(monkeypatch, tiny_dir(family, head_dim=32), "fuse_qkv_projection",
+                              fused, "qkv_rope_cache")
 
 
 @pytest.mark.parametrize("family,spec", [("qwen3", {"head_dim": 32}),
@@ -220,19 +229,9 @@ def test_fused_decode_chain_engine_matches_transformers(tiny_dir, monkeypatch, f
     FUSED_DECODE_MAX_ROWS rows, through the engine with CUDA graphs and chunked prefill:
     greedy tokens equal transformers' (Llama with q/k/v/o and MLP biases)."""
     from pagedkv.kernels import splitk_gemm as sk
-    from pagedkv.models.decoder import DecoderForCausalLM
 
-    rows = []
-    kernel = sk.splitk_residual
-    monkeypatch.setattr(DecoderForCausalLM, "fuse_decode_chain", True)
-    monkeypatch.setattr(sk, "splitk_residual",
-                        lambda x, *a, **k: rows.append(x.shape[0]) or kernel(x, *a, **k))
-    path = tiny_dir(family, **spec)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
-    llm = _gpu_llm(path, max_num_batched_tokens=32)
-    assert llm.runner.cuda_graphs is not None
-    assert rows and max(rows) <= 256  # the captured graphs hold the chain
-    _assert_greedy_matches_hf(llm, hf)
+    _switched_path_matches_hf(monkeypatch, tiny_dir(family, **spec), "fuse_decode_chain", sk,
+                              "splitk_residual")
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2"])
@@ -243,19 +242,9 @@ def test_persistent_decode_engine_matches_transformers(tiny_dir, monkeypatch, fa
     every step of at most PERSISTENT_DECODE_MAX_ROWS rows, through the engine with CUDA
     graphs and chunked prefill: greedy tokens equal transformers' (Qwen2 with q/k/v bias)."""
     from pagedkv.kernels import persistent_layer as pl
-    from pagedkv.models.decoder import DecoderForCausalLM
 
-    rows = []
-    kernel = pl.persistent_layer
-    monkeypatch.setattr(DecoderForCausalLM, "fuse_persistent_decode", True)
-    monkeypatch.setattr(pl, "persistent_layer",
-                        lambda h, *a, **k: rows.append(h.shape[0]) or kernel(h, *a, **k))
-    path = tiny_dir(family, head_dim=32)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
-    llm = _gpu_llm(path, max_num_batched_tokens=32)
-    assert llm.runner.cuda_graphs is not None
-    assert rows and max(rows) <= 256  # the captured graphs hold the persistent launches
-    _assert_greedy_matches_hf(llm, hf)
+    _switched_path_matches_hf(monkeypatch, tiny_dir(family, head_dim=32),
+                              "fuse_persistent_decode", pl, "persistent_layer")
 
 
 def test_fused_lm_head_argmax_engine_matches_transformers(tiny_dir, monkeypatch):
