@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from pagedkv.attention._triton_common import num_sms
 from pagedkv.errors import ConfigError
 from pagedkv.kernels._common import check_tensor
 from pagedkv.kernels.fp8_kv import is_fp8_kv
@@ -387,8 +388,7 @@ def persistent_layer(h, attn, wo, g1, wgu, wd, g2, wqkv, eps, *, qkv_bias=None, 
             raise ConfigError(f"{fn}: qkv_bias needs the fused QKV phase (rope=...)")
     interpreted = isinstance(_layer_kernel, InterpretedFunction)
     if num_programs is None:
-        num_programs = (1 if interpreted or h.device.type != "cuda" else
-                        torch.cuda.get_device_properties(h.device).multi_processor_count)
+        num_programs = 1 if interpreted or h.device.type != "cuda" else num_sms(h.device)
     if interpreted and num_programs > 1 and phases[1] > phases[0]:
         raise ConfigError(f"{fn}: the interpreter runs programs one after another: a launch "
                           "with a barrier (several phases) needs num_programs=1")
