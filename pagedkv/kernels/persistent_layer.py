@@ -6,10 +6,14 @@ bytes, norms, SiLU, graph gaps: a no-op graph node alone costs ~1.1 us). A layer
 attention takes 27.4-38.4 us at 1-256 rows against 7.4 us of weight bytes at 4.27 TB/s. Here
 the same work is **one** launch whose programs stay resident and wait for each other between
 the projections (a grid barrier: an atomic counter in global memory), so that no launch, no
-graph node and no tail of one kernel sits between two projections; and every weight tile of
-the launch is asked of the L2 at its start (``PREFETCH_WEIGHTS``), so the weight stream does
-not wait for the barriers. Opt-in (``DecoderForCausalLM.fuse_persistent_decode``) until
-measured on the GPU (``bench/bench_decode_layer_gpu.py`` variants ``persistent*``).
+graph node and no tail of one kernel sits between two projections; optionally every weight
+tile of the launch is asked of the L2 at its start (``PREFETCH_WEIGHTS``), so the weight stream
+does not wait for the barriers. Measured on an H100 (BENCHMARKS.md, thirty-fifth session,
+``bench/bench_decode_layer_gpu.py``): slower than the default path at every row count (1 / 32
+/ 256 rows: 37.4 / 45.1 / 118.3 us against 29.8 / 31.9 / 41.0), so opt-in
+(``DecoderForCausalLM.fuse_persistent_decode``). A grid barrier costs ~1.0 us; the phases
+themselves are slower than the separate kernels: one program of 4 warps an SM keeps too few
+weight bytes in flight.
 
 The layer between two attention calls (Qwen3 order; ``attn`` is layer i's attention output):
 
@@ -65,8 +69,9 @@ from pagedkv.kernels.qkv_rope_cache import qkv_rope_tile
 from pagedkv.kernels.splitk_gemm import GEMM_DTYPES
 
 # every weight tile of a launch asked of the L2 at its start (CUDA only; the interpreter has
-# no inline PTX)
-PREFETCH_WEIGHTS = True
+# no inline PTX): off, it cost 4.8 / 5.8 / 7.3 us a layer at 1 / 32 / 256 rows (H100,
+# variants persistent_pf against persistent, thirty-fifth session)
+PREFETCH_WEIGHTS = False
 
 
 @triton.jit

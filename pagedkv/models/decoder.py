@@ -60,7 +60,8 @@ FUSED_DECODE_MAX_ROWS = 256
 # The persistent decode layer (``pagedkv.kernels.persistent_layer``: o_proj, the post-attention
 # norm, gate/up + SiLU, down_proj, the next layer's input norm and fused QKV + q/k norms + RoPE
 # + KV write in one launch with grid barriers; ``DecoderLayer.persistent_post``) for
-# decode-sized batches: opt-in (``PAGEDKV_PERSISTENT_DECODE=1``) until measured on the GPU.
+# decode-sized batches: opt-in (``PAGEDKV_PERSISTENT_DECODE=1``): measured slower than the
+# default path at 1-256 rows (H100, BENCHMARKS.md thirty-fifth session).
 PERSISTENT_DECODE_ENABLED = os.environ.get("PAGEDKV_PERSISTENT_DECODE", "0") == "1"
 PERSISTENT_DECODE_MAX_ROWS = 256
 
@@ -670,8 +671,8 @@ class DecoderForCausalLM(nn.Module):
     def persistent_decode_usable(self, num_tokens: int, kv_cache: torch.Tensor) -> bool:
         """Whether a forward of ``num_tokens`` rows runs every layer's post-attention part
         and the next layer's QKV as one persistent launch (:meth:`DecoderLayer.persistent_post`;
-        ``fuse_persistent_decode``, default ``PERSISTENT_DECODE_ENABLED``, off: not yet
-        measured end to end): the fused projection's conditions (:meth:`fused_qkv_usable`
+        ``fuse_persistent_decode``, default ``PERSISTENT_DECODE_ENABLED``, off: the layer
+        measured slower than the default path): the fused projection's conditions (:meth:`fused_qkv_usable`
         without its own switch), at most ``PERSISTENT_DECODE_MAX_ROWS`` rows, dense
         gated-MLP layers with plain RMSNorms of one epsilon, no o_proj / MLP biases (the
         kernel has none; a q/k/v bias is served), no FP8 cache, shapes the kernel tiles."""
