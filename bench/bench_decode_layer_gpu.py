@@ -18,7 +18,13 @@ CUDA graph, us per layer), as the model runs it by default and with the fused de
   tiles (q/k norms, RoPE, K/V write in the same launch: one launch a layer besides attention,
   the engine's ``fuse_persistent_decode`` path; ``persistent_layer``'s default splits);
 * ``persistent_rope_nosplit``: the same with the o / down phases unsplit (``SPLITS_O`` /
-  ``SPLITS_D`` 1: few rows leave most programs idle there, split partials cost a round trip).
+  ``SPLITS_D`` 1: few rows leave most programs idle there, split partials cost a round trip);
+* ``persistent_rope_nopf``: ``persistent_rope`` without the L2 prefetch (the engine's path
+  since the thirty-fifth session, where the prefetch measured slower);
+* ``persistent_rope_x2``: ``persistent_rope_nopf`` with two programs an SM (the thirty-fifth
+  session's reading of the loss: one program of 4 warps an SM keeps too few weight bytes in
+  flight; the sm_90 compile fits at least two an SM at every row count, which the barrier
+  needs).
 
 The attention output is a fixed random tensor, so the numbers are the fixed cost a decode step
 pays per layer besides attention (W1's decode-step fit, BENCHMARKS.md nineteenth session:
@@ -53,7 +59,8 @@ from pagedkv.tools.benchmark import environment  # noqa: E402
 
 MS = (1, 8, 32, 64, 128, 192, 256)
 VARIANTS = ("default", "fused_qkv", "fused_qkv_gate_up", "chain", "chain_pdl", "persistent",
-            "persistent_pf", "persistent_rope", "persistent_rope_nosplit")
+            "persistent_pf", "persistent_rope", "persistent_rope_nosplit", "persistent_rope_nopf",
+            "persistent_rope_x2")
 BS, NB = 16, 4096
 
 
@@ -127,7 +134,7 @@ def main() -> int:
                                    ln_weight=nln.weight, ln_eps=nln.eps)
                 return h, q
 
-            def persistent(h, prefetch=False, fused_rope=False, tiles=None):
+            def persistent(h, prefetch=False, fused_rope=False, tiles=None, per_sm=1):
                 o, mlp, ln = layer.self_attn.o_proj, layer.mlp, layer.post_attention_layernorm
                 proj, nln = nxt.self_attn.qkv_proj, nxt.input_layernorm
                 assert o.bias is None and mlp.down_proj.bias is None and proj.bias is None
@@ -141,7 +148,8 @@ def main() -> int:
                 h, qkv, _, _ = persistent_layer(h, attn_out, o.weight, ln.weight,
                                            mlp.gate_up_proj.weight, mlp.down_proj.weight,
                                            nln.weight, proj.weight, ln.eps, prefetch=prefetch,
-                                           num_programs=num_programs, rope=rope, tiles=tiles)
+                                           num_programs=num_programs * per_sm, rope=rope,
+                                           tiles=tiles)
                 if fused_rope:
                     return h, qkv
                 q = qk_norm_rope_cache(qkv, H, HKV, D, qn.weight, kn.weight, qn.eps, cos, sin,
@@ -153,7 +161,9 @@ def main() -> int:
                     "persistent_pf": lambda h: persistent(h, True),
                     "persistent_rope": lambda h: persistent(h, True, True),
                     "persistent_rope_nosplit": lambda h: persistent(
-                        h, True, True, dict(SPLITS_O=1, SPLITS_D=1))}[variant]
+                        h, True, True, dict(SPLITS_O=1, SPLITS_D=1)),
+                    "persistent_rope_nopf": lambda h: persistent(h, False, True),
+                    "persistent_rope_x2": lambda h: persistent(h, False, True, per_sm=2)}[variant]
 
         for variant in args.variants.split(","):
             gu.FUSED_GATE_UP_ENABLED = variant == "fused_qkv_gate_up"

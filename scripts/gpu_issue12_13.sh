@@ -228,7 +228,7 @@ fi
 if [ -n "${PERSISTENT:-}" ]; then  # thirty-third session: the persistent decode layer (pagedkv/kernels/persistent_layer.py: o_proj, gate/up + SiLU, down_proj, next QKV (+ q/k norms, RoPE, K/V write) in one launch with grid barriers): bench_decode_layer_gpu.py against the default path (PL_MS rows, PL_VARIANTS), then its GPU tests (kernel and engine; SKIP_PL_TESTS), then PL_PAIRS pairs of PL_WORKLOADS (w1) with --persistent-decode; persistent_layer.json / persistent_decode.txt
   # the layer bench first (its variants are checked against the default's outputs): the
   # number that decides, where a lease is short
-  TAIL=14 run persistent_layer 300 python3 bench/bench_decode_layer_gpu.py --ms ${PL_MS:-1,8,32,64,128,192,256} --variants ${PL_VARIANTS:-default,persistent,persistent_pf,persistent_rope,persistent_rope_nosplit} --trials ${PL_TRIALS:-3} --out "$OUT/persistent_layer.json"
+  TAIL=14 run persistent_layer 300 python3 bench/bench_decode_layer_gpu.py --ms ${PL_MS:-1,8,32,64,128,192,256} --variants ${PL_VARIANTS:-default,persistent_rope,persistent_rope_nopf,persistent_rope_x2} --trials ${PL_TRIALS:-3} --out "$OUT/persistent_layer.json"
   [ -z "${SKIP_PL_TESTS:-}" ] && TAIL=4 run persistent_layer_tests 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_kernel_persistent_layer.py tests/engine/test_engine_gpu.py -k "persistent" -rfE
   ab_pairs "${PL_PAIRS:-1}" "${PL_WORKLOADS:-w1}" "--persistent-decode" persistent_decode.txt
 fi
