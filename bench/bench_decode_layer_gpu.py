@@ -16,7 +16,8 @@ CUDA graph, us per layer), as the model runs it by default and with the fused de
 * ``persistent_pf``: the same with every weight tile of the launch asked of the L2 at its start;
 * ``persistent_rope``: ``persistent_pf`` with the next QKV projection as ``qkv_rope_cache``'s
   tiles (q/k norms, RoPE, K/V write in the same launch: one launch a layer besides attention,
-  the engine's ``fuse_persistent_decode`` path; ``persistent_layer``'s default splits);
+  the engine's ``fuse_persistent_decode`` path until the thirty-fifth session;
+  ``persistent_layer``'s default splits);
 * ``persistent_rope_nosplit``: the same with the o / down phases unsplit (``SPLITS_O`` /
   ``SPLITS_D`` 1: few rows leave most programs idle there, split partials cost a round trip);
 * ``persistent_rope_nopf``: ``persistent_rope`` without the L2 prefetch (the engine's path
