@@ -672,8 +672,8 @@ class DecoderForCausalLM(nn.Module):
         """Whether a forward of ``num_tokens`` rows runs every layer's post-attention part
         and the next layer's QKV as one persistent launch (:meth:`DecoderLayer.persistent_post`;
         ``fuse_persistent_decode``, default ``PERSISTENT_DECODE_ENABLED``, off: the layer
-        measured slower than the default path): the fused projection's conditions (:meth:`fused_qkv_usable`
-        without its own switch), at most ``PERSISTENT_DECODE_MAX_ROWS`` rows, dense
+        measured slower than the default path): the fused projection's conditions
+        (:meth:`fused_qkv_usable` without its own switch), at most ``PERSISTENT_DECODE_MAX_ROWS`` rows, dense
         gated-MLP layers with plain RMSNorms of one epsilon, no o_proj / MLP biases (the
         kernel has none; a q/k/v bias is served), no FP8 cache, shapes the kernel tiles."""
         if not (self.fuse_persistent_decode and self.tp is None and 0 < num_tokens
