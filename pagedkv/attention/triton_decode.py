@@ -313,7 +313,7 @@ class DecodeConfig:
     lpt_load_fraction: float = 0.75
     fused_reduce: bool = False
     fused_reduce_programs_per_sm: float = 5.0
-    table_ahead: bool = False
+    table_ahead: bool = True
     table_ahead_stages: int = 3
     merge_chunk: int = 8
 
@@ -411,7 +411,7 @@ INTERPRET_DECODE_CONFIG = DecodeConfig(tile_n=16, num_warps=1, num_stages=1, min
 FP8_DECODE_CONFIG = DecodeConfig(tile_n=128, num_warps=4, num_stages=2, use_order=False,
                                  flat_split=False, lpt_one_range=False,
                                  fused_reduce_programs_per_sm=0.0, balanced_max_excess=None,
-                                 few_waves=None)
+                                 few_waves=None, table_ahead=False)
 
 
 def default_decode_config(device: torch.device, kv_dtype: torch.dtype | None = None) -> DecodeConfig:

@@ -369,9 +369,11 @@ def main(argv=None) -> int:
                    help="the programmatic-dependent-launch variant (pagedkv.kernels.pdl)")
     p.add_argument("--fused-reduce", action="store_true",
                    help="decode, decode-flat: the split kernel that merges its own ranges")
-    p.add_argument("--table-ahead", action="store_true",
+    p.add_argument("--table-ahead", action=argparse.BooleanOptionalAction, default=None,
                    help="decode, decode-flat: the block-table entries loaded a tile ahead "
-                        "(DecodeConfig.table_ahead; config's STAGES are its stages)")
+                        "(DecodeConfig.table_ahead, the default) or in the tile "
+                        "(--no-table-ahead); with a config, the plain loop unless "
+                        "--table-ahead, and STAGES are the loop's stages either way")
     p.add_argument("--merge-chunk", type=int, default=None,
                    help="decode, decode-flat: the ranges a merge loads at once "
                         "(DecodeConfig.merge_chunk; default 8)")
@@ -442,17 +444,16 @@ def main(argv=None) -> int:
         from pagedkv.attention.triton_decode import DecodeConfig
 
         cfg = DecodeConfig()
-        if args.config:
+        if args.config:  # the plain loop at STAGES unless --table-ahead (then that loop's)
             tile, w, st = _ints(args.config, 3, "decode config")
-            cfg = DecodeConfig(tile_n=tile, num_warps=w, num_stages=st)
+            cfg = DecodeConfig(tile_n=tile, num_warps=w, num_stages=st,
+                               table_ahead=bool(args.table_ahead), table_ahead_stages=st)
+        elif args.table_ahead is not None:
+            cfg = dataclasses.replace(cfg, table_ahead=args.table_ahead)
         if args.maxnreg is not None:
-            cfg = DecodeConfig(tile_n=cfg.tile_n, num_warps=cfg.num_warps,
-                               num_stages=cfg.num_stages, flat_max_registers=args.maxnreg or None)
-        if args.fused_reduce or args.table_ahead:
-            # with a config, its STAGES are the table-ahead loop's
-            stages = cfg.num_stages if args.config else cfg.table_ahead_stages
-            cfg = dataclasses.replace(cfg, fused_reduce=args.fused_reduce,
-                                      table_ahead=args.table_ahead, table_ahead_stages=stages)
+            cfg = dataclasses.replace(cfg, flat_max_registers=args.maxnreg or None)
+        if args.fused_reduce:
+            cfg = dataclasses.replace(cfg, fused_reduce=True)
         if args.merge_chunk is not None:
             cfg = dataclasses.replace(cfg, merge_chunk=args.merge_chunk)
         rep = decode_report(cfg, sass=args.sass, pdl=args.pdl, flat=args.kernel == "decode-flat",

@@ -68,8 +68,17 @@ def test_decode_table_ahead_copies_ahead(stages, waits, shared_kb, per_sm):
     assert got["waits"] == waits, got
     assert got["shared"] // 1024 == shared_kb and got["programs_per_sm"] == per_sm, got
     assert got["local"] == 0 and got["sass_ops"].get("LDGSTS", 0) > 0, got
-    plain = _compile("causal", "decode")
+    plain = _compile("causal", "decode", "--no-table-ahead")
     assert plain["num_stages"] == 5 and plain["waits"] == [1, 3, 3, 0], plain
+
+
+def test_decode_default_loads_the_table_ahead():
+    """The default decode loop (``DecodeConfig.table_ahead`` on since the thirty-sixth
+    session) is the table-ahead loop at 3 stages: one tile's K and V copies in flight, 37 KB,
+    5 programs an SM (what the balanced one-wave rule counts)."""
+    got = _compile("causal", "decode")
+    assert got["num_stages"] == 3 and got["waits"] == [2, 0], got
+    assert got["shared"] // 1024 == 37 and got["programs_per_sm"] == 5 and got["local"] == 0, got
 
 
 def test_decode_flat_table_ahead_copies_ahead():
@@ -81,11 +90,16 @@ def test_decode_flat_table_ahead_copies_ahead():
     assert got["shared"] // 1024 == 37 and got["programs_per_sm"] == 4 and got["local"] == 0, got
 
 
-@pytest.mark.parametrize("chunk,regs,per_sm", [(8, 96, 5), (16, 96, 5), (32, 158, 3)])
-def test_decode_fused_merge_chunk_footprint(chunk, regs, per_sm):
+@pytest.mark.parametrize("chunk,ahead,regs,per_sm", [
+    (8, True, 80, 6), (16, True, 93, 5), (32, True, 158, 3),
+    (8, False, 96, 5), (16, False, 96, 5), (32, False, 158, 3)])
+def test_decode_fused_merge_chunk_footprint(chunk, ahead, regs, per_sm):
     """The per-request split kernel with its own merge (the default for one-wave launches) at
-    ``DecodeConfig.merge_chunk`` 8 / 16 / 32: 16 ranges a round trip keep the 96 registers and
-    5 programs an SM of 8 (the one-wave bound counts 5), 32 take 158 and 3 an SM."""
-    got = _compile("causal", "decode", "--fused-reduce", "--merge-chunk", str(chunk))
+    ``DecodeConfig.merge_chunk`` 8 / 16 / 32, with the block table a tile ahead (the default)
+    and without: up to 16 ranges a round trip keep at least the 5 programs an SM the one-wave
+    bound counts, 32 take 158 registers and 3 an SM."""
+    got = _compile("causal", "decode", "--fused-reduce", "--merge-chunk", str(chunk),
+                   "--table-ahead" if ahead else "--no-table-ahead")
     assert got["regs"] == regs and got["programs_per_sm"] == per_sm and got["local"] == 0, got
-    assert got["waits"] == [1, 3, 3, 0], got  # the main loop's pipelining unchanged
+    # the main loop's pipelining unchanged by the merge
+    assert got["waits"] == ([2, 0] if ahead else [1, 3, 3, 0]), got

@@ -449,11 +449,13 @@ def test_decode_config_errors():
 
 def test_kernel_stages():
     """The decode kernels launch at ``table_ahead_stages`` only with ``table_ahead``."""
-    assert DecodeConfig().kernel_stages() == DecodeConfig().num_stages == 5
-    assert DecodeConfig(table_ahead=True).kernel_stages() == 3
+    assert DecodeConfig().table_ahead and DecodeConfig().kernel_stages() == 3
+    assert DecodeConfig(table_ahead=False).kernel_stages() == DecodeConfig().num_stages == 5
     assert DecodeConfig(table_ahead=True, table_ahead_stages=6,
                         num_stages=4).kernel_stages() == 6
-    assert DecodeConfig(table_ahead_stages=6, num_stages=4).kernel_stages() == 4
+    assert DecodeConfig(table_ahead=False, table_ahead_stages=6,
+                        num_stages=4).kernel_stages() == 4
+    assert not FP8_DECODE_CONFIG.table_ahead  # not measured on FP8 caches
 
 
 def test_decode_argument_errors():
@@ -708,7 +710,7 @@ def test_decode_gpu_table_ahead(stages, tile):
         case = make_case([(c, 1) for c in ctx], block_size=bs, num_heads=16, num_kv_heads=8,
                          head_dim=128, dtype=torch.bfloat16, device="cuda", write_new=True,
                          seed=stages + bs)
-        plain = DecodeConfig(tile_n=tile, num_stages=stages, flat_split=False)
+        plain = DecodeConfig(tile_n=tile, num_stages=stages, flat_split=False, table_ahead=False)
         ahead = dataclasses.replace(plain, table_ahead=True, table_ahead_stages=stages)
         for splits in (None, 1, 32):
             out = run_decode(case, num_splits=splits, config=ahead)
