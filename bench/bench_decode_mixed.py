@@ -136,17 +136,19 @@ VARIANTS = {
     "ta7_ms16": DecodeConfig(table_ahead=True, table_ahead_stages=7, max_splits=16),
     "ta4_t64": DecodeConfig(table_ahead=True, table_ahead_stages=4, tile_n=64),
     "ta4_ms64": DecodeConfig(table_ahead=True, table_ahead_stages=4, max_splits=64),
-    # the ranges a merge loads in one round trip (DecodeConfig.merge_chunk, default 8; the
-    # thirty-second session): B1's 32 ranges in 2 / 1 dependent loads instead of 4 (16 keeps
-    # the fused split kernel's 96 registers and 5 programs an SM, 32 takes 158 and 3); 64
-    # ranges at B1 with 16 / 32 a round trip (the twenty-first session's 64 lost at 8);
-    # with the table a tile ahead
-    "mc4": DecodeConfig(merge_chunk=4),
-    "mc16": DecodeConfig(merge_chunk=16),
-    "mc32": DecodeConfig(merge_chunk=32),
-    "mc16_ms64": DecodeConfig(merge_chunk=16, max_splits=64),
-    "mc32_ms64": DecodeConfig(merge_chunk=32, max_splits=64),
-    "mc16_ta3": DecodeConfig(merge_chunk=16, table_ahead=True, table_ahead_stages=3),
+    # the ranges a merge loads in one round trip (DecodeConfig.merge_chunk; the thirty-second
+    # session): B1's 32 ranges in 2 / 1 dependent loads instead of 4 (16 keeps 5 programs an
+    # SM in the fused split kernel, 32 takes 158 registers and 3). Every merge at one chunk
+    # (no wide chunk): mc4-mc32; the defaults since the thirty-sixth session (16, and 32 for
+    # fused launches of at most 3 programs an SM) against the former 8 everywhere: mc8; 64
+    # ranges at B1 with 16 / 32 a round trip (the twenty-first session's 64 lost at 8)
+    "mc4": DecodeConfig(merge_chunk=4, wide_merge_chunk=None),
+    "mc8": DecodeConfig(merge_chunk=8, wide_merge_chunk=None),
+    "mc16": DecodeConfig(merge_chunk=16, wide_merge_chunk=None),
+    "mc32": DecodeConfig(merge_chunk=32, wide_merge_chunk=None),
+    "mc16_ms64": DecodeConfig(merge_chunk=16, wide_merge_chunk=None, max_splits=64),
+    "mc32_ms64": DecodeConfig(merge_chunk=32, wide_merge_chunk=None, max_splits=64),
+    "mc8_plain": DecodeConfig(merge_chunk=8, wide_merge_chunk=None, table_ahead=False),
 }
 
 

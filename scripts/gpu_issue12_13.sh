@@ -218,10 +218,10 @@ if [ -n "${TABLE_AHEAD:-}" ]; then  # thirty-first session (H100: ta3 0.9-5.8% f
   done
   ab_pairs "${TA_PAIRS:-1}" "${TA_WORKLOADS:-w1 w2}" "--decode-config table_ahead=1" table_ahead.txt
 fi
-if [ -n "${MERGE_CHUNK:-}" ]; then  # thirty-second session: DecodeConfig.merge_chunk (ranges a merge loads in one round trip, default 8): its GPU tests, bench_decode_mixed at MC_BATCHES on equal L2048 / L8192 and U[100, 2048] (MC_VARIANTS against the default; B1-B2 merge in the split kernel, B17 and up on mixed lengths in the flat reduce), then MC_PAIRS pairs of MC_WORKLOADS (w1) with --decode-config merge_chunk=MC_CHUNK (16); mc_*.json / merge_chunk.txt
+if [ -n "${MERGE_CHUNK:-}" ]; then  # thirty-second session: DecodeConfig.merge_chunk (ranges a merge loads in one round trip; defaults since the thirty-sixth: 16, wide_merge_chunk 32): its GPU tests, bench_decode_mixed at MC_BATCHES on equal L2048 / L8192 and U[100, 2048] (MC_VARIANTS against the default; B1-B2 merge in the split kernel, B17 and up on mixed lengths in the flat reduce), then MC_PAIRS pairs of MC_WORKLOADS (w1) with --decode-config merge_chunk=MC_CHUNK (16); mc_*.json / merge_chunk.txt
   TAIL=4 run merge_chunk_tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/attention/test_triton_decode.py -k "merge_chunk or fused_reduce" -rfE
   for lens in "2048 2048" "8192 8192" "100 2048"; do set -- $lens
-    TAIL=12 run mc_$1_$2 150 python3 bench/bench_decode_mixed.py --lo $1 --hi $2 --batches ${MC_BATCHES:-1,2,4,8,16,64,256} --splits "" --min-split-tokens "" --variants ${MC_VARIANTS:-mc16,mc32,mc16_ms64,mc16_ta3} --out "$OUT/mc_$1_$2.json"
+    TAIL=12 run mc_$1_$2 150 python3 bench/bench_decode_mixed.py --lo $1 --hi $2 --batches ${MC_BATCHES:-1,2,4,8,16,64,256} --splits "" --min-split-tokens "" --variants ${MC_VARIANTS:-mc8,mc8_plain,mc16,mc32} --out "$OUT/mc_$1_$2.json"
   done
   ab_pairs "${MC_PAIRS:-1}" "${MC_WORKLOADS:-w1}" "--decode-config merge_chunk=${MC_CHUNK:-16}" merge_chunk.txt
 fi

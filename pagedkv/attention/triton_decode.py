@@ -23,12 +23,11 @@ Kernel (``_decode_kernel``), grid ``(num_reqs, Hkv, num_splits)``:
     normalized output directly; otherwise each range stores its partial ``(max, sum, acc)`` in
     fp32 and ``_decode_reduce_kernel`` (grid ``(num_reqs, H / reduce_heads)``: each program
     merges ``DecodeConfig.reduce_heads`` query heads) merges them, loading
-    ``DecodeConfig.merge_chunk`` (8) ranges per iteration at once (one compiled variant for
-    every split count; on the H200 as fast as a loop over single ranges within lease variance,
-    with fewer dependent loads for 16-32 ranges). Launches of one wave merge inside the split
-    kernel instead (the last range of a request to arrive merges, after an atomic ticket:
-    ``DecodeConfig.fused_reduce_programs_per_sm``); past one wave that was measured slower
-    (BENCHMARKS.md).
+    ``DecodeConfig.merge_chunk`` (16) ranges per iteration at once (one compiled variant for
+    every split count). Launches of one wave merge inside the split kernel instead (the last
+    range of a request to arrive merges, after an atomic ticket:
+    ``DecodeConfig.fused_reduce_programs_per_sm``; 32 ranges at once where few programs run:
+    ``wide_merge_chunk``); past one wave that was measured slower (BENCHMARKS.md).
 
 Attention sinks (``sinks [H]``, GPT-OSS): each query head's learned logit joins the softmax
 denominator as ``exp(sink)`` once, where a request's output is normalized (the split kernel's
@@ -262,27 +261,35 @@ class DecodeConfig:
     2,950 against 3,514 output tok/s; at 3 stages (4 programs an SM) 1-7% faster on mixed
     lengths, not measured on the balanced one-wave launches (whose rule counts 5 an SM).
 
-    ``table_ahead`` (thirty-first session, off by default): the decode kernels (per-request
-    and flat) load each tile's block-table entries one iteration ahead (:func:`_tile_blocks`,
-    as the prefill loop does) and launch with ``table_ahead_stages``; Triton then keeps the
-    K / V copies of ``table_ahead_stages - 2`` more tiles in flight while one is computed
-    (sm_90, per-request kernel: 37 KB of shared memory and 5 programs an SM at 3 stages, as
-    the plain loop at 5; 54 / 71 / 87 / 103 KB at 4-7; the flat kernel at 3: 37 KB, 4 an SM,
-    its plain wave). H100, B1-B16 at L512 / L2048 / L8192 /
-    U[1000, 8000] (``bench_decode_mixed.py --variants ta3,...``): more copies in flight are
-    slower (B1/L8192 24.6 us at 7 stages against 20.2), so the small batches are not bound by
-    a program's copy latency; at 3 stages 0.9-5.8% faster in 20 of 20 cells. Not measured on
-    the H200, on the flat split's or the balanced / longest-first launches (B17 and up), or
-    end to end: hence off. Thirty-second session, end to end: W2 on the H200 3,914 / 3,910
-    against 3,890-3,896 (four default runs, one lease); W1 on an H100 20,279 against 20,522
-    (one pair): still off.
+    ``table_ahead`` (thirty-first session; the default since the thirty-sixth): the decode
+    kernels (per-request and flat) load each tile's block-table entries one iteration ahead
+    (:func:`_tile_blocks`, as the prefill loop does) and launch with ``table_ahead_stages``;
+    Triton then keeps the K / V copies of ``table_ahead_stages - 2`` more tiles in flight
+    while one is computed (sm_90, per-request kernel: 37 KB of shared memory and 5 programs
+    an SM at 3 stages, as the plain loop at 5; 54 / 71 / 87 / 103 KB at 4-7; the flat kernel
+    at 3: 37 KB, 4 an SM, its plain wave). H100, B1-B16 at L512 / L2048 / L8192 / U[1000,
+    8000] (``bench_decode_mixed.py --variants ta3,...``): more copies in flight are slower
+    (B1/L8192 24.6 us at 7 stages against 20.2), so the small batches are not bound by a
+    program's copy latency; at 3 stages 0.9-5.8% faster in 20 of 20 cells, B1-B256 0.2-6.3%
+    faster in 16 of 18 (B128/L8192 3.6% slower). End to end: W2 on the H200 3,914 / 3,910
+    against 3,890-3,896 (thirty-second session, one lease); W1 on an H100 20,279 against
+    20,522 (one pair, thirty-second), then **21,341 / 21,321 against 21,170 / 21,180** (two
+    alternating pairs, thirty-sixth). FP8 caches keep the plain loop (not measured).
 
-    ``merge_chunk`` (thirty-second session, default 8, unchanged): the partial ranges every
-    merge (the reduce kernels and the split kernels' own, fused merge) loads in one round
-    trip; a request merging ``n`` ranges waits on ``ceil(n / merge_chunk)`` dependent loads.
-    B1 merges 32 ranges in 4; 16 takes 2 with the same footprint (sm_90, the fused split
-    kernel: 96 registers, 5 programs an SM at 8 and 16; 158 and 3 an SM at 32). Not measured
-    on a GPU yet.
+    ``merge_chunk`` / ``wide_merge_chunk`` (thirty-second session; measured and set in the
+    thirty-sixth): the partial ranges a merge (the reduce kernels and the split kernels' own,
+    fused merge) loads in one round trip; a request merging ``n`` ranges waits on ``ceil(n /
+    chunk)`` dependent loads. A fused per-request launch of at most
+    ``wide_merge_programs_per_sm`` programs an SM merges ``wide_merge_chunk`` at once (B1:
+    its 32 ranges in one trip), every other merge ``merge_chunk``. The fused split kernel
+    (sm_90, table ahead) takes 80 / 93 / 158 registers at 8 / 16 / 32: 6 / 5 / 3 programs an
+    SM, so 32 only where 3 an SM hold the launch. H100 (``bench_decode_mixed.py --variants
+    mc16,mc32``, us, 8 / 16 / 32): B1/L8192 19.6 / 18.6 / 17.7, B1/L2048 11.2 / 10.3 / 9.3,
+    B1 U[100, 2048] 11.1 / 10.2 / 9.1; B2/L8192 (512 programs, 3.9 an SM) 32.2 / 31.0 / 34.0,
+    B4/L8192 54.9 / 54.1 / 59.2, B2-B4 at L2048 and mixed 0.4-1.1 us faster at 16; B16-B256
+    (the flat split, its reduce, one range a request) within 0.2%; W1 21,367 / 21,316 at 8 /
+    16 (one pair, the flat reduce's merge; within W1's spread). FP8 caches keep 8 (not
+    measured).
     """
 
     tile_n: int = 32
@@ -315,7 +322,9 @@ class DecodeConfig:
     fused_reduce_programs_per_sm: float = 5.0
     table_ahead: bool = True
     table_ahead_stages: int = 3
-    merge_chunk: int = 8
+    merge_chunk: int = 16
+    wide_merge_chunk: int | None = 32
+    wide_merge_programs_per_sm: float = 3.0
 
     def __post_init__(self):
         check_launch_config(self, ("tile_n",), warps=False)
@@ -348,11 +357,18 @@ class DecodeConfig:
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not f >= 0:
             raise ConfigError("DecodeConfig.fused_reduce_programs_per_sm must be a number >= 0, "
                               f"got {f!r}")
-        c = self.merge_chunk
-        if isinstance(c, bool) or not isinstance(c, int) or not 2 <= c <= MAX_SPLITS \
-                or c & (c - 1):
-            raise ConfigError(f"DecodeConfig.merge_chunk must be a power of two in [2, "
-                              f"{MAX_SPLITS}], got {c!r}")
+        for name in ("merge_chunk", "wide_merge_chunk"):
+            c = getattr(self, name)
+            if c is None and name == "wide_merge_chunk":
+                continue
+            if isinstance(c, bool) or not isinstance(c, int) or not 2 <= c <= MAX_SPLITS \
+                    or c & (c - 1):
+                raise ConfigError(f"DecodeConfig.{name} must be a power of two in [2, "
+                                  f"{MAX_SPLITS}], got {c!r}")
+        w = self.wide_merge_programs_per_sm
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not w >= 0:
+            raise ConfigError("DecodeConfig.wide_merge_programs_per_sm must be a number >= 0, "
+                              f"got {w!r}")
         r = self.reduce_heads
         if isinstance(r, bool) or not isinstance(r, int) or r < 1 or r & (r - 1):
             raise ConfigError(f"DecodeConfig.reduce_heads must be a power of two >= 1, got {r!r}")
@@ -370,6 +386,15 @@ class DecodeConfig:
         multiprocessors merges its own ranges (``fused_reduce``, or at most
         ``fused_reduce_programs_per_sm`` programs an SM)."""
         return self.fused_reduce or programs <= self.fused_reduce_programs_per_sm * sms
+
+    def merge_chunk_for(self, programs: int, sms: int, fused: bool) -> int:
+        """The ranges a merge loads in one round trip (``SPLIT_CHUNK``): ``wide_merge_chunk``
+        for a fused per-request launch (``fused``) of at most ``wide_merge_programs_per_sm``
+        programs an SM, else ``merge_chunk``."""
+        if fused and self.wide_merge_chunk is not None \
+                and programs <= self.wide_merge_programs_per_sm * sms:
+            return self.wide_merge_chunk
+        return self.merge_chunk
 
     def unfused(self) -> "DecodeConfig":
         """This config with every split merged by a reduce launch."""
@@ -411,7 +436,8 @@ INTERPRET_DECODE_CONFIG = DecodeConfig(tile_n=16, num_warps=1, num_stages=1, min
 FP8_DECODE_CONFIG = DecodeConfig(tile_n=128, num_warps=4, num_stages=2, use_order=False,
                                  flat_split=False, lpt_one_range=False,
                                  fused_reduce_programs_per_sm=0.0, balanced_max_excess=None,
-                                 few_waves=None, table_ahead=False)
+                                 few_waves=None, table_ahead=False, merge_chunk=8,
+                                 wide_merge_chunk=None)
 
 
 def default_decode_config(device: torch.device, kv_dtype: torch.dtype | None = None) -> DecodeConfig:
@@ -1357,8 +1383,8 @@ def paged_decode_attention(
     ordered = order is not None and cfg.use_order and num_reqs <= MAX_GRID_Z
     grid = (num_splits, shape.num_kv_heads, num_reqs) if ordered \
         else (num_reqs, shape.num_kv_heads, num_splits)
-    fused = num_splits > 1 and cfg.fuses_reduce(num_reqs * shape.num_kv_heads * num_splits,
-                                                 num_sms(q.device))
+    programs = num_reqs * shape.num_kv_heads * num_splits
+    fused = num_splits > 1 and cfg.fuses_reduce(programs, num_sms(q.device))
     _decode_kernel[grid](
         qsl_ptr=query_start_loc, seq_ptr=seq_lens, num_reqs=num_reqs, num_splits=num_splits,
         min_split_tiles=min_split_tiles, zero_rows=int(bool(zero_padded_rows)), window=window,
@@ -1366,7 +1392,8 @@ def paged_decode_attention(
         RANGE_LOOP=not interpreted(_decode_kernel),
         order_ptr=order if ordered else None, ORDERED=ordered,
         cnt_ptr=_counters(workspace, num_reqs * shape.num_kv_heads, q.device) if fused else None,
-        FUSED_REDUCE=fused, GROUP_P2=next_pow2(shape.group), SPLIT_CHUNK=cfg.merge_chunk,
+        FUSED_REDUCE=fused, GROUP_P2=next_pow2(shape.group),
+        SPLIT_CHUNK=cfg.merge_chunk_for(programs, num_sms(q.device), fused),
         **_attend_args(q, kv_cache, block_table, out, shape, cfg, scale, softcap, sinks, lse,
                        k_scale, v_scale, fp8, d_pad),
         **pdl_launch_args(_decode_kernel, q.device),

@@ -376,7 +376,7 @@ def main(argv=None) -> int:
                         "--table-ahead, and STAGES are the loop's stages either way")
     p.add_argument("--merge-chunk", type=int, default=None,
                    help="decode, decode-flat: the ranges a merge loads at once "
-                        "(DecodeConfig.merge_chunk; default 8)")
+                        "(DecodeConfig.merge_chunk; default 16, wide_merge_chunk 32)")
     p.add_argument("--maxnreg", type=int, default=None,
                    help="decode-flat: the register cap (0: none; default DecodeConfig's)")
     p.add_argument("--fp8", action="store_true", help="qkv-rope: FP8 caches")

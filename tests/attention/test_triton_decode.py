@@ -444,7 +444,29 @@ def test_decode_config_errors():
     for bad in (1, 3, 12, 128, True, 8.0, None):
         with pytest.raises(ConfigError, match="merge_chunk"):
             DecodeConfig(merge_chunk=bad)
-    assert DecodeConfig().merge_chunk == 8 and DecodeConfig(merge_chunk=64).merge_chunk == 64
+    assert DecodeConfig().merge_chunk == 16 and DecodeConfig(merge_chunk=64).merge_chunk == 64
+    for bad in (1, 3, 12, 128, True, 8.0):
+        with pytest.raises(ConfigError, match="wide_merge_chunk"):
+            DecodeConfig(wide_merge_chunk=bad)
+    for bad in (-1.0, True, None, "3"):
+        with pytest.raises(ConfigError, match="wide_merge_programs_per_sm"):
+            DecodeConfig(wide_merge_programs_per_sm=bad)
+
+
+def test_merge_chunk_for():
+    """The merge's ranges a round trip by hand: a fused per-request launch of at most
+    ``wide_merge_programs_per_sm`` (3) programs an SM merges ``wide_merge_chunk`` (32) at once
+    (B1 at 8 KV heads x 32 ranges = 256 programs on 132 SMs), a larger one (B2: 512) or a
+    reduce launch ``merge_chunk`` (16); without a wide chunk, or on FP8 caches, always
+    ``merge_chunk``."""
+    cfg = DecodeConfig()
+    assert cfg.merge_chunk_for(256, 132, True) == 32
+    assert cfg.merge_chunk_for(396, 132, True) == 32 and cfg.merge_chunk_for(397, 132, True) == 16
+    assert cfg.merge_chunk_for(512, 132, True) == 16
+    assert cfg.merge_chunk_for(256, 132, False) == 16
+    assert DecodeConfig(wide_merge_chunk=None).merge_chunk_for(256, 132, True) == 16
+    assert DecodeConfig(wide_merge_programs_per_sm=0.0).merge_chunk_for(1, 132, True) == 16
+    assert FP8_DECODE_CONFIG.merge_chunk_for(256, 132, True) == FP8_DECODE_CONFIG.merge_chunk == 8
 
 
 def test_kernel_stages():
@@ -493,7 +515,7 @@ def test_decode_merge_chunk(kernel_device, merge_chunk):
                      write_new=True, seed=15)
     base = DecodeConfig(tile_n=16, num_warps=1, num_stages=1, min_split_tokens=16,
                         use_order=False, lpt_one_range=False, flat_split=False,
-                        merge_chunk=merge_chunk)
+                        merge_chunk=merge_chunk, wide_merge_chunk=None)
     outs = []
     for cfg in (base.unfused(), dataclasses.replace(base, fused_reduce=True)):
         ws: dict = {}
@@ -501,6 +523,13 @@ def test_decode_merge_chunk(kernel_device, merge_chunk):
         assert ("decode_counters" in ws) == cfg.fused_reduce
     assert torch.equal(outs[0].nan_to_num(7.0), outs[1].nan_to_num(7.0))
     check(case, outs[0])
+    # the wide chunk of a fused launch of few programs (all 20 ranges in one trip): the
+    # reference, and the chunked merges up to float rounding
+    wide = run_decode(case, num_splits=20, config=dataclasses.replace(
+        base, fused_reduce=True, wide_merge_chunk=32))
+    check(case, wide)
+    rows = rows_of(case, lambda ql: ql == 1)
+    torch.testing.assert_close(wide[rows], outs[0][rows], atol=1e-5, rtol=1e-5)
 
 
 def test_merge_chunk_reaches_every_merge(kernel_device, monkeypatch):
@@ -522,7 +551,8 @@ def test_merge_chunk_reaches_every_merge(kernel_device, monkeypatch):
     case = make_case([(70, 1), (9, 1)], block_size=4, device=kernel_device, write_new=True,
                      seed=3)
     base = DecodeConfig(tile_n=16, num_warps=1, num_stages=1, min_split_tokens=16,
-                        use_order=False, lpt_one_range=False, flat_split=False, merge_chunk=4)
+                        use_order=False, lpt_one_range=False, flat_split=False, merge_chunk=4,
+                        wide_merge_chunk=None)
     flat = dataclasses.replace(base, flat_split=True, flat_min_split_tokens=16,
                                flat_min_programs_per_sm=0.0)
     for cfg in (base.unfused(), dataclasses.replace(base, fused_reduce=True), flat.unfused(),
@@ -530,6 +560,17 @@ def test_merge_chunk_reaches_every_merge(kernel_device, monkeypatch):
         check(case, run_decode(case, num_splits=None if cfg.flat_split else 5, config=cfg))
     assert seen == {"_decode_kernel": {4}, "_decode_reduce_kernel": {4},
                     "_decode_flat_kernel": {4}, "_decode_flat_reduce_kernel": {4}}, seen
+    # the wide chunk: the fused per-request launch of few programs (2 requests x 2 KV heads x
+    # 5 ranges), and not its reduce launch when unfused, nor the flat launches
+    seen.clear()
+    wide = dataclasses.replace(base, wide_merge_chunk=8)
+    wide_flat = dataclasses.replace(flat, wide_merge_chunk=8)
+    for cfg in (wide.unfused(), dataclasses.replace(wide, fused_reduce=True),
+                dataclasses.replace(wide_flat, fused_reduce=True),
+                dataclasses.replace(wide, fused_reduce=True, wide_merge_programs_per_sm=0.0)):
+        check(case, run_decode(case, num_splits=None if cfg.flat_split else 5, config=cfg))
+    assert seen == {"_decode_kernel": {4, 8}, "_decode_reduce_kernel": {4},
+                    "_decode_flat_kernel": {4}}, seen
 
 
 def test_decode_reduce_ignores_stale_partials(kernel_device):
@@ -800,7 +841,7 @@ def test_decode_gpu_merge_chunk(merge_chunk):
     kernel), 64 mixed lengths (the flat split and its reduce), and forced 20 ranges through
     the reduce launch: the reference, and close to the default chunk of 8; 20 launches equal
     the first bit for bit."""
-    cfg = dataclasses.replace(DecodeConfig(), merge_chunk=merge_chunk)
+    cfg = dataclasses.replace(DecodeConfig(), merge_chunk=merge_chunk, wide_merge_chunk=None)
     torch.manual_seed(7)
     for ctx in ([8192], [4096, 4096], [int(x) for x in torch.randint(1, 4000, (64,))]):
         case = make_case([(c, 1) for c in ctx], block_size=16, num_heads=16, num_kv_heads=8,
