@@ -150,6 +150,7 @@ SWITCHES = (
     ("fused_decode", "pagedkv.models.decoder", "DecoderForCausalLM", "fuse_decode_chain"),
     ("persistent_decode", "pagedkv.models.decoder", "DecoderForCausalLM",
      "fuse_persistent_decode"),
+    ("decode_prologue", "pagedkv.models.decoder", "DecoderForCausalLM", "fuse_decode_prologue"),
     ("fused_gate_up", "pagedkv.kernels.gate_up_silu", None, "FUSED_GATE_UP_ENABLED"),
     ("pdl", "pagedkv.kernels.pdl", None, "PDL_ENABLED"),
 )
@@ -424,6 +425,10 @@ def main(argv=None) -> int:
                    help="decode-sized batches' layers after attention as one persistent launch "
                         "each (pagedkv.kernels.persistent_layer; "
                         "DecoderForCausalLM.fuse_persistent_decode, off by default)")
+    p.add_argument("--decode-prologue", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode-only steps: the q/k norms, RoPE and K/V write inside the decode "
+                        "attention launch (pagedkv.attention.triton_decode.QKPrologue; "
+                        "DecoderForCausalLM.fuse_decode_prologue, off by default)")
     p.add_argument("--fused-gate-up", action=argparse.BooleanOptionalAction, default=None,
                    help="decode-sized batches' gate/up GEMM with SiLU in its epilogue "
                         "(pagedkv.kernels.gate_up_silu.FUSED_GATE_UP_ENABLED; off by default)")

@@ -160,6 +160,8 @@ def main(argv=None) -> int:
                    help="as bench_w1.py's")
     p.add_argument("--persistent-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="as bench_w1.py's")
+    p.add_argument("--decode-prologue", action=argparse.BooleanOptionalAction, default=None,
+                   help="as bench_w1.py's")
     p.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
                    help="as bench_w1.py's")
     p.add_argument("--fresh-prefill", default=None, choices=["auto", "triton", "varlen"],

@@ -95,6 +95,7 @@ from pagedkv.attention.merge_states import _merge_kernel, merge_attention_states
 from pagedkv.attention.torch_ref import paged_attention_ref
 from pagedkv.attention.triton_decode import (
     DecodeConfig,
+    QKPrologue,
     _decode_kernel,
     default_decode_config,
     one_range_for,
@@ -399,17 +400,7 @@ class TritonAttentionBackend(AttentionBackend):
         seq_lens = metadata.seq_lens
         table = metadata.block_table_tensor
         if plan.decode_only:  # decode-only batch: host ints only
-            # padded requests zero their rows inside the decode kernel (in a CUDA graph the
-            # host's `end` is the capture's, not the replay's); rows past num_reqs here
-            if n < q.shape[0]:
-                out[n:].zero_()
-            paged_decode_attention(q, kv_cache, table, qsl, seq_lens, n, scale, out,
-                                   max_seq_len=plan.max_seq_len, balanced=plan.balanced,
-                                   config=self.decode_config, zero_padded_rows=True,
-                                   check=check, workspace=plan.workspace,
-                                   sliding_window=window, logits_soft_cap=cap, sinks=sinks,
-                                   order=getattr(metadata, "decode_order", None), **scales)
-            return out
+            return self._decode_only(q, kv_cache, plan, scale, out, check, sinks, scales)
         if plan.end < q.shape[0]:
             out[plan.end:].zero_()
         # torch's varlen kernel has no sinks, and reads the step's K/V, not an FP8 cache's
@@ -437,6 +428,43 @@ class TritonAttentionBackend(AttentionBackend):
                                 sliding_window=window, logits_soft_cap=cap, sinks=sinks,
                                 **scales)
         return out
+
+    def _decode_only(self, q, kv_cache, plan: "TritonPlan", scale, out, check, sinks, scales,
+                     prologue: QKPrologue | None = None) -> torch.Tensor:
+        """A decode-only step's launch (host ints only)."""
+        metadata = plan.metadata
+        n = plan.n
+        # padded requests zero their rows inside the decode kernel (in a CUDA graph the
+        # host's `end` is the capture's, not the replay's); rows past num_reqs here
+        if n < q.shape[0]:
+            out[n:].zero_()
+        paged_decode_attention(q, kv_cache, metadata.block_table_tensor,
+                               metadata.query_start_loc, metadata.seq_lens, n, scale, out,
+                               max_seq_len=plan.max_seq_len, balanced=plan.balanced,
+                               config=self.decode_config, zero_padded_rows=True,
+                               check=check, workspace=plan.workspace,
+                               sliding_window=plan.layout.sliding_window,
+                               logits_soft_cap=plan.layout.logits_soft_cap, sinks=sinks,
+                               order=getattr(metadata, "decode_order", None), prologue=prologue,
+                               **scales)
+        return out
+
+    def forward_decode_prologue(self, layer_idx: int, prologue: QKPrologue,
+                                kv_cache: torch.Tensor, plan: "TritonPlan",
+                                scale: float) -> torch.Tensor | None:
+        """A decode-only step's attention with the layer's q/k norms, RoPE and K/V write done
+        by the decode launch itself (``QKPrologue``: one launch less than
+        ``qk_norm_rope_cache`` + :meth:`forward`); the same result. None where the step takes
+        another path (prefill rows, cascade, the reference attention, an empty step): the
+        caller then runs the prologue's kernel and :meth:`forward`."""
+        if not (plan.triton and plan.decode_only and not plan.cascade and plan.n > 0):
+            return None
+        q = prologue.query()
+        check = not plan.checked
+        if check:
+            plan.check(q, kv_cache)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        return self._decode_only(q, kv_cache, plan, scale, out, check, None, {}, prologue)
 
     def _cudnn_paged_graph(self, plan: "TritonPlan", q: torch.Tensor, out: torch.Tensor,
                            kv_cache: torch.Tensor, scale: float):

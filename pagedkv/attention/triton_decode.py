@@ -79,6 +79,7 @@ from pagedkv.errors import ConfigError
 from pagedkv.kernels._common import arrive, cdiv, check_launch_config, next_pow2, use_triton
 from pagedkv.kernels.fp8_kv import check_kv_scale, is_fp8_kv
 from pagedkv.kernels.pdl import pdl_launch_args, pdl_prologue
+from pagedkv.kernels.qk_norm_rope_cache import norm_rope_tile
 
 MAX_SPLITS = 64
 MAX_GRID_Z = 65535  # CUDA's limit on a grid's y and z extents
@@ -405,13 +406,13 @@ class DecodeConfig:
         else ``num_stages``."""
         return self.table_ahead_stages if self.table_ahead else self.num_stages
 
-    def flat_registers(self) -> int | None:
+    def flat_registers(self, prologue: bool = False) -> int | None:
         """The flat kernel's register cap (``maxnreg``): ``flat_max_registers`` when set; with
         ``fused_reduce`` (whose merge raises the kernel to 162 registers, 3 programs an SM on
-        sm_90) the most that still fits ``flat_programs_per_sm`` programs of ``num_warps`` warps
-        in the 65,536 registers of an SM (128 at the defaults: unspilled, 4 an SM); else
-        none."""
-        if self.flat_max_registers is not None or not self.fused_reduce:
+        sm_90) or the fused q/k prologue (``prologue``, ``QKPrologue``: 168) the most that
+        still fits ``flat_programs_per_sm`` programs of ``num_warps`` warps in the 65,536
+        registers of an SM (128 at the defaults: unspilled, 4 an SM, both); else none."""
+        if self.flat_max_registers is not None or not (self.fused_reduce or prologue):
             return self.flat_max_registers
         per_thread = 65536 // (math.ceil(self.flat_programs_per_sm) * self.num_warps * 32)
         return max(24, min(255, per_thread // 8 * 8))
@@ -744,17 +745,61 @@ def _decode_tile_ahead(acc, l_i, m_i, q, t, seq_len, lo, k_ptr, v_ptr, bt_row, b
 
 
 @triton.jit
+def _prologue(qkv_ptr, qkv_s0, q_row, head, g, kvh, writes, cos_ptr, cos_s0, cos_s1, sin_ptr,
+              sin_s0, sin_s1, qw_ptr, kw_ptr, eps, slot_ptr, num_slot_rows, num_slots, k_ptr,
+              v_ptr, c_sb, c_st, head_off, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
+              GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+              HAS_NORM: tl.constexpr):
+    """The fused prologue (:class:`QKPrologue`): the query heads ``head`` of row ``q_row`` of
+    the raw QKV projection (``qkv_ptr``: ``H`` query, ``Hkv`` key, ``Hkv`` value heads a row)
+    with their RMS norm and RoPE, as ``qk_norm_rope_cache`` computes them
+    (:func:`norm_rope_tile`, fp32), returned as the fp32 ``[GROUP_PAD, HEAD_DIM]`` query tile
+    (a power-of-two head size: the halves join in place). Where ``writes`` (this program's
+    tiles hold the new token's position), KV head ``kvh``'s key (norm, RoPE) and value go to
+    the cache at the row's slot (``slot_ptr``, ``num_slot_rows`` rows; skipped outside
+    ``[0, num_slots)``), and the
+    program waits at a barrier so that its own tile loads see them."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    h = tl.arange(0, HALF)[None, :]
+    row = qkv_ptr + q_row.to(tl.int64) * qkv_s0
+    c = tl.load(cos_ptr + q_row.to(tl.int64) * cos_s0 + h * cos_s1).to(tl.float32)
+    s = tl.load(sin_ptr + q_row.to(tl.int64) * sin_s0 + h * sin_s1).to(tl.float32)
+    mq = (g < GROUP)[:, None] & (h < HALF)
+    q1, q2 = norm_rope_tile(row + head[:, None] * HEAD_DIM + h, qw_ptr, h, mq, c, s, eps,
+                            HAS_NORM, HEAD_DIM, HALF)
+    if writes:
+        slot = tl.load(slot_ptr + q_row, mask=q_row < num_slot_rows, other=-1).to(tl.int64)
+        if (slot >= 0) & (slot < num_slots):
+            blk = slot // BLOCK_SIZE
+            dst = blk * c_sb + (slot - blk * BLOCK_SIZE) * c_st + head_off
+            k1, k2 = norm_rope_tile(row + (NUM_HEADS + kvh) * HEAD_DIM + h, kw_ptr, h, h < HALF,
+                                    c, s, eps, HAS_NORM, HEAD_DIM, HALF)
+            tl.store(k_ptr + dst + h, k1.to(k_ptr.dtype.element_ty))
+            tl.store(k_ptr + dst + HALF + h, k2.to(k_ptr.dtype.element_ty))
+            e = tl.arange(0, HEAD_DIM)[None, :]
+            xv = tl.load(row + (NUM_HEADS + NUM_HEADS // GROUP + kvh) * HEAD_DIM + e)
+            tl.store(v_ptr + dst + e, xv.to(v_ptr.dtype.element_ty))
+        tl.debug_barrier()  # the stores above before any of this program's tile loads
+    return tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (GROUP_PAD, HEAD_DIM))
+
+
+@triton.jit
 def _decode_range(q_ptr, q_s0, q_s1, q_row, head, d, gd_mask, t0, t1, seq_len, lo,
                   k_ptr, v_ptr, bt_row, bt_width, c_sb, c_st, head_off, scale_log2, v_scale,
                   GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PREC: tl.constexpr,
                   SOFTCAP: tl.constexpr, RANGE_LOOP: tl.constexpr, KV_FP8: tl.constexpr,
-                  Q_FP16: tl.constexpr, TABLE_AHEAD: tl.constexpr = False):
+                  Q_FP16: tl.constexpr, TABLE_AHEAD: tl.constexpr = False, q_in=0.0,
+                  Q_GIVEN: tl.constexpr = False):
     """The online softmax of one request's query heads ``head`` (query row ``q_row``) over
     tiles ``[t0, t1)`` of its context: ``(acc, l, m)`` in fp32, base 2, ``acc`` unnormalized
-    (times ``v_scale`` for an FP8 cache)."""
-    q = tl.load(q_ptr + q_row.to(tl.int64) * q_s0 + head[:, None] * q_s1 + d[None, :],
-                mask=gd_mask, other=0.0)
+    (times ``v_scale`` for an FP8 cache). ``Q_GIVEN``: the query tile is ``q_in`` (the fused
+    prologue's, :func:`_prologue`), not loaded."""
+    if Q_GIVEN:
+        q = q_in
+    else:
+        q = tl.load(q_ptr + q_row.to(tl.int64) * q_s0 + head[:, None] * q_s1 + d[None, :],
+                    mask=gd_mask, other=0.0)
     if not KV_FP8:  # an FP8 cache's K / V are cast to the query dtype instead
         q = q.to(k_ptr.dtype.element_ty)
     elif Q_FP16:  # bf16 query, FP8 cache: the products in fp16 (e4m3 -> fp16 is one convert)
@@ -903,7 +948,7 @@ def _merge_if_last(r, kvh, s, n_tiles, per, num_splits, q_row, cnt_ptr, out_ptr,
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_splits", "min_split_tiles", "zero_rows",
-                               "window"])
+                               "window", "num_slot_rows"])
 def _decode_kernel(
     q_ptr, q_s0, q_s1,
     k_ptr, v_ptr, c_sb, c_st, c_sh,
@@ -938,6 +983,10 @@ def _decode_kernel(
     GROUP_P2: tl.constexpr = 1,
     SPLIT_CHUNK: tl.constexpr = 8,
     TABLE_AHEAD: tl.constexpr = False,
+    cos_ptr=None, cos_s0=0, cos_s1=0, sin_ptr=None, sin_s0=0, sin_s1=0,
+    qw_ptr=None, kw_ptr=None, qk_eps=0.0, slot_ptr=None, num_slot_rows=0, num_slots=0,
+    QK_PROLOGUE: tl.constexpr = False,
+    QK_NORM: tl.constexpr = False,
 ):
     pdl_prologue(PDL)
     if ORDERED:  # grid (splits, KV heads, requests): a request's programs dispatch together,
@@ -971,11 +1020,18 @@ def _decode_kernel(
     t0, t1, per, n_tiles = _split_range(seq_len, lo, s, num_splits, min_split_tiles, TILE_N)
     if t0 >= t1:
         return
+    q_in = 0.0
+    if QK_PROLOGUE:
+        q_in = _prologue(q_ptr, q_s0, q_row, head, g, kvh, t1 * TILE_N >= seq_len, cos_ptr,
+                         cos_s0, cos_s1, sin_ptr, sin_s0, sin_s1, qw_ptr, kw_ptr, qk_eps,
+                         slot_ptr, num_slot_rows, num_slots, k_ptr, v_ptr, c_sb, c_st,
+                         kvh.to(tl.int64) * c_sh, NUM_HEADS, GROUP, GROUP_PAD, HEAD_DIM,
+                         BLOCK_SIZE, QK_NORM)
     acc, l_i, m_i = _decode_range(
         q_ptr, q_s0, q_s1, q_row, head, d, gd_mask, t0, t1, seq_len, lo,
         k_ptr, v_ptr, bt_ptr + r.to(tl.int64) * bt_s0, bt_width, c_sb, c_st,
         kvh.to(tl.int64) * c_sh, scale_log2, v_scale, GROUP_PAD, HEAD_DIM, D_PAD, BLOCK_SIZE,
-        TILE_N, DOT_PREC, SOFTCAP, RANGE_LOOP, KV_FP8, Q_FP16, TABLE_AHEAD)
+        TILE_N, DOT_PREC, SOFTCAP, RANGE_LOOP, KV_FP8, Q_FP16, TABLE_AHEAD, q_in, QK_PROLOGUE)
     _decode_write(acc, l_i, m_i, per >= n_tiles, (r.to(tl.int64) * NUM_HEADS + head) * num_splits + s,
                   out_ptr, o_s0, o_s1, q_row, head, g, d, gd_mask, m_ptr, l_ptr, acc_ptr,
                   sinks_ptr, lse_ptr, lse_s0, GROUP, D_PAD, HAS_SINKS, WRITE_LSE)
@@ -1112,7 +1168,7 @@ def _merge_pieces(row0, count, hh, h_ok, d, d_ok, m_ptr, l_ptr, acc_ptr,
     return m_run, l_run, acc
 
 
-@triton.jit(do_not_specialize=["num_reqs", "min_tiles", "window", "zero_rows"])
+@triton.jit(do_not_specialize=["num_reqs", "min_tiles", "window", "zero_rows", "num_slot_rows"])
 def _decode_flat_kernel(
     q_ptr, q_s0, q_s1,
     k_ptr, v_ptr, c_sb, c_st, c_sh,
@@ -1147,6 +1203,10 @@ def _decode_flat_kernel(
     GROUP_P2: tl.constexpr = 1,
     SPLIT_CHUNK: tl.constexpr = 8,
     TABLE_AHEAD: tl.constexpr = False,
+    cos_ptr=None, cos_s0=0, cos_s1=0, sin_ptr=None, sin_s0=0, sin_s1=0,
+    qw_ptr=None, kw_ptr=None, qk_eps=0.0, slot_ptr=None, num_slot_rows=0, num_slots=0,
+    QK_PROLOGUE: tl.constexpr = False,
+    QK_NORM: tl.constexpr = False,
 ):
     """The flat split, grid ``(P, Hkv)``: the decode requests' tiles laid end to end, program
     ``(p, h)`` takes flat tiles ``[p W, (p + 1) W)`` of KV head ``h`` (``W``:
@@ -1189,12 +1249,19 @@ def _decode_flat_kernel(
             lo = _window_start(seq_len, window)
             s0 = tl.maximum(a - cu, 0)
             s1 = tl.minimum(b - cu, nt)
+            q_in = 0.0
+            if QK_PROLOGUE:
+                q_in = _prologue(q_ptr, q_s0, q_row, head, g, kvh, s1 == nt, cos_ptr, cos_s0,
+                                 cos_s1, sin_ptr, sin_s0, sin_s1, qw_ptr, kw_ptr, qk_eps,
+                                 slot_ptr, num_slot_rows, num_slots, k_ptr, v_ptr, c_sb,
+                                 c_st, head_off,
+                                 NUM_HEADS, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, QK_NORM)
             acc, l_i, m_i = _decode_range(
                 q_ptr, q_s0, q_s1, q_row, head, d, gd_mask, lo // TILE_N + s0,
                 lo // TILE_N + s1, seq_len, lo, k_ptr, v_ptr, bt_ptr + r.to(tl.int64) * bt_s0,
                 bt_width, c_sb, c_st, head_off, scale_log2, v_scale, GROUP_PAD, HEAD_DIM,
                 D_PAD, BLOCK_SIZE, TILE_N, DOT_PREC, SOFTCAP, RANGE_LOOP, KV_FP8, Q_FP16,
-                TABLE_AHEAD)
+                TABLE_AHEAD, q_in, QK_PROLOGUE)
             _decode_write(acc, l_i, m_i, (s0 == 0) & (s1 == nt),
                           (p + r).to(tl.int64) * NUM_HEADS + head, out_ptr, o_s0, o_s1, q_row,
                           head, g, d, gd_mask, m_ptr, l_ptr, acc_ptr, sinks_ptr, lse_ptr, lse_s0,
@@ -1268,6 +1335,73 @@ def _decode_flat_reduce_kernel(
                   lse_ptr, lse_s0, HAS_SINKS, WRITE_LSE)
 
 
+@dataclass(frozen=True)
+class QKPrologue:
+    """What ``qk_norm_rope_cache`` takes besides the caches, handed to the decode kernels
+    instead (``paged_decode_attention(prologue=...)``): each program reads its query heads from
+    the raw QKV row, applies the q norm and RoPE itself, and the program whose tiles hold a
+    request's new position writes that token's key (norm, RoPE) and value into the cache
+    first. One launch less a layer on decode steps (the backend's
+    ``forward_decode_prologue``; opt-in, ``DecoderForCausalLM.fuse_decode_prologue``).
+
+    ``qkv [T, >= (H + 2 Hkv) D]``; ``slot_mapping``: the step's slots (rows past its length
+    and slots outside the cache write nothing); ``cos`` / ``sin`` ``[T, D / 2]``; norm
+    weights ``[D]`` or both None (no q/k norm). The kernels run it for power-of-two head sizes
+    of at least 16 and caches in qkv's dtype (:meth:`fused`); otherwise
+    :meth:`materialize` runs ``qk_norm_rope_cache`` ahead of the plain launch."""
+
+    qkv: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    q_norm_weight: torch.Tensor | None
+    k_norm_weight: torch.Tensor | None
+    eps: float
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor
+
+    def query(self) -> torch.Tensor:
+        """The raw query heads, ``[T, H, D]``, a view of ``qkv``."""
+        qkv = self.qkv
+        return qkv.as_strided((qkv.shape[0], self.num_heads, self.head_dim),
+                              (qkv.stride(0), self.head_dim, 1))
+
+    def fused(self, kv_cache: torch.Tensor) -> bool:
+        """Whether the decode kernels run this prologue themselves for ``kv_cache``."""
+        d = self.head_dim
+        return d >= 16 and d & (d - 1) == 0 and kv_cache.dtype == self.qkv.dtype
+
+    def materialize(self, kv_cache: torch.Tensor, check: bool = True) -> torch.Tensor:
+        """The unfused prologue: ``qk_norm_rope_cache`` (writes the step's K/V, returns q)."""
+        from pagedkv.kernels.qk_norm_rope_cache import qk_norm_rope_cache
+
+        return qk_norm_rope_cache(self.qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+                                  self.q_norm_weight, self.k_norm_weight, self.eps, self.cos,
+                                  self.sin, self.slot_mapping, kv_cache[0], kv_cache[1],
+                                  check=check)
+
+    def check(self, fn: str, kv_cache: torch.Tensor) -> None:
+        """Every argument, as ``qk_norm_rope_cache`` checks them (metadata only)."""
+        from pagedkv.kernels.qk_norm_rope_cache import check_prologue
+
+        check_prologue(fn, self.qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+                       self.q_norm_weight, self.k_norm_weight, self.eps, self.cos, self.sin,
+                       self.slot_mapping, kv_cache[0], kv_cache[1])
+
+    def launch_args(self, kv_cache: torch.Tensor) -> dict:
+        """The decode kernels' prologue arguments (``QK_PROLOGUE``)."""
+        norm = self.q_norm_weight is not None
+        qkv = self.qkv
+        return dict(cos_ptr=self.cos, cos_s0=self.cos.stride(0), cos_s1=self.cos.stride(1),
+                    sin_ptr=self.sin, sin_s0=self.sin.stride(0), sin_s1=self.sin.stride(1),
+                    qw_ptr=self.q_norm_weight if norm else qkv,
+                    kw_ptr=self.k_norm_weight if norm else qkv, qk_eps=float(self.eps),
+                    slot_ptr=self.slot_mapping, num_slot_rows=self.slot_mapping.shape[0],
+                    num_slots=kv_cache.shape[1] * kv_cache.shape[2], QK_PROLOGUE=True,
+                    QK_NORM=norm)
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -1292,6 +1426,7 @@ def paged_decode_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     order: torch.Tensor | None = None,
+    prologue: QKPrologue | None = None,
 ) -> torch.Tensor:
     """Attention of each single-token request's query row over its paged context.
 
@@ -1333,6 +1468,9 @@ def paged_decode_attention(
             the shortest programs at the launch's end. The result does not depend on it.
             Read only where ``config.use_order`` is on and ``num_reqs <= 65535`` (the grid's
             z limit); otherwise the launch is in row order.
+        prologue: :class:`QKPrologue`: ``q`` is then its raw query view
+            (:meth:`QKPrologue.query`) and the step's q/k norms, RoPE and K/V write happen in
+            the decode kernels (or, where they cannot, in ``qk_norm_rope_cache`` first).
     Returns ``out``.
     """
     fn = "paged_decode_attention"
@@ -1356,6 +1494,17 @@ def paged_decode_attention(
         check_kv_scale(fn, "k_scale", k_scale)
         check_kv_scale(fn, "v_scale", v_scale)
         check_order(fn, order, num_reqs, q.device)
+    if prologue is not None:
+        if check:
+            prologue.check(fn, kv_cache)
+            if q.data_ptr() != prologue.qkv.data_ptr() or q.shape != (
+                    prologue.qkv.shape[0], prologue.num_heads, prologue.head_dim) or q.stride() \
+                    != (prologue.qkv.stride(0), prologue.head_dim, 1):
+                raise ConfigError(f"{fn}: with a prologue, q must be its query view "
+                                  "(QKPrologue.query())")
+        if not (use_triton(_decode_kernel, q) and prologue.fused(kv_cache)):
+            q = prologue.materialize(kv_cache, check=False)
+            prologue = None
     if not use_triton(_decode_kernel, q):
         return paged_decode_attention_ref(q, kv_cache, block_table, query_start_loc, seq_lens,
                                           num_reqs, scale, out, zero_padded_rows=zero_padded_rows,
@@ -1371,7 +1520,7 @@ def paged_decode_attention(
         if flat_launch(num_reqs, shape.num_kv_heads, num_sms(q.device), cfg, auto_splits):
             return _flat_decode(q, kv_cache, block_table, query_start_loc, seq_lens, num_reqs,
                                 scale, out, shape, cfg, zero_padded_rows, workspace, window,
-                                softcap, sinks, lse, k_scale, v_scale, fp8)
+                                softcap, sinks, lse, k_scale, v_scale, fp8, prologue)
         num_splits = auto_splits
     d_pad = max(16, next_pow2(shape.head_dim))
     min_split_tiles = max(1, cdiv(min_split_tokens, cfg.tile_n))
@@ -1395,7 +1544,7 @@ def paged_decode_attention(
         FUSED_REDUCE=fused, GROUP_P2=next_pow2(shape.group),
         SPLIT_CHUNK=cfg.merge_chunk_for(programs, num_sms(q.device), fused),
         **_attend_args(q, kv_cache, block_table, out, shape, cfg, scale, softcap, sinks, lse,
-                       k_scale, v_scale, fp8, d_pad),
+                       k_scale, v_scale, fp8, d_pad, prologue),
         **pdl_launch_args(_decode_kernel, q.device),
     )
     if num_splits > 1 and not fused:
@@ -1442,12 +1591,14 @@ def _counters(workspace, rows: int, device: torch.device) -> torch.Tensor:
 
 
 def _attend_args(q, kv_cache, block_table, out, shape, cfg: DecodeConfig, scale, softcap, sinks,
-                 lse, k_scale, v_scale, fp8, d_pad: int) -> dict:
+                 lse, k_scale, v_scale, fp8, d_pad: int, prologue: QKPrologue | None = None
+                 ) -> dict:
     """The arguments ``_decode_kernel`` and ``_decode_flat_kernel`` share, by name: the query,
     cache, table and output, the softmax scale (``k_scale`` folded in for an FP8 cache), the
-    shape constants and the optional sinks / log-sum-exps."""
+    shape constants, the optional sinks / log-sum-exps and the fused prologue's."""
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     return dict(
+        **({} if prologue is None else prologue.launch_args(kv_cache)),
         q_ptr=q, q_s0=q.stride(0), q_s1=q.stride(1),
         k_ptr=k_cache, v_ptr=v_cache, c_sb=k_cache.stride(0), c_st=k_cache.stride(1),
         c_sh=k_cache.stride(2),
@@ -1466,7 +1617,7 @@ def _attend_args(q, kv_cache, block_table, out, shape, cfg: DecodeConfig, scale,
 
 def _flat_decode(q, kv_cache, block_table, query_start_loc, seq_lens, num_reqs, scale, out,
                  shape, cfg: DecodeConfig, zero_padded_rows, workspace, window, softcap, sinks,
-                 lse, k_scale, v_scale, fp8):
+                 lse, k_scale, v_scale, fp8, prologue=None):
     """:func:`paged_decode_attention`'s flat-split launches (``DecodeConfig.flat_split``):
     ``_decode_flat_kernel`` over ``(flat_programs, Hkv)`` and ``_decode_flat_reduce_kernel``
     over every request."""
@@ -1487,8 +1638,9 @@ def _flat_decode(q, kv_cache, block_table, query_start_loc, seq_lens, num_reqs, 
         zero_rows=int(bool(zero_padded_rows)), FUSED_REDUCE=fused,
         GROUP_P2=next_pow2(shape.group), SPLIT_CHUNK=cfg.merge_chunk,
         **_attend_args(q, kv_cache, block_table, out, shape, cfg, scale, softcap, sinks, lse,
-                       k_scale, v_scale, fp8, d_pad),
-        **({} if interp or cfg.flat_registers() is None else {"maxnreg": cfg.flat_registers()}),
+                       k_scale, v_scale, fp8, d_pad, prologue),
+        **({} if interp or cfg.flat_registers(prologue is not None) is None
+           else {"maxnreg": cfg.flat_registers(prologue is not None)}),
         **pdl_launch_args(_decode_flat_kernel, q.device),
     )
     if fused:
@@ -1613,6 +1765,7 @@ __all__ = [
     "DecodeConfig",
     "INTERPRET_DECODE_CONFIG",
     "MAX_SPLITS",
+    "QKPrologue",
     "choose_num_splits",
     "check_lse",
     "check_sinks",

@@ -102,10 +102,11 @@ def norm_rope(x1, x2, w_ptr, d, eps, HAS_NORM: tl.constexpr, HEAD_DIM: tl.conste
 
 
 @triton.jit
-def _norm_rope_tile(src, w_ptr, d, m, c, s, eps, HAS_NORM: tl.constexpr,
+def norm_rope_tile(src, w_ptr, d, m, c, s, eps, HAS_NORM: tl.constexpr,
                     HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
     """Load the halves ``[BLOCK_H, HALF_PAD]`` of a block of heads at ``src + d``, then
-    :func:`norm_rope`; returns the two fp32 output halves."""
+    :func:`norm_rope`; returns the two fp32 output halves. Shared with the decode kernels'
+    fused prologue (``pagedkv.attention.triton_decode``, ``QKPrologue``)."""
     x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
     return norm_rope(x1, x2, w_ptr, d, eps, HAS_NORM, HEAD_DIM, HALF, c, s)
@@ -151,7 +152,7 @@ def _qk_norm_rope_cache_kernel(
         mq = (hq < NUM_HEADS) & dm
         cq = tl.load(cos_ptr + t64 * cos_s0 + d * cos_s1, mask=dm, other=0.0).to(tl.float32)
         sq = tl.load(sin_ptr + t64 * sin_s0 + d * sin_s1, mask=dm, other=0.0).to(tl.float32)
-        q1, q2 = _norm_rope_tile(row + hq * HEAD_DIM + d, qw_ptr, d, mq, cq, sq, eps, HAS_NORM,
+        q1, q2 = norm_rope_tile(row + hq * HEAD_DIM + d, qw_ptr, d, mq, cq, sq, eps, HAS_NORM,
                                  HEAD_DIM, HALF)
         dst_q = q_ptr + t64 * q_s0 + hq.to(tl.int64) * q_s1 + d
         tl.store(dst_q, q1.to(q_ptr.dtype.element_ty), mask=mq)
@@ -167,7 +168,7 @@ def _qk_norm_rope_cache_kernel(
                 ck = tl.load(cos_ptr + t64 * cos_s0 + d * cos_s1, mask=dm, other=0.0).to(tl.float32)
                 sk = tl.load(sin_ptr + t64 * sin_s0 + d * sin_s1, mask=dm, other=0.0).to(tl.float32)
                 src_k = row + (NUM_HEADS + hk) * HEAD_DIM + d
-                k1, k2 = _norm_rope_tile(src_k, kw_ptr, d, mk, ck, sk, eps, HAS_NORM, HEAD_DIM,
+                k1, k2 = norm_rope_tile(src_k, kw_ptr, d, mk, ck, sk, eps, HAS_NORM, HEAD_DIM,
                                          HALF)
                 dst_k = kc_ptr + blk * kc_s0 + off * kc_s1 + hk.to(tl.int64) * kc_s2 + d
                 if FP8:
@@ -203,6 +204,14 @@ def _check(fn, qkv, num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_wei
     check_targets(fn, "qkv", qkv, heads, kv_heads, dim, q_norm_weight, k_norm_weight, cos, sin,
                   slot_mapping, key_cache, value_cache, q_out)
     return heads, kv_heads, dim
+
+
+def check_prologue(fn, qkv, num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_weight,
+                   eps, cos, sin, slot_mapping, key_cache, value_cache) -> tuple[int, int, int]:
+    """:func:`qk_norm_rope_cache`'s checks of its arguments for a kernel that runs the same
+    prologue itself (the decode kernels' ``QKPrologue``); returns ``(H, Hkv, D)``."""
+    return _check(fn, qkv, num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_weight, eps,
+                  cos, sin, slot_mapping, key_cache, value_cache, None)
 
 
 def check_heads(fn, num_heads, num_kv_heads, head_dim, eps, k_scale, v_scale
@@ -441,4 +450,5 @@ def _qk_norm_rope_cache_torch(qkv, heads, kv_heads, dim, q_norm_weight, k_norm_w
     value_cache[blk, off] = store_value(v, v_scale, value_cache.dtype)
 
 
-__all__ = ["launch_geometry", "qk_norm_rope_cache", "qk_norm_rope_cache_ref"]
+__all__ = ["check_prologue", "launch_geometry", "norm_rope", "norm_rope_tile",
+           "qk_norm_rope_cache", "qk_norm_rope_cache_ref"]

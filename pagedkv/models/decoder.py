@@ -63,6 +63,12 @@ FUSED_DECODE_MAX_ROWS = 256
 # decode-sized batches: opt-in (``PAGEDKV_PERSISTENT_DECODE=1``): measured slower than the
 # default path at 1-256 rows (H100, BENCHMARKS.md thirty-fifth session).
 PERSISTENT_DECODE_ENABLED = os.environ.get("PAGEDKV_PERSISTENT_DECODE", "0") == "1"
+
+# The q/k norms, RoPE and K/V write of decode-only steps done by the decode attention launch
+# itself (``pagedkv.attention.triton_decode.QKPrologue``; one launch less a layer): opt-in
+# (``PAGEDKV_DECODE_PROLOGUE=1``) until measured end to end (built in the thirty-sixth
+# session on the CPU).
+DECODE_PROLOGUE_ENABLED = os.environ.get("PAGEDKV_DECODE_PROLOGUE", "0") == "1"
 PERSISTENT_DECODE_MAX_ROWS = 256
 
 
@@ -305,13 +311,24 @@ class DecoderLayer(nn.Module):
                 None if qn is None else qn.weight, None if qn is None else attn.k_norm.weight,
                 0.0 if qn is None else qn.eps), slots
 
-    def attend_fused(self, qkv_out, cos, sin, kv_cache, plan, backend) -> torch.Tensor:
+    def attend_fused(self, qkv_out, cos, sin, kv_cache, plan, backend,
+                     prologue: bool = False) -> torch.Tensor:
         """The fused path's attention: q/k norms + RoPE + KV write (at the plan's slot mapping)
-        in one kernel (``qk_norm_rope_cache``), then the backend with ``k = v = None``."""
+        in one kernel (``qk_norm_rope_cache``), then the backend with ``k = v = None``; with
+        ``prologue`` (``fuse_decode_prologue``), on decode-only steps the decode launch does
+        the norms, RoPE and write itself (the backend's ``forward_decode_prologue``)."""
         from pagedkv.kernels.qk_norm_rope_cache import qk_norm_rope_cache
 
         attn = self.self_attn
         heads, slots = self._head_args(plan)
+        if prologue:
+            from pagedkv.attention.triton_decode import QKPrologue
+
+            out = backend.forward_decode_prologue(
+                attn.layer_idx, QKPrologue(qkv_out, *heads, cos, sin, slots), kv_cache, plan,
+                attn.scale)
+            if out is not None:
+                return out
         q = qk_norm_rope_cache(qkv_out, *heads, cos, sin, slots, kv_cache[0], kv_cache[1],
                                check=attn.layer_idx == 0)  # every layer has layer 0's shapes
         return backend.forward(attn.layer_idx, q, None, None, kv_cache, plan, attn.scale)
@@ -434,6 +451,10 @@ class DecoderForCausalLM(nn.Module):
     # decode-sized batches: every layer as one persistent launch + attention
     # (persistent_decode_usable)
     fuse_persistent_decode = PERSISTENT_DECODE_ENABLED
+    # decode-only steps on the fused-KV-write path: the q/k norms, RoPE and K/V write inside
+    # the decode attention launch (DecoderLayer.attend_fused, the backend's
+    # forward_decode_prologue)
+    fuse_decode_prologue = DECODE_PROLOGUE_ENABLED
 
     def __init__(
         self,
@@ -570,8 +591,9 @@ class DecoderForCausalLM(nn.Module):
             # fused path: one region between two attention calls (post_i + pre_qkv_{i+1})
             hidden, qkv = pre_qkv(hidden, None, *layers[0].pre_qkv_args())
             last = len(layers) - 1
+            prologue = self.fuse_decode_prologue and hasattr(backend, "forward_decode_prologue")
             for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches)):
-                out = layer.attend_fused(qkv, cos, sin, kv_cache, plans[i], backend)
+                out = layer.attend_fused(qkv, cos, sin, kv_cache, plans[i], backend, prologue)
                 if i < last:
                     hidden, qkv = mid(hidden, out, *layer.post_args(),
                                       *layers[i + 1].pre_qkv_args())

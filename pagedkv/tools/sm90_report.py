@@ -209,11 +209,13 @@ def prefill_report(config, causal: bool = True, sass: bool = False, off32: bool 
 
 
 def decode_report(config, sass: bool = False, pdl: bool = False, flat: bool = False,
-                  fused_reduce: bool = False) -> dict:
+                  fused_reduce: bool = False, prologue: bool = False) -> dict:
     """``_decode_kernel`` under ``config`` (a ``DecodeConfig``'s tile, warps and stages);
     ``pdl``: the variant launched with programmatic dependent launch; ``flat``: the flat
     split's ``_decode_flat_kernel`` (``DecodeConfig.flat_split``) instead; ``fused_reduce``:
-    the split kernel that merges its own ranges (``DecodeConfig.fused_reduce``)."""
+    the split kernel that merges its own ranges (``DecodeConfig.fused_reduce``);
+    ``prologue``: with the fused q/k norm + RoPE + K/V write (``QKPrologue``, Qwen3's norms,
+    float32 RoPE tables)."""
     from pagedkv.attention.triton_decode import _decode_flat_kernel, _decode_kernel
 
     group = HEADS // KV_HEADS
@@ -227,6 +229,10 @@ def decode_report(config, sass: bool = False, pdl: bool = False, flat: bool = Fa
     const.update(FUSED_REDUCE=fused_reduce, GROUP_P2=group, SPLIT_CHUNK=config.merge_chunk,
                  TABLE_AHEAD=config.table_ahead)
     ptrs["cnt_ptr"] = "*i32"
+    const.update(QK_PROLOGUE=prologue, QK_NORM=prologue)
+    if prologue:
+        ptrs.update(cos_ptr="*fp32", sin_ptr="*fp32", qw_ptr="*bf16", kw_ptr="*bf16",
+                    slot_ptr="*i64")
     if flat:
         kernel = _decode_flat_kernel
         const["REQ_CHUNK"] = 256
@@ -236,9 +242,9 @@ def decode_report(config, sass: bool = False, pdl: bool = False, flat: bool = Fa
         ptrs["order_ptr"] = "*i32"
     aligned = set(ptrs) | {"q_s0", "q_s1", "c_sb", "c_st", "c_sh", "o_s0", "o_s1", "bt_s0",
                            "lse_s0"}
-    return report(kernel, const, ptrs, {"scale_log2", "v_scale"}, aligned,
+    return report(kernel, const, ptrs, {"scale_log2", "v_scale", "qk_eps"}, aligned,
                   config.num_warps, config.kernel_stages(), sass,
-                  maxnreg=config.flat_registers() if flat else None)
+                  maxnreg=config.flat_registers(prologue) if flat else None)
 
 
 def argmax_report(sass: bool = False) -> dict:
@@ -374,6 +380,9 @@ def main(argv=None) -> int:
                         "(DecodeConfig.table_ahead, the default) or in the tile "
                         "(--no-table-ahead); with a config, the plain loop unless "
                         "--table-ahead, and STAGES are the loop's stages either way")
+    p.add_argument("--prologue", action="store_true",
+                   help="decode, decode-flat: with the fused q/k norm + RoPE + K/V write "
+                        "(QKPrologue)")
     p.add_argument("--merge-chunk", type=int, default=None,
                    help="decode, decode-flat: the ranges a merge loads at once "
                         "(DecodeConfig.merge_chunk; default 16, wide_merge_chunk 32)")
@@ -457,7 +466,7 @@ def main(argv=None) -> int:
         if args.merge_chunk is not None:
             cfg = dataclasses.replace(cfg, merge_chunk=args.merge_chunk)
         rep = decode_report(cfg, sass=args.sass, pdl=args.pdl, flat=args.kernel == "decode-flat",
-                            fused_reduce=args.fused_reduce)
+                            fused_reduce=args.fused_reduce, prologue=args.prologue)
     if args.json:
         print(json.dumps(rep))
     else:

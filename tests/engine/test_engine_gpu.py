@@ -247,6 +247,28 @@ def test_persistent_decode_engine_matches_transformers(tiny_dir, monkeypatch, fa
                               "fuse_persistent_decode", pl, "persistent_layer")
 
 
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_decode_prologue_engine_matches_transformers(tiny_dir, monkeypatch, family):
+    """The decode kernels' fused prologue (``DecoderForCausalLM.fuse_decode_prologue``: q/k
+    norms, RoPE and the K/V write inside the decode launch) through the engine with CUDA
+    graphs and chunked prefill: the captured decode graphs take it, greedy tokens equal
+    transformers' (Qwen3 with q/k norms, Llama without)."""
+    import pagedkv.attention.triton_backend as tb
+    from pagedkv.models.decoder import DecoderForCausalLM
+
+    seen, real = [], tb.paged_decode_attention
+    monkeypatch.setattr(DecoderForCausalLM, "fuse_decode_prologue", True)
+    monkeypatch.setattr(tb, "paged_decode_attention",
+                        lambda *a, **k: seen.append(k.get("prologue") is not None)
+                        or real(*a, **k))
+    path = tiny_dir(family, head_dim=32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    llm = _gpu_llm(path, max_num_batched_tokens=32)
+    assert llm.runner.cuda_graphs is not None
+    assert any(seen)
+    _assert_greedy_matches_hf(llm, hf)
+
+
 def test_fused_lm_head_argmax_engine_matches_transformers(tiny_dir, monkeypatch):
     """The fused LM head + greedy argmax (``pagedkv.kernels.lm_head_argmax``) through the
     engine: decode graphs and chunked prefill steps sample with it; tokens equal transformers'."""

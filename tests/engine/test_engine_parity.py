@@ -255,6 +255,36 @@ def test_persistent_decode_through_the_engine(tiny_dir, hf_ref, monkeypatch, fam
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the Triton backend on CPU tensors needs the Triton interpreter")
+@pytest.mark.parametrize("family,async_scheduling,spec", [
+    ("qwen3", True, {"head_dim": 32}),
+    ("llama", False, {}),
+])
+def test_decode_prologue_through_the_engine(tiny_dir, hf_ref, monkeypatch, family,
+                                            async_scheduling, spec):
+    """The decode kernels' fused prologue (``DecoderForCausalLM.fuse_decode_prologue``: the
+    q/k norms, RoPE and K/V write inside the decode launch, ``QKPrologue``) in the engine:
+    every decode-only step's launches take it (the mixed steps keep ``qk_norm_rope_cache``),
+    greedy tokens equal transformers' (Qwen3 with q/k norms, Llama without), the pool is idle
+    after."""
+    import pagedkv.attention.triton_backend as tb
+
+    seen, real = [], tb.paged_decode_attention
+    monkeypatch.setattr(tb, "paged_decode_attention",
+                        lambda *a, **k: seen.append(k.get("prologue") is not None)
+                        or real(*a, **k))
+    llm = make_llm(tiny_dir(family, **spec), attention_backend="triton",
+                   max_num_batched_tokens=16, max_num_seqs=4,
+                   async_scheduling=async_scheduling)
+    llm.engine.model.fuse_decode_prologue = True
+    outs = llm.generate(TEXTS, greedy(8), use_tqdm=False)
+    check_against_hf(hf_ref(tiny_dir(family, **spec)), outs, 8)
+    assert pool_is_idle(llm)
+    layers = llm.engine.model.config.num_hidden_layers
+    assert sum(seen) >= layers and sum(seen) % layers == 0, seen[:8]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton backend on CPU tensors needs the Triton interpreter")
 def test_fused_decode_paths_apply_where_documented(tiny_dir):
     """Where the opt-in fused decode paths apply: their switch, at most 256 rows, a head size
     the QKV kernel serves, the fused-KV-write path (the Triton backend), no tensor-parallel
