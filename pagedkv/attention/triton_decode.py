@@ -1343,6 +1343,13 @@ class QKPrologue:
     request's new position writes that token's key (norm, RoPE) and value into the cache
     first. One launch less a layer on decode steps (the backend's
     ``forward_decode_prologue``; opt-in, ``DecoderForCausalLM.fuse_decode_prologue``).
+    H100 (thirty-sixth session, ``bench/bench_decode_prologue_gpu.py``, Qwen3-0.6B's attention,
+    lengths U[100, 2048], us a layer, two launches / fused): B1 11.4 / 10.7, B4 17.3 / 15.2,
+    B16 29.0 / 27.6, B32 67.0 / 69.1, B64 114.2 / 115.2, B128 196.0 / 196.1, B256 371.0 /
+    370.1; B1/L8192 20.4 / 20.5; W1 20,898 / 20,824 (one pair): the launch saved is paid back
+    by the longer chain before the first product (the raw query, its norm and rotation) and,
+    in the flat kernel, the register cap that keeps its wave (168 registers uncapped, 128
+    capped without spills). Not a default.
 
     ``qkv [T, >= (H + 2 Hkv) D]``; ``slot_mapping``: the step's slots (rows past its length
     and slots outside the cache write nothing); ``cos`` / ``sin`` ``[T, D / 2]``; norm
