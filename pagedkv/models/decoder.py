@@ -63,13 +63,13 @@ FUSED_DECODE_MAX_ROWS = 256
 # decode-sized batches: opt-in (``PAGEDKV_PERSISTENT_DECODE=1``): measured slower than the
 # default path at 1-256 rows (H100, BENCHMARKS.md thirty-fifth session).
 PERSISTENT_DECODE_ENABLED = os.environ.get("PAGEDKV_PERSISTENT_DECODE", "0") == "1"
+PERSISTENT_DECODE_MAX_ROWS = 256
 
 # The q/k norms, RoPE and K/V write of decode-only steps done by the decode attention launch
 # itself (``pagedkv.attention.triton_decode.QKPrologue``; one launch less a layer): opt-in
 # (``PAGEDKV_DECODE_PROLOGUE=1``): measured no faster (H100, thirty-sixth session: -2.1 to
 # +2.1 us a layer at B1-B256, W1 -0.4%, one pair; BENCHMARKS.md).
 DECODE_PROLOGUE_ENABLED = os.environ.get("PAGEDKV_DECODE_PROLOGUE", "0") == "1"
-PERSISTENT_DECODE_MAX_ROWS = 256
 
 
 class Attention(nn.Module):
